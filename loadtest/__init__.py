@@ -1,0 +1,1 @@
+"""Load generation and the SGLang simulator used to test and demonstrate specgate."""

@@ -1,0 +1,196 @@
+"""`python -m loadtest.simulator [pair] ...`: one simulated SGLang server, or a speculative/baseline pair."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from .engine import SharedGpu
+from .profile import ProfileError, builtin_names, load_profile
+from .server import ServerConfig, SimServer
+
+_EPILOG = """\
+Durations and rates follow --time-scale: with --time-scale 10 every delay is ten times shorter
+and every throughput ten times higher than the profile says.
+"""
+
+
+def _probability(raw: str) -> float:
+    value = float(raw)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{raw} is not a probability in [0, 1]")
+    return value
+
+
+def _positive(raw: str) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{raw} must be > 0")
+    return value
+
+
+def _non_negative(raw: str) -> float:
+    value = float(raw)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{raw} must be >= 0")
+    return value
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{raw} must be a positive integer")
+    return value
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--profile",
+        default="seed-parallel",
+        help=f"throughput curve: {' or '.join(builtin_names())}, or a path to a CSV",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--served-model-name", default="default")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' as SGLang does")
+    p.add_argument("--time-scale", type=_positive, default=1.0, help="run everything X times faster")
+    p.add_argument(
+        "--max-running-requests",
+        type=_positive_int,
+        default=256,
+        help="past this many admitted requests, new ones queue",
+    )
+    p.add_argument("--warmup-s", type=_non_negative, default=0.0, help="/health answers 503 this long after start")
+    p.add_argument(
+        "--load-s",
+        type=_non_negative,
+        default=0.0,
+        help="refuse connections this long before listening (weights loading)",
+    )
+    p.add_argument(
+        "--accept-length",
+        type=_positive,
+        default=None,
+        help="tokens per chunk on the speculative role (default: the profile's, else 3)",
+    )
+    p.add_argument("--fail-rate", type=_probability, default=0.0, help="share of requests answered 500")
+    p.add_argument(
+        "--stall-rate",
+        type=_probability,
+        default=0.0,
+        help="share of requests that stop producing mid-way and hang until the client leaves",
+    )
+    p.add_argument("--ttft-base-ms", type=_non_negative, default=20.0, help="fixed part of time to first token")
+    p.add_argument("--prefill-tok-s", type=_positive, default=50_000.0, help="prompt tokens per second of prefill")
+    p.add_argument(
+        "--default-max-tokens",
+        type=_positive_int,
+        default=256,
+        help="output length when a request sets none (then it ends with finish_reason=stop)",
+    )
+    p.add_argument(
+        "--metrics-prefix",
+        choices=("sglang:", "sglang_"),
+        default="sglang:",
+        help="metric name prefix: 'sglang:' up to SGLang 0.5.3, 'sglang_' from 0.5.4",
+    )
+    p.add_argument(
+        "--live-gauges",
+        action="store_true",
+        help="refresh gauges on every scrape instead of SGLang's every-40-steps cadence",
+    )
+    p.add_argument("--created", type=int, default=None, help="fixed 'created' timestamp (for byte comparisons)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the fault-injection draws")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def build_parser(pair: bool) -> argparse.ArgumentParser:
+    prog = "python -m loadtest.simulator" + (" pair" if pair else "")
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, epilog=_EPILOG)
+    if pair:
+        p.add_argument("--speculative-port", type=int, default=30001)
+        p.add_argument("--baseline-port", type=int, default=30002)
+        p.add_argument(
+            "--shared-gpu",
+            action="store_true",
+            help="both servers share one compute budget, as when started on the same GPUs",
+        )
+    else:
+        p.add_argument("--role", choices=("speculative", "baseline"), required=True)
+        p.add_argument("--port", type=int, default=30000)
+    _common(p)
+    return p
+
+
+def configs_from_args(argv: Sequence[str]) -> tuple[list[ServerConfig], bool]:
+    pair = bool(argv) and argv[0] == "pair"
+    parser = build_parser(pair)
+    args = parser.parse_args(argv[1:] if pair else argv)
+    try:
+        profile = load_profile(args.profile)
+    except ProfileError as exc:
+        parser.error(str(exc))
+    common = dict(
+        profile=profile,
+        host=args.host,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        time_scale=args.time_scale,
+        max_running_requests=args.max_running_requests,
+        warmup_s=args.warmup_s,
+        load_s=args.load_s,
+        accept_length=args.accept_length,
+        fail_rate=args.fail_rate,
+        stall_rate=args.stall_rate,
+        ttft_base_ms=args.ttft_base_ms,
+        prefill_tok_s=args.prefill_tok_s,
+        default_max_tokens=args.default_max_tokens,
+        metrics_prefix=args.metrics_prefix,
+        live_gauges=args.live_gauges,
+        created=args.created,
+        seed=args.seed,
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if pair:
+        return [
+            ServerConfig(role="speculative", port=args.speculative_port, **common),
+            ServerConfig(role="baseline", port=args.baseline_port, **common),
+        ], args.shared_gpu
+    return [ServerConfig(role=args.role, port=args.port, **common)], False
+
+
+async def serve(configs: list[ServerConfig], shared_gpu: bool) -> None:
+    gpu = SharedGpu() if shared_gpu else None
+    servers = [SimServer(cfg, gpu) for cfg in configs]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await asyncio.gather(*(s.start() for s in servers))
+        await stop.wait()
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    configs, shared_gpu = configs_from_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    try:
+        runner(serve(configs, shared_gpu))
+    except OSError as exc:
+        print(f"simulator: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    return 0

@@ -1,0 +1,76 @@
+"""SGLang's Prometheus metrics, read from the engine at scrape time (nothing on the token path)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from .engine import Engine, Histogram
+
+# Up to SGLang 0.5.3 metric names start `sglang:`; from 0.5.4 `sglang_`.
+METRIC_PREFIXES = ("sglang:", "sglang_")
+
+
+class SGLangCollector(Collector):
+    def __init__(self, engine: Engine, model_name: str, prefix: str) -> None:
+        self._engine = engine
+        self._prefix = prefix
+        self._label_names = ["model_name", "engine_type", "tp_rank", "pp_rank"]
+        self._labels = [model_name, "unified", "0", "0"]
+
+    def collect(self) -> Iterator[Metric]:
+        p, names, labels = self._prefix, self._label_names, self._labels
+        g = self._engine.gauges()
+        s = self._engine.stats
+        gauges = (
+            ("num_running_reqs", "The number of running requests.", g.num_running_reqs),
+            ("num_queue_reqs", "The number of requests in the waiting queue.", g.num_queue_reqs),
+            ("token_usage", "The token usage.", g.token_usage),
+            ("gen_throughput", "The generation throughput (token/s).", g.gen_throughput),
+            ("spec_accept_length", "The average acceptance length of speculative decoding.", g.spec_accept_length),
+            ("cache_hit_rate", "The prefix cache hit rate.", 0.0),
+        )
+        for name, doc, value in gauges:
+            fam = GaugeMetricFamily(p + name, doc, labels=names)
+            fam.add_metric(labels, float(value))
+            yield fam
+        counters = (
+            ("prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total),
+            ("generation_tokens", "Number of generation tokens processed.", s.generation_tokens_total),
+            ("num_requests", "Number of requests processed.", s.num_requests_total),
+            ("num_aborted_requests", "Number of requests aborted.", s.num_aborted_requests_total),
+        )
+        for name, doc, value in counters:
+            cfam = CounterMetricFamily(p + name, doc, labels=names)
+            cfam.add_metric(labels, float(value))
+            yield cfam
+        histograms = (
+            ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", s.ttft),
+            ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", s.itl),
+            ("e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", s.e2e),
+            ("queue_time_seconds", "Histogram of queueing time in seconds.", s.queue_time),
+        )
+        for name, doc, hist in histograms:
+            hfam = HistogramMetricFamily(p + name, doc, labels=names)
+            hfam.add_metric(labels, list(_cumulative(hist)), hist.total)
+            yield hfam
+
+
+def _cumulative(hist: Histogram) -> Iterable[tuple[str, float]]:
+    running = 0
+    for bound, count in zip([*map(str, hist.buckets), "+Inf"], hist.counts, strict=True):
+        running += count
+        yield bound, float(running)
+
+
+def build_registry(engine: Engine, model_name: str, prefix: str) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SGLangCollector(engine, model_name, prefix))
+    return registry

@@ -1,0 +1,115 @@
+"""Measured throughput curves: total output tok/s of each server against concurrent streams.
+
+A profile is a CSV with `#` comment lines and the columns
+`concurrency,speculative_tok_s,baseline_tok_s`. An optional comment line
+`# accept_length: A` sets the speculative role's tokens per chunk.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import io
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+Role = Literal["speculative", "baseline"]
+ROLES: tuple[Role, ...] = ("speculative", "baseline")
+DEFAULT_ACCEPT_LENGTH = 3.0
+
+
+class ProfileError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    concurrency: tuple[float, ...]
+    speculative_tok_s: tuple[float, ...]
+    baseline_tok_s: tuple[float, ...]
+    accept_length: float | None = None
+
+    def throughput(self, role: Role, c: float) -> float:
+        """Total tok/s at `c` streams: linear between points, flat outside them."""
+        ys = self.speculative_tok_s if role == "speculative" else self.baseline_tok_s
+        xs = self.concurrency
+        if c <= xs[0]:
+            return ys[0]
+        if c >= xs[-1]:
+            return ys[-1]
+        i = bisect.bisect_right(xs, c)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (c - x0) / (x1 - x0)
+
+
+def builtin_names() -> list[str]:
+    folder = resources.files(__package__).joinpath("profiles")
+    return sorted(p.name.removesuffix(".csv") for p in folder.iterdir() if p.name.endswith(".csv"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """Load a shipped profile by name (`crossover`) or any CSV by path."""
+    if name_or_path.endswith(".csv") or "/" in name_or_path:
+        path = Path(name_or_path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from exc
+        return parse_profile(text, name=path.stem)
+    if name_or_path not in builtin_names():
+        raise ProfileError(
+            f"unknown profile {name_or_path!r}; shipped: {', '.join(builtin_names())}, or give a path to a .csv"
+        )
+    resource = resources.files(__package__).joinpath("profiles", f"{name_or_path}.csv")
+    return parse_profile(resource.read_text(encoding="utf-8"), name=name_or_path)
+
+
+def parse_profile(text: str, name: str) -> Profile:
+    accept_length: float | None = None
+    rows: list[str] = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            key, _, value = stripped.lstrip("#").partition(":")
+            if key.strip() == "accept_length":
+                accept_length = _number(value, "accept_length", minimum=1.0)
+            continue
+        if stripped:
+            rows.append(stripped)
+    reader = csv.DictReader(io.StringIO("\n".join(rows)))
+    wanted = {"concurrency", "speculative_tok_s", "baseline_tok_s"}
+    if reader.fieldnames is None or not wanted <= set(reader.fieldnames):
+        raise ProfileError(f"profile {name}: header must name {', '.join(sorted(wanted))}")
+    points = sorted(
+        (
+            _number(r["concurrency"], "concurrency", minimum=1.0),
+            _number(r["speculative_tok_s"], "speculative_tok_s", minimum=1e-9),
+            _number(r["baseline_tok_s"], "baseline_tok_s", minimum=1e-9),
+        )
+        for r in reader
+    )
+    if not points:
+        raise ProfileError(f"profile {name}: no data rows")
+    xs = [p[0] for p in points]
+    if len(set(xs)) != len(xs):
+        raise ProfileError(f"profile {name}: repeated concurrency values")
+    return Profile(
+        name=name,
+        concurrency=tuple(xs),
+        speculative_tok_s=tuple(p[1] for p in points),
+        baseline_tok_s=tuple(p[2] for p in points),
+        accept_length=accept_length,
+    )
+
+
+def _number(raw: str | None, field: str, minimum: float) -> float:
+    try:
+        value = float(raw or "")
+    except ValueError:
+        raise ProfileError(f"{field}: {raw!r} is not a number") from None
+    if not value >= minimum:
+        raise ProfileError(f"{field}: {value} is below {minimum}")
+    return value

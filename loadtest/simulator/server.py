@@ -1,0 +1,277 @@
+"""One simulated SGLang server: its HTTP surface on top of an `Engine`.
+
+aiohttp serves it because the simulator must never be what limits a measurement: its writes go
+straight to the transport, and `handler_cancellation` cancels a handler the moment its client
+disconnects, which is how a client going away aborts the generation here as in SGLang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .engine import Engine, Sequence, SharedGpu
+from .metrics import build_registry
+from .profile import DEFAULT_ACCEPT_LENGTH, Profile, Role
+from .wire import (
+    GenRequest,
+    Kind,
+    RequestError,
+    StreamFormatter,
+    error_body,
+    full_response,
+    parse_request,
+)
+
+log = logging.getLogger("loadtest.simulator")
+
+# Paths SGLang serves without checking --api-key.
+_OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+_MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    role: Role
+    profile: Profile
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str = "default"
+    api_key: str | None = None
+    time_scale: float = 1.0
+    max_running_requests: int = 256
+    warmup_s: float = 0.0
+    load_s: float = 0.0
+    accept_length: float | None = None
+    fail_rate: float = 0.0
+    stall_rate: float = 0.0
+    ttft_base_ms: float = 20.0
+    prefill_tok_s: float = 50_000.0
+    default_max_tokens: int = 256
+    max_model_len: int = 131_072
+    kv_capacity_tokens: int = 2_000_000
+    metrics_prefix: str = "sglang:"
+    live_gauges: bool = False
+    created: int | None = None
+    seed: int | None = None
+
+    @property
+    def tokens_per_step(self) -> float:
+        if self.role == "baseline":
+            return 1.0
+        return self.accept_length or self.profile.accept_length or DEFAULT_ACCEPT_LENGTH
+
+
+class SimServer:
+    def __init__(self, config: ServerConfig, gpu: SharedGpu | None = None) -> None:
+        self.config = config
+        scale = config.time_scale
+        profile, role = config.profile, config.role
+        self.engine = Engine(
+            throughput=lambda c: profile.throughput(role, c) * scale,
+            tokens_per_step=config.tokens_per_step,
+            max_running=config.max_running_requests,
+            ttft_base_s=config.ttft_base_ms / 1000 / scale,
+            prefill_tok_s=config.prefill_tok_s * scale,
+            kv_capacity_tokens=config.kv_capacity_tokens,
+            speculative=role == "speculative",
+            gpu=gpu,
+            live_gauges=config.live_gauges,
+        )
+        self.registry = build_registry(self.engine, config.served_model_name, config.metrics_prefix)
+        self._rng = random.Random(config.seed)
+        self._ready_at = 0.0
+        self._runner: web.AppRunner | None = None
+        self._created_at = int(time.time())
+
+    # ----- lifecycle -----
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[self._auth])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/get_server_info", self.server_info)
+        app.router.add_get("/server_info", self.server_info)
+        app.router.add_get("/get_load", self.get_load)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/chat/completions", self._generation("chat"))
+        app.router.add_post("/v1/completions", self._generation("completion"))
+        app.router.add_post("/generate", self._generation("generate"))
+        return app
+
+    async def start(self) -> None:
+        cfg = self.config
+        if cfg.load_s > 0:
+            # Loading weights: nothing listens yet, connections are refused.
+            await asyncio.sleep(cfg.load_s / cfg.time_scale)
+        self.engine.start()
+        self._ready_at = time.monotonic() + cfg.warmup_s / cfg.time_scale
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, cfg.host, cfg.port, backlog=4096, reuse_address=True)
+        await site.start()
+        log.info(
+            "simulated SGLang %s on http://%s:%d (profile %s, time scale %g)",
+            cfg.role,
+            cfg.host,
+            cfg.port,
+            cfg.profile.name,
+            cfg.time_scale,
+        )
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.engine.stop()
+
+    # ----- middleware -----
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = self.config.api_key
+        if key and request.path not in _OPEN_PATHS:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return web.Response(status=401, body=b'{"error":"Unauthorized"}', content_type="application/json")
+        return await handler(request)
+
+    # ----- small endpoints -----
+    async def health(self, request: web.Request) -> web.Response:
+        if time.monotonic() < self._ready_at:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.config.served_model_name
+        card = {
+            "id": name,
+            "object": "model",
+            "created": self._created_at,
+            "owned_by": "sglang",
+            "root": name,
+            "parent": None,
+            "max_model_len": self.config.max_model_len,
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        cfg = self.config
+        state: dict[str, object] = {"last_gen_throughput": self.engine.gauges().gen_throughput}
+        if cfg.role == "speculative":
+            state["avg_spec_accept_length"] = self.engine.avg_accept_length()
+        return _json(
+            {
+                "model_path": cfg.served_model_name,
+                "served_model_name": cfg.served_model_name,
+                "tp_size": 1,
+                "max_running_requests": cfg.max_running_requests,
+                "speculative_algorithm": "EAGLE3" if cfg.role == "speculative" else None,
+                "version": "simulated",
+                "internal_states": [state],
+            }
+        )
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return _json(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": e.num_running + e.num_queued,
+                    "num_waiting_reqs": e.num_queued,
+                    "num_tokens": e.kv_tokens(),
+                }
+            ]
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ----- generation -----
+    def _generation(self, kind: Kind) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self.generate(request, kind)
+
+        return handler
+
+    async def generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        cfg = self.config
+        try:
+            req = await self._parse(request, kind)
+        except RequestError as exc:
+            return _error(exc.message, 400, "BadRequestError")
+        if cfg.fail_rate and self._rng.random() < cfg.fail_rate:
+            return _error("Injected failure (--fail-rate).", 500, "InternalServerError")
+        stall_at = None
+        if cfg.stall_rate and self._rng.random() < cfg.stall_rate:
+            stall_at = self._rng.randrange(0, req.max_new_tokens)
+        seq = Sequence(
+            rid=req.rid, prompt_tokens=req.prompt_tokens, max_new_tokens=req.max_new_tokens, stall_at=stall_at
+        )
+        created = cfg.created if cfg.created is not None else int(time.time())
+        self.engine.submit(seq)
+        try:
+            if req.stream:
+                return await self._stream(request, req, seq, created)
+            while not seq.done:
+                await seq.wait()
+            if not seq.finished:
+                return _error("The request was aborted.", 500, "InternalServerError")
+            latency = asyncio.get_running_loop().time() - seq.arrived
+            return web.Response(
+                body=full_response(req, created, seq.generated, latency), content_type="application/json"
+            )
+        finally:
+            # Client gone (handler cancelled), write failed, or server stopping: free the slot.
+            self.engine.abort(seq)
+
+    async def _stream(self, request: web.Request, req: GenRequest, seq: Sequence, created: int) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        fmt = StreamFormatter(req, created)
+        sent = 0
+        while True:
+            steps = await seq.wait()
+            if not steps:
+                break
+            parts = [fmt.first()] if sent == 0 else []
+            for n in steps:
+                parts.append(fmt.content(sent, n))
+                sent += n
+            if seq.finished and not seq.pending:
+                parts.append(fmt.finish(sent))
+            try:
+                await resp.write(b"".join(parts))
+            except ConnectionResetError:
+                return resp  # the client left between two steps; the caller aborts the sequence
+            if seq.finished and not seq.pending:
+                break
+        await resp.write_eof()
+        return resp
+
+    async def _parse(self, request: web.Request, kind: Kind) -> GenRequest:
+        ctype = request.headers.get("Content-Type", "")
+        if ctype and ctype.split(";")[0].strip().lower() != "application/json":
+            raise RequestError(f"Content-Type must be application/json, got {ctype!r}.")
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise RequestError(f"Invalid JSON body: {exc}") from None
+        return parse_request(kind, body, self.config.served_model_name, self.config.default_max_tokens)
+
+
+def _json(obj: object) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), content_type="application/json")
+
+
+def _error(message: str, status: int, err_type: str) -> web.Response:
+    return web.Response(status=status, body=error_body(message, status, err_type), content_type="application/json")

@@ -1,0 +1,310 @@
+"""SGLang's wire formats: request validation and response bodies, as the real server shapes them.
+
+See shared/sglang-contract.md. Chunk bodies are built from templates split around the one field
+that changes, so a chunk costs one small JSON encode.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+Kind = Literal["chat", "completion", "generate"]
+
+# EOS id that SGLang reports in `matched_stop` when a Llama-3 model stops on its own.
+EOS_TOKEN_ID = 128009
+# SGLang's default `max_new_tokens` on the native /generate API.
+GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
+# Per-message overhead of a chat template (role header and end-of-turn tokens).
+CHAT_TEMPLATE_TOKENS_PER_MESSAGE = 4
+
+_WORDS = (
+    "the quick brown fox jumps over a lazy dog while speculative decoding drafts several tokens "
+    "and the target model verifies them in one forward pass so that latency falls at low load "
+    "but batching wins when many streams share the same accelerator"
+).split()
+# One simulated token = one word with its leading space: plain ASCII, nothing to escape.
+TOKENS = tuple(" " + w for w in _WORDS)
+
+
+class RequestError(Exception):
+    """A request SGLang would reject with 400."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def error_body(message: str, status: int, err_type: str) -> bytes:
+    return orjson.dumps({"object": "error", "message": message, "type": err_type, "param": None, "code": status})
+
+
+def count_tokens(text: str) -> int:
+    """A tokenizer stand-in: about four bytes of text per token."""
+    return math.ceil(len(text.encode("utf-8", "surrogatepass")) / 4)
+
+
+def token_text(start: int, n: int) -> str:
+    """Text of output tokens [start, start + n): deterministic, so runs can be compared."""
+    size = len(TOKENS)
+    return "".join(TOKENS[i % size] for i in range(start, start + n))
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    kind: Kind
+    rid: str
+    model: str
+    stream: bool
+    include_usage: bool
+    prompt_tokens: int
+    max_new_tokens: int
+    # True when the client set no length: the simulated model then stops on EOS ("stop").
+    natural_stop: bool
+
+
+def parse_request(kind: Kind, body: Any, served_model: str, default_max_tokens: int) -> GenRequest:
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a JSON object.")
+    stream = _opt_bool(body, "stream")
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            raise RequestError("stream_options must be an object.", "stream_options")
+        include_usage = _opt_bool(stream_options, "include_usage", "stream_options.include_usage")
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise RequestError("rid must be a string.", "rid")
+    model = body.get("model", served_model)
+    if not isinstance(model, str):
+        raise RequestError("model must be a string.", "model")
+
+    if kind == "chat":
+        prompt_tokens = _chat_prompt_tokens(body.get("messages"))
+        max_tokens = _opt_positive_int(body, "max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = _opt_positive_int(body, "max_tokens")
+    elif kind == "completion":
+        prompt_tokens = _completion_prompt_tokens(body.get("prompt"))
+        max_tokens = _opt_positive_int(body, "max_tokens")
+    else:
+        prompt_tokens = _generate_prompt_tokens(body)
+        params = body.get("sampling_params", {})
+        if not isinstance(params, dict):
+            raise RequestError("sampling_params must be an object.", "sampling_params")
+        max_tokens = _opt_positive_int(params, "max_new_tokens", "sampling_params.max_new_tokens")
+        if max_tokens is None:
+            max_tokens = GENERATE_DEFAULT_MAX_NEW_TOKENS
+    n = body.get("n", 1)
+    if n != 1:
+        raise RequestError("Only n=1 is supported by the simulator.", "n")
+    return GenRequest(
+        kind=kind,
+        rid=rid or uuid.uuid4().hex,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        prompt_tokens=prompt_tokens,
+        max_new_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        natural_stop=max_tokens is None,
+    )
+
+
+def _opt_bool(obj: dict[str, Any], key: str, name: str | None = None) -> bool:
+    value = obj.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{name or key} must be a boolean.", name or key)
+    return value
+
+
+def _opt_positive_int(obj: dict[str, Any], key: str, name: str | None = None) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name or key} must be an integer.", name or key)
+    if value <= 0:
+        raise RequestError(f"{name or key} must be positive, got {value}.", name or key)
+    return value
+
+
+def _chat_prompt_tokens(messages: Any) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list.", "messages")
+    total = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a role.", "messages")
+        content = message.get("content")
+        if isinstance(content, str):
+            total += count_tokens(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    total += count_tokens(part["text"])
+        elif content is not None:
+            raise RequestError(f"messages[{i}].content must be a string or a list.", "messages")
+        total += CHAT_TEMPLATE_TOKENS_PER_MESSAGE
+    return total
+
+
+def _completion_prompt_tokens(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return max(1, count_tokens(prompt))
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return len(prompt)
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return max(1, count_tokens(prompt[0]))
+        raise RequestError("The simulator takes one prompt per request.", "prompt")
+    raise RequestError("prompt must be a string or a list of token ids.", "prompt")
+
+
+def _generate_prompt_tokens(body: dict[str, Any]) -> int:
+    text, ids = body.get("text"), body.get("input_ids")
+    if isinstance(text, str):
+        return max(1, count_tokens(text))
+    if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+        return len(ids)
+    raise RequestError("Either text or input_ids must be provided.", "text")
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
+
+
+def finish_reason(req: GenRequest) -> tuple[str, int | None]:
+    return ("stop", EOS_TOKEN_ID) if req.natural_stop else ("length", None)
+
+
+_SPLIT = "\x00split\x00"
+_SPLIT_JSON = orjson.dumps(_SPLIT)
+
+
+def _template(obj: dict[str, Any]) -> tuple[bytes, bytes]:
+    head, tail = orjson.dumps(obj).split(_SPLIT_JSON)
+    return b"data: " + head, tail + b"\n\n"
+
+
+class StreamFormatter:
+    """SSE events of one streamed response: role, content, finish, usage, [DONE]."""
+
+    def __init__(self, req: GenRequest, created: int) -> None:
+        self.req = req
+        self._head = {"id": req.rid, "object": "", "created": created, "model": req.model}
+        if req.kind == "chat":
+            self._head["object"] = "chat.completion.chunk"
+            choice = {
+                "index": 0,
+                "delta": {"content": _SPLIT},
+                "logprobs": None,
+                "finish_reason": None,
+                "matched_stop": None,
+            }
+        else:
+            self._head["object"] = "text_completion"
+            choice = {"index": 0, "text": _SPLIT, "logprobs": None, "finish_reason": None, "matched_stop": None}
+        self._pre, self._post = _template({**self._head, "choices": [choice]})
+        self._generated_text: list[str] = []
+
+    def first(self) -> bytes:
+        """Sent once the first token exists (as SGLang does), before that token's own chunk."""
+        if self.req.kind != "chat":
+            return b""
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+            "matched_stop": None,
+        }
+        return self._event({**self._head, "choices": [choice]})
+
+    def content(self, start: int, n: int) -> bytes:
+        text = token_text(start, n)
+        if self.req.kind == "generate":
+            self._generated_text.append(text)
+            return self._generate_event(None, start + n)
+        return self._pre + orjson.dumps(text) + self._post
+
+    def finish(self, completion_tokens: int) -> bytes:
+        reason, matched = finish_reason(self.req)
+        if self.req.kind == "generate":
+            return self._generate_event(reason, completion_tokens) + b"data: [DONE]\n\n"
+        if self.req.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None}
+        choice.update(finish_reason=reason, matched_stop=matched)
+        out = self._event({**self._head, "choices": [choice]})
+        if self.req.include_usage:
+            out += self._event({**self._head, "choices": [], "usage": usage(self.req.prompt_tokens, completion_tokens)})
+        return out + b"data: [DONE]\n\n"
+
+    def _generate_event(self, reason: str | None, completion_tokens: int) -> bytes:
+        # The native API streams the whole text so far, not a delta.
+        meta = {
+            "id": self.req.rid,
+            "finish_reason": None if reason is None else {"type": reason, "length": completion_tokens},
+            "prompt_tokens": self.req.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": 0,
+        }
+        return self._event({"text": "".join(self._generated_text), "meta_info": meta})
+
+    @staticmethod
+    def _event(obj: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def full_response(req: GenRequest, created: int, completion_tokens: int, latency_s: float) -> bytes:
+    text = token_text(0, completion_tokens)
+    reason, matched = finish_reason(req)
+    if req.kind == "generate":
+        meta = {
+            "id": req.rid,
+            "finish_reason": {"type": reason, "length": completion_tokens},
+            "prompt_tokens": req.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": 0,
+            "e2e_latency": latency_s,
+        }
+        return orjson.dumps({"text": text, "meta_info": meta})
+    if req.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None},
+            "logprobs": None,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None}
+        obj = "text_completion"
+    choice.update(finish_reason=reason, matched_stop=matched)
+    return orjson.dumps(
+        {
+            "id": req.rid,
+            "object": obj,
+            "created": created,
+            "model": req.model,
+            "choices": [choice],
+            "usage": usage(req.prompt_tokens, completion_tokens),
+        }
+    )
