@@ -1,0 +1,129 @@
+"""Every metric specgate exports, defined in one place on a per-app registry.
+
+Labels come only from small fixed sets (backend, reason, endpoint, status class, error kind), and
+every combination is created up front so dashboards see zeros instead of missing series.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .policy import BACKENDS, REASONS, Backend, other
+
+Endpoint = Literal["chat", "completions", "generate", "other"]
+ENDPOINTS: tuple[Endpoint, ...] = ("chat", "completions", "generate", "other")
+# Requests the proxy answered itself (auth, size, no backend) carry backend="none".
+REQUEST_BACKENDS = (*BACKENDS, "none")
+CODE_CLASSES = ("2xx", "4xx", "5xx")
+ErrorKind = Literal["connect", "timeout", "disconnect", "protocol"]
+ERROR_KINDS: tuple[ErrorKind, ...] = ("connect", "timeout", "disconnect", "protocol")
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 60)
+CHUNK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+def code_class(status: int) -> str:
+    return f"{min(max(status // 100, 2), 5)}xx"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "specgate_requests",
+            "Requests answered, by backend, endpoint and status class.",
+            ["backend", "endpoint", "code"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "specgate_routing_decisions",
+            "Routing decisions by chosen backend and reason.",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.inflight = Gauge("specgate_inflight_requests", "Requests in flight.", ["backend"], registry=r)
+        self.load = Gauge("specgate_load", "The load the policy compares with the watermarks.", registry=r)
+        self.mode = Gauge(
+            "specgate_routing_mode", "Routing mode for new requests: 1 speculative, 0 baseline.", registry=r
+        )
+        self.mode_switches = Counter("specgate_mode_switches", "Routing mode switches.", ["to"], registry=r)
+        self.watermark = Gauge(
+            "specgate_watermark", "Configured watermarks and spillover limit.", ["level"], registry=r
+        )
+        self.backend_up = Gauge("specgate_backend_up", "1 when the backend is healthy.", ["backend"], registry=r)
+        self.engine_load = Gauge(
+            "specgate_engine_load",
+            "Running plus queued requests the server reports (-1: unknown or stale).",
+            ["backend"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            "specgate_failovers", "Requests retried on the other backend.", ["from", "to"], registry=r
+        )
+        self.upstream_errors = Counter(
+            "specgate_upstream_errors", "Failures talking to a backend, by kind.", ["backend", "kind"], registry=r
+        )
+        self.client_disconnects = Counter(
+            "specgate_client_disconnects", "Clients that left before their response ended.", ["backend"], registry=r
+        )
+        self.output_tokens = Counter("specgate_output_tokens", "Output tokens relayed.", ["backend"], registry=r)
+        self.prompt_tokens = Counter("specgate_prompt_tokens", "Prompt tokens sent.", ["backend"], registry=r)
+        self.duration = Histogram(
+            "specgate_request_duration_seconds",
+            "Time from request to the end of its response.",
+            ["backend", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "specgate_time_to_first_token_seconds",
+            "Time from request to the first content chunk of a stream.",
+            ["backend"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inter_chunk = Histogram(
+            "specgate_inter_chunk_latency_seconds",
+            "Time between two chunks of a stream relayed to the client.",
+            ["backend"],
+            buckets=CHUNK_BUCKETS,
+            registry=r,
+        )
+        self._prime()
+
+    def _prime(self) -> None:
+        for b in BACKENDS:
+            self.inflight.labels(b).set(0)
+            self.backend_up.labels(b).set(0)
+            self.engine_load.labels(b).set(-1)
+            self.failovers.labels(b, other(b))
+            self.client_disconnects.labels(b)
+            self.output_tokens.labels(b)
+            self.prompt_tokens.labels(b)
+            self.ttft.labels(b)
+            self.inter_chunk.labels(b)
+            self.mode_switches.labels(b)
+            for reason in REASONS:
+                if reason != "no_healthy_backend":
+                    self.decisions.labels(b, reason)
+            for kind in ERROR_KINDS:
+                self.upstream_errors.labels(b, kind)
+            for ep in ENDPOINTS:
+                self.duration.labels(b, ep)
+        self.decisions.labels("none", "no_healthy_backend")
+        for label in REQUEST_BACKENDS:
+            for ep in ENDPOINTS:
+                for code in CODE_CLASSES:
+                    self.requests.labels(label, ep, code)
+        self.mode.set(1)
+
+    def set_watermarks(self, high: int, low: int, spillover: int) -> None:
+        self.watermark.labels("high").set(high)
+        self.watermark.labels("low").set(low)
+        self.watermark.labels("spillover").set(spillover)
+
+    def set_mode(self, mode: Backend) -> None:
+        self.mode.set(1 if mode == "speculative" else 0)

@@ -1,0 +1,128 @@
+"""The routing policy: a pure function of a load snapshot, the policy's own state, and health.
+
+threshold (one mode for new requests, with hysteresis):
+
+    mode' = baseline     if mode = speculative and L >= high
+          = speculative  if mode = baseline    and L <= low
+          = mode         otherwise
+    backend = mode'
+
+spillover (the speculative server as a bounded first choice):
+
+    backend = speculative if S < limit else baseline
+
+where L is the load (in-flight requests over both servers, by the configured signal) and S the
+speculative server's own load, both measured before the new request is admitted. A backend that is
+down is never chosen: its share goes to the other (`only_healthy`); with both down there is no
+backend (`no_healthy_backend`). Running requests never move: only new requests are routed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+Backend = Literal["speculative", "baseline"]
+BACKENDS: tuple[Backend, ...] = ("speculative", "baseline")
+Mode = Backend
+PolicyName = Literal["threshold", "spillover"]
+LoadSignal = Literal["local", "engine", "max"]
+Reason = Literal[
+    "light_load",  # speculative: the load is below the high watermark / spillover limit
+    "heavy_load",  # baseline: the load reached the high watermark
+    "hysteresis_hold",  # baseline: the load fell, but not yet to the low watermark
+    "spillover",  # baseline: the speculative server holds its limit
+    "only_healthy",  # the policy's choice is down; the other server takes it
+    "failover",  # a retry on the other server after the first failed before any byte
+    "no_healthy_backend",
+]
+REASONS: tuple[Reason, ...] = (
+    "light_load",
+    "heavy_load",
+    "hysteresis_hold",
+    "spillover",
+    "only_healthy",
+    "failover",
+    "no_healthy_backend",
+)
+
+
+def other(backend: Backend) -> Backend:
+    return "baseline" if backend == "speculative" else "speculative"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    policy: PolicyName = "threshold"
+    high_watermark: int = 16
+    low_watermark: int = 8
+    spillover_limit: int = 8
+    load_signal: LoadSignal = "local"
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """What the policy sees. `engine` is None for a server whose engine load is unknown or stale."""
+
+    inflight: Mapping[Backend, int]
+    engine: Mapping[Backend, int | None]
+    healthy: Mapping[Backend, bool]
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    mode: Mode = "speculative"
+
+
+@dataclass(frozen=True)
+class Decision:
+    backend: Backend | None
+    reason: Reason
+    state: PolicyState
+    load: int
+
+
+def backend_load(snapshot: LoadSnapshot, backend: Backend, signal: LoadSignal) -> int:
+    local = snapshot.inflight.get(backend, 0)
+    engine = snapshot.engine.get(backend)
+    if signal == "local" or engine is None:
+        return local
+    if signal == "engine":
+        return engine
+    return max(local, engine)
+
+
+def total_load(snapshot: LoadSnapshot, signal: LoadSignal) -> int:
+    return sum(backend_load(snapshot, b, signal) for b in BACKENDS)
+
+
+def next_mode(load: int, state: PolicyState, cfg: PolicyConfig) -> PolicyState:
+    """The threshold policy's hysteresis, also applied when requests finish."""
+    if state.mode == "speculative" and load >= cfg.high_watermark:
+        return PolicyState("baseline")
+    if state.mode == "baseline" and load <= cfg.low_watermark:
+        return PolicyState("speculative")
+    return state
+
+
+def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:
+    load = total_load(snapshot, cfg.load_signal)
+    reason: Reason
+    if cfg.policy == "threshold":
+        state = next_mode(load, state, cfg)
+        choice: Backend = state.mode
+        if choice == "speculative":
+            reason = "light_load"
+        else:
+            reason = "heavy_load" if load >= cfg.high_watermark else "hysteresis_hold"
+    else:
+        spec_load = backend_load(snapshot, "speculative", cfg.load_signal)
+        choice = "speculative" if spec_load < cfg.spillover_limit else "baseline"
+        reason = "light_load" if choice == "speculative" else "spillover"
+        state = PolicyState(choice)
+    if not snapshot.healthy.get(choice, False):
+        if snapshot.healthy.get(other(choice), False):
+            return Decision(other(choice), "only_healthy", state, load)
+        return Decision(None, "no_healthy_backend", state, load)
+    return Decision(choice, reason, state, load)

@@ -1,0 +1,335 @@
+"""Relaying one request: route, send upstream, pass the response through byte for byte, release.
+
+The relay is a raw ASGI response so that every exit path is in one place: the lease is taken and
+released inside `RelayResponse.__call__`, and a watcher on `receive()` cancels the relay the moment
+the client disconnects (uvicorn silently drops writes to a gone client, so without the watcher a
+relay would read a stalled or long generation to its end). Closing the upstream connection on that
+path is what makes SGLang abort the generation.
+
+Nothing is sent to the client until the server's first body byte arrives. Until then a failure can
+still be retried on the other server or answered with a clean status; after it, a broken stream
+ends with an in-stream error event and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from .errors import ApiError, error_body, sse_error
+from .inflight import Lease
+from .metrics import Endpoint, code_class
+from .policy import Backend, Reason, other
+from .upstream import UpstreamError, UpstreamResponse
+
+if TYPE_CHECKING:
+    from .app import Gate
+
+log = logging.getLogger("specgate.relay")
+
+# Bytes of a non-streamed JSON body kept to read its `usage`; larger bodies are relayed unread.
+USAGE_BODY_LIMIT = 4 * 1024 * 1024
+# A partial SSE event held back (only when a usage chunk must be dropped) is released past this.
+PARTIAL_EVENT_LIMIT = 256 * 1024
+_USAGE_MARK = b'"completion_tokens"'
+
+
+@dataclass(frozen=True)
+class ProxyCall:
+    """A validated client request, ready to send to a backend."""
+
+    path: str
+    endpoint: Endpoint
+    body: bytes
+    headers: list[tuple[str, str]]
+    request_id: str
+    stream: bool
+    # The proxy asked the server for a usage chunk the client did not ask for: drop it again.
+    strip_usage: bool
+    started: float
+
+
+class SseRelay:
+    """Tracks SSE event boundaries in a relayed stream, to read token usage and, when asked, to
+    drop the usage chunk. Bytes pass through unchanged and unmerged; only when dropping is on is
+    a partial trailing event held until its end arrives (a client cannot use half an event)."""
+
+    __slots__ = ("_partial", "_strip", "_usage_event")
+
+    def __init__(self, strip_usage: bool) -> None:
+        self._strip = strip_usage
+        self._partial = b""
+        self._usage_event: bytes | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Bytes to send to the client for this piece of upstream body."""
+        data = self._partial + chunk if self._partial else chunk
+        end = data.rfind(b"\n\n")
+        cut = end + 2 if end >= 0 else 0
+        complete, self._partial = data[:cut], data[cut:]
+        if _USAGE_MARK in complete:
+            complete = self._scan(complete)
+        if len(self._partial) > PARTIAL_EVENT_LIMIT:
+            # Not SSE as SGLang writes it (no blank line for this long): stop holding anything back.
+            held, self._partial = self._partial, b""
+            if self._strip:
+                self._strip = False
+                return complete + held
+        return complete if self._strip else chunk
+
+    def flush(self) -> bytes:
+        rest, self._partial = self._partial, b""
+        return rest if self._strip else b""
+
+    def _scan(self, complete: bytes) -> bytes:
+        kept = []
+        for event in complete.split(b"\n\n"):
+            if _USAGE_MARK in event:
+                self._usage_event = event
+                if self._strip and (b'"choices":[]' in event or b'"choices": []' in event):
+                    continue
+            kept.append(event)
+        return b"\n\n".join(kept)
+
+    def usage(self) -> tuple[int, int] | None:
+        if self._usage_event is None:
+            return None
+        payload = self._usage_event.strip().removeprefix(b"data:").strip()
+        try:
+            return usage_of(orjson.loads(payload))
+        except orjson.JSONDecodeError:
+            return None
+
+
+def usage_of(obj: Any) -> tuple[int, int] | None:
+    """(prompt, completion) tokens from an OpenAI `usage` or a native `meta_info`."""
+    if not isinstance(obj, dict):
+        return None
+    src = obj.get("usage") or obj.get("meta_info")
+    if isinstance(src, dict):
+        p, c = src.get("prompt_tokens"), src.get("completion_tokens")
+        if isinstance(p, int) and isinstance(c, int):
+            return p, c
+    return None
+
+
+class RelayResponse(Response):
+    def __init__(self, gate: Gate, call: ProxyCall) -> None:
+        super().__init__(status_code=200)
+        self.gate = gate
+        self.call = call
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        state = {"gone": False, "done": False}
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if not state["done"]:
+                        state["gone"] = True
+                        task.cancel()
+                    return
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        relay = _Relay(self.gate, self.call, send, state)
+        try:
+            await relay.run()
+        except asyncio.CancelledError:
+            if not (state["gone"] and task.uncancel() == 0):
+                raise
+            relay.client_gone()
+        finally:
+            watcher.cancel()
+            relay.finish()
+
+
+class _Relay:
+    """One request's journey. `finish()` runs exactly once, on every path."""
+
+    def __init__(self, gate: Gate, call: ProxyCall, send: Send, state: dict[str, bool]) -> None:
+        self.gate = gate
+        self.call = call
+        self._send = send
+        self._state = state
+        self.lease: Lease | None = None
+        self.backend: Backend | None = None
+        self.upstream: UpstreamResponse | None = None
+        self.status = 0
+        self.started_response = False
+        self.complete = False
+
+    async def run(self) -> None:
+        gate = self.gate
+        decision = gate.router.decide()
+        if decision.backend is None:
+            raise_error = ApiError(
+                503, "No healthy backend: both SGLang servers are down.", "server_error", "no_healthy_backend"
+            )
+            await self._error(raise_error, decision.reason)
+            return
+        self.backend = decision.backend
+        self.lease = gate.router.admit(decision.backend)
+        reason: Reason = decision.reason
+        first = await self._connect(reason)
+        if first is None:
+            return
+        reason = first[1]
+        await self._relay(first[0], reason)
+
+    async def _connect(self, reason: Reason) -> tuple[bytes, Reason] | None:
+        """Send upstream and wait for the first body byte, retrying once on the other server."""
+        gate, call = self.gate, self.call
+        for attempt in (0, 1):
+            assert self.backend is not None and self.lease is not None
+            backend = self.backend
+            try:
+                self.upstream = await gate.upstream.send(backend, call.path, call.body, call.headers)
+                return await self.upstream.read_chunk(), reason
+            except UpstreamError as err:
+                gate.metrics.upstream_errors.labels(backend, err.kind).inc()
+                if err.kind == "connect":
+                    gate.health.mark_down(backend, str(err))
+                self._drop_upstream()
+                alt = other(backend)
+                if attempt == 0 and err.retryable and gate.health.healthy(alt):
+                    log.warning("request %s: %s; retrying on %s", call.request_id, err, alt)
+                    self.lease = gate.router.failover(self.lease, alt)
+                    self.backend, reason = alt, "failover"
+                    continue
+                if err.kind == "connect" and not (gate.health.healthy(backend) or gate.health.healthy(alt)):
+                    api = ApiError(503, f"No healthy backend: {err}", "server_error", "no_healthy_backend")
+                elif err.kind == "timeout":
+                    api = ApiError(504, f"Upstream timed out: {err}", "server_error", "upstream_timeout")
+                else:
+                    api = ApiError(502, f"Upstream failed: {err}", "server_error", "upstream_unavailable")
+                await self._error(api, reason)
+                return None
+        return None
+
+    async def _relay(self, first: bytes, reason: Reason) -> None:
+        gate, call = self.gate, self.call
+        up = self.upstream
+        assert up is not None and self.backend is not None
+        backend = self.backend
+        self.status = up.status
+        is_sse = up.content_type.startswith("text/event-stream")
+        sse = SseRelay(call.strip_usage) if is_sse else None
+        headers = up.headers()
+        if sse is not None and call.strip_usage:
+            headers = [(k, v) for k, v in headers if k != b"content-length"]
+        headers += self._own_headers(backend, reason)
+        await self._send({"type": "http.response.start", "status": up.status, "headers": headers})
+        self.started_response = True
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        timed = call.stream and up.status == 200
+        if timed and first:
+            gate.metrics.ttft.labels(backend).observe(now - call.started)
+        keep_body = not is_sse and up.status == 200 and "json" in up.content_type
+        body_parts = [first] if keep_body else []
+        kept = len(first)
+        out = sse.feed(first) if sse is not None else first
+        chunk = first
+        inter_chunk = gate.metrics.inter_chunk.labels(backend)
+        try:
+            while chunk:
+                if out:
+                    await self._send({"type": "http.response.body", "body": out, "more_body": True})
+                chunk = await up.read_chunk()
+                if not chunk:
+                    break
+                t = loop.time()
+                if timed:
+                    inter_chunk.observe(t - now)
+                now = t
+                if keep_body:
+                    kept += len(chunk)
+                    if kept <= USAGE_BODY_LIMIT:
+                        body_parts.append(chunk)
+                    else:
+                        keep_body, body_parts = False, []
+                out = sse.feed(chunk) if sse is not None else chunk
+        except UpstreamError as err:
+            gate.metrics.upstream_errors.labels(backend, err.kind).inc()
+            log.warning("request %s: stream from %s broke: %s", call.request_id, backend, err)
+            tail = sse_error(f"Upstream stream broke: {err}", "upstream_" + err.kind) if is_sse else b""
+            self._state["done"] = True
+            await self._send({"type": "http.response.body", "body": tail, "more_body": False})
+            self.complete = True
+            return
+        tail = sse.flush() if sse is not None else b""
+        self._state["done"] = True
+        await self._send({"type": "http.response.body", "body": tail, "more_body": False})
+        self.complete = True
+        usage = sse.usage() if sse is not None else None
+        if keep_body and body_parts:
+            try:
+                usage = usage_of(orjson.loads(b"".join(body_parts)))
+            except orjson.JSONDecodeError:
+                usage = None
+        if usage is not None:
+            gate.metrics.prompt_tokens.labels(backend).inc(usage[0])
+            gate.metrics.output_tokens.labels(backend).inc(usage[1])
+
+    def _own_headers(self, backend: Backend | None, reason: Reason) -> list[tuple[bytes, bytes]]:
+        out = [(b"x-request-id", self.call.request_id.encode("latin-1")), (b"x-specgate-reason", reason.encode())]
+        if backend is not None:
+            out.append((b"x-specgate-backend", backend.encode()))
+        return out
+
+    async def _error(self, err: ApiError, reason: Reason) -> None:
+        body = err.body()
+        self.status = err.status
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        backend = self.backend if reason != "no_healthy_backend" else None
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": err.status,
+                "headers": headers + self._own_headers(backend, reason),
+            }
+        )
+        self.started_response = True
+        self._state["done"] = True
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+        self.complete = True
+
+    def client_gone(self) -> None:
+        if self.backend is not None:
+            self.gate.metrics.client_disconnects.labels(self.backend).inc()
+        log.info("request %s: client disconnected", self.call.request_id)
+
+    def _drop_upstream(self) -> None:
+        if self.upstream is not None:
+            self.upstream.close()
+            self.upstream = None
+
+    def finish(self) -> None:
+        """Release everything this request held; runs once, whatever happened."""
+        if self.upstream is not None:
+            if self.complete:
+                self.upstream.release()
+            else:
+                self.upstream.close()  # the server sees the disconnect and aborts the generation
+            self.upstream = None
+        if self.lease is not None:
+            self.lease.release()
+        m = self.gate.metrics
+        label = self.backend or "none"
+        status = self.status if self.complete else 499
+        m.requests.labels(label, self.call.endpoint, code_class(status)).inc()
+        if self.backend is not None:
+            loop_time = asyncio.get_running_loop().time()
+            m.duration.labels(self.backend, self.call.endpoint).observe(loop_time - self.call.started)
+
+
+__all__ = ["ProxyCall", "RelayResponse", "SseRelay", "error_body", "usage_of"]

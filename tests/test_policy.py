@@ -1,0 +1,103 @@
+"""The routing policy is a pure function: tables of snapshots in, decisions out."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.policy import (
+    Backend,
+    LoadSignal,
+    LoadSnapshot,
+    PolicyConfig,
+    PolicyState,
+    backend_load,
+    decide,
+    next_mode,
+)
+
+UP = {"speculative": True, "baseline": True}
+THRESHOLD = PolicyConfig("threshold", high_watermark=10, low_watermark=4)
+
+
+def snap(
+    spec: int, base: int, healthy: dict[Backend, bool] | None = None, engine: dict[Backend, int | None] | None = None
+) -> LoadSnapshot:
+    return LoadSnapshot({"speculative": spec, "baseline": base}, engine or {}, healthy or dict(UP))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("mode", "spec", "base", "backend", "reason", "new_mode"),
+    [
+        ("speculative", 0, 0, "speculative", "light_load", "speculative"),
+        ("speculative", 9, 0, "speculative", "light_load", "speculative"),
+        ("speculative", 10, 0, "baseline", "heavy_load", "baseline"),  # reaches high: flip
+        ("speculative", 6, 5, "baseline", "heavy_load", "baseline"),  # the load counts both servers
+        ("baseline", 10, 3, "baseline", "heavy_load", "baseline"),
+        ("baseline", 5, 2, "baseline", "hysteresis_hold", "baseline"),  # inside the band: hold
+        ("baseline", 0, 5, "baseline", "hysteresis_hold", "baseline"),
+        ("baseline", 2, 2, "speculative", "light_load", "speculative"),  # falls to low: flip back
+        ("baseline", 0, 0, "speculative", "light_load", "speculative"),
+        ("speculative", 5, 2, "speculative", "light_load", "speculative"),  # inside the band: no flip either
+    ],
+)
+def test_threshold_with_hysteresis(
+    mode: Backend, spec: int, base: int, backend: str, reason: str, new_mode: str
+) -> None:
+    d = decide(snap(spec, base), PolicyState(mode), THRESHOLD)
+    assert (d.backend, d.reason, d.state.mode) == (backend, reason, new_mode)
+    assert d.load == spec + base
+
+
+def test_threshold_sequence_never_flips_inside_the_band() -> None:
+    state = PolicyState()
+    modes = []
+    for load in [0, 3, 6, 9, 10, 9, 6, 5, 6, 9, 5, 4, 5, 9, 10]:
+        state = next_mode(load, state, THRESHOLD)
+        modes.append(state.mode[0])
+    assert "".join(modes) == "ssssbbbbbbbsssb"
+
+
+@pytest.mark.parametrize(
+    ("spec", "base", "backend", "reason"),
+    [
+        (0, 0, "speculative", "light_load"),
+        (2, 50, "speculative", "light_load"),
+        (3, 0, "baseline", "spillover"),
+        (7, 1, "baseline", "spillover"),
+    ],
+)
+def test_spillover(spec: int, base: int, backend: str, reason: str) -> None:
+    d = decide(snap(spec, base), PolicyState(), PolicyConfig("spillover", spillover_limit=3))
+    assert (d.backend, d.reason) == (backend, reason)
+
+
+@pytest.mark.parametrize("cfg", [THRESHOLD, PolicyConfig("spillover", spillover_limit=3)])
+def test_down_backends_are_never_chosen(cfg: PolicyConfig) -> None:
+    spec_down = decide(snap(0, 0, {"speculative": False, "baseline": True}), PolicyState(), cfg)
+    assert (spec_down.backend, spec_down.reason) == ("baseline", "only_healthy")
+    base_down = decide(snap(50, 0, {"speculative": True, "baseline": False}), PolicyState("baseline"), cfg)
+    assert (base_down.backend, base_down.reason) == ("speculative", "only_healthy")
+    both = decide(snap(0, 0, {"speculative": False, "baseline": False}), PolicyState(), cfg)
+    assert (both.backend, both.reason) == (None, "no_healthy_backend")
+
+
+@pytest.mark.parametrize(
+    ("signal", "local", "engine", "expected"),
+    [
+        ("local", 3, 9, 3),
+        ("engine", 3, 9, 9),
+        ("max", 3, 9, 9),
+        ("max", 12, 9, 12),
+        ("engine", 3, None, 3),
+        ("max", 3, None, 3),
+    ],
+)
+def test_load_signals(signal: LoadSignal, local: int, engine: int | None, expected: int) -> None:
+    s = snap(local, 0, engine={"speculative": engine, "baseline": None})
+    assert backend_load(s, "speculative", signal) == expected
+
+
+def test_engine_signal_drives_the_switch() -> None:
+    cfg = PolicyConfig("threshold", 10, 4, load_signal="engine")
+    d = decide(snap(0, 0, engine={"speculative": 12, "baseline": 0}), PolicyState(), cfg)
+    assert (d.backend, d.reason, d.load) == ("baseline", "heavy_load", 12)

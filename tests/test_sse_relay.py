@@ -1,0 +1,64 @@
+"""SseRelay: bytes pass through unchanged; the injected usage chunk is dropped across any split."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.relay import PARTIAL_EVENT_LIMIT, SseRelay, usage_of
+
+ROLE = b'data: {"id":"1","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+TOKEN = b'data: {"id":"1","choices":[{"index":0,"delta":{"content":" hi"}}]}\n\n'
+FINISH = b'data: {"id":"1","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
+USAGE = b'data: {"id":"1","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}\n\n'
+DONE = b"data: [DONE]\n\n"
+STREAM = ROLE + TOKEN * 3 + FINISH + USAGE + DONE
+
+
+def splits(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 1000, len(STREAM)])
+def test_strip_drops_only_the_usage_chunk_whatever_the_split(size: int) -> None:
+    relay = SseRelay(strip_usage=True)
+    out = b"".join(relay.feed(c) for c in splits(STREAM, size)) + relay.flush()
+    assert out == ROLE + TOKEN * 3 + FINISH + DONE
+    assert relay.usage() == (7, 3)
+
+
+@pytest.mark.parametrize("size", [1, 13, len(STREAM)])
+def test_without_strip_every_chunk_passes_unchanged(size: int) -> None:
+    relay = SseRelay(strip_usage=False)
+    pieces = splits(STREAM, size)
+    assert [relay.feed(c) for c in pieces] == pieces
+    assert relay.flush() == b""
+    assert relay.usage() == (7, 3)
+
+
+def test_old_builds_with_usage_null_on_every_chunk() -> None:
+    chunk = b'data: {"id":"1","choices":[{"index":0,"delta":{"content":"x"}}],"usage":null}\n\n'
+    relay = SseRelay(strip_usage=True)
+    assert relay.feed(chunk) == chunk
+    assert relay.usage() is None
+
+
+def test_native_generate_stream_takes_the_last_meta_info() -> None:
+    events = [b'data: {"text":"a","meta_info":{"prompt_tokens":2,"completion_tokens":%d}}\n\n' % n for n in (1, 2)]
+    relay = SseRelay(strip_usage=False)
+    for e in [*events, DONE]:
+        relay.feed(e)
+    assert relay.usage() == (2, 2)
+
+
+def test_stream_without_event_boundaries_is_not_held_forever() -> None:
+    relay = SseRelay(strip_usage=True)
+    blob = b"x" * (PARTIAL_EVENT_LIMIT + 10)
+    assert relay.feed(blob) == blob
+    assert relay.feed(b"more") == b"more"
+
+
+def test_usage_of() -> None:
+    assert usage_of({"usage": {"prompt_tokens": 1, "completion_tokens": 2}}) == (1, 2)
+    assert usage_of({"meta_info": {"prompt_tokens": 1, "completion_tokens": 2}}) == (1, 2)
+    assert usage_of({"usage": None}) is None
+    assert usage_of([1]) is None
