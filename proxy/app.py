@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,21 +15,19 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from . import ingress
 from .config import Settings
 from .errors import ApiError
 from .health import HealthMonitor
-from .metrics import Endpoint, Metrics, code_class
+from .metrics import Metrics, code_class
 from .policy import BACKENDS, PolicyConfig
-from .relay import ProxyCall, RelayResponse
 from .routing import Router
 from .upstream import Upstream
 
 log = logging.getLogger("specgate")
-
-_JSON_TYPES = ("application/json",)
 
 
 @dataclass
@@ -47,7 +43,7 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json", headers=headers)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None) -> ASGIApp:
     settings = settings if settings is not None else Settings()
 
     @contextlib.asynccontextmanager
@@ -83,12 +79,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await poller
             await upstream.aclose()
 
-    app = FastAPI(title="specgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    api = app = FastAPI(title="specgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
         gate: Gate = request.app.state.gate
-        gate.metrics.requests.labels("none", _endpoint(request.url.path), code_class(exc.status)).inc()
+        gate.metrics.requests.labels("none", ingress.endpoint_of(request.url.path), code_class(exc.status)).inc()
         headers = {"x-request-id": _request_id(request)}
         if exc.status == 401:
             headers["www-authenticate"] = "Bearer"
@@ -160,7 +156,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         gate: Gate = request.app.state.gate
-        _authorize(gate.settings, request)
+        ingress.authorize(gate.settings, request.headers.get("authorization", "").encode("latin-1"))
         healthy = [b for b in BACKENDS if gate.health.healthy(b)]
         if not healthy:
             raise ApiError(
@@ -181,103 +177,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise ApiError(502, "No backend listed its models.", "server_error", "upstream_unavailable")
         return _json({"object": "list", "data": list(seen.values())}, headers={"x-request-id": _request_id(request)})
 
-    async def proxy(request: Request) -> Response:
-        gate: Gate = request.app.state.gate
-        started = asyncio.get_running_loop().time()
-        _authorize(gate.settings, request)
-        request_id = _request_id(request)
-        body = await _read_body(request, gate.settings)
-        ctype = request.headers.get("content-type", "")
-        if ctype and ctype.split(";", 1)[0].strip().lower() not in _JSON_TYPES:
-            raise ApiError(
-                415, f"Content-Type must be application/json, got {ctype[:100]!r}.", code="unsupported_media_type"
-            )
-        try:
-            payload = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise ApiError(400, f"The body is not valid JSON: {exc.msg}.", code="invalid_json") from None
-        if not isinstance(payload, dict):
-            raise ApiError(400, "The body must be a JSON object.", code="invalid_json")
-        stream = payload.get("stream", False)
-        if not isinstance(stream, bool) and stream is not None:
-            raise ApiError(400, "'stream' must be a boolean.", param="stream", code="invalid_type")
-        endpoint = _endpoint(request.url.path)
-        strip_usage = False
-        if stream and endpoint in ("chat", "completions"):
-            body, strip_usage = _ask_for_usage(payload, body)
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        headers = gate.upstream.request_headers(request.headers.raw, request_id)
-        call = ProxyCall(path, endpoint, body, headers, request_id, bool(stream), strip_usage, started)
-        return RelayResponse(gate, call)
+    async def specgate(scope: Scope, receive: Receive, send: Send) -> None:
+        # Proxied POSTs take the plain-ASGI hot path; everything else is FastAPI's.
+        if scope["type"] == "http" and ingress.is_proxied(scope):
+            await ingress.handle(api.state.gate, scope, receive, send)
+        else:
+            await api(scope, receive, send)
 
-    for path in ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/{rest:path}"):
-        app.add_api_route(path, proxy, methods=["POST"], include_in_schema=False)
-    return app
-
-
-def _ask_for_usage(payload: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
-    """Make the server send a usage chunk; return the body to send and whether to drop the chunk."""
-    options = payload.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise ApiError(400, "'stream_options' must be an object.", param="stream_options", code="invalid_type")
-    if options and options.get("include_usage") is True:
-        return body, False
-    payload["stream_options"] = {**(options or {}), "include_usage": True}
-    return orjson.dumps(payload), True
-
-
-def _endpoint(path: str) -> Endpoint:
-    if path == "/v1/chat/completions":
-        return "chat"
-    if path == "/v1/completions":
-        return "completions"
-    if path == "/generate":
-        return "generate"
-    return "other"
+    return specgate
 
 
 def _request_id(request: Request) -> str:
-    rid = request.headers.get("x-request-id", "")
-    # Only a sane id is echoed: it lands in headers and logs.
-    if 0 < len(rid) <= 128 and rid.isascii() and rid.isprintable():
-        return rid
-    return uuid.uuid4().hex
-
-
-def _authorize(settings: Settings, request: Request) -> None:
-    if not settings.api_keys:
-        return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    token_bytes = token.strip().encode()
-    ok = False
-    for key in settings.api_keys:
-        # Compare against every key, without early exit, in constant time per key.
-        ok |= hmac.compare_digest(token_bytes, key.encode())
-    if not (ok and scheme.lower() == "bearer"):
-        raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
-
-
-async def _read_body(request: Request, settings: Settings) -> bytes:
-    limit = settings.max_body_bytes
-    declared = request.headers.get("content-length")
-    too_big = ApiError(413, f"The body is larger than {limit} bytes.", code="request_too_large")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_big
-    parts: list[bytes] = []
-    size = 0
-    try:
-        async with asyncio.timeout(settings.read_timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_big
-                parts.append(chunk)
-    except TimeoutError:
-        raise ApiError(408, "The request body did not arrive in time.", code="request_timeout") from None
-    except ClientDisconnect:
-        raise ApiError(400, "The client disconnected while sending the body.", code="client_disconnected") from None
-    return b"".join(parts)
+    return ingress.request_id_of(request.headers.get("x-request-id", "").encode("latin-1"))
 
 
 def _redact(url: str) -> str:

@@ -23,7 +23,8 @@ class Settings(BaseSettings):
 
     policy: PolicyName = "threshold"
     # threshold: switch to the baseline when the load reaches `high`, back when it falls to `low`.
-    high_watermark: int = Field(16, ge=1)
+    # 0 sends everything to the baseline (what `loadtest calibrate` says when speculation never pays).
+    high_watermark: int = Field(16, ge=0)
     low_watermark: int = Field(8, ge=0)
     # spillover: the speculative server takes new requests while it has fewer than this in flight.
     spillover_limit: int = Field(8, ge=1)

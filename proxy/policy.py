@@ -98,7 +98,10 @@ def total_load(snapshot: LoadSnapshot, signal: LoadSignal) -> int:
 
 
 def next_mode(load: int, state: PolicyState, cfg: PolicyConfig) -> PolicyState:
-    """The threshold policy's hysteresis, also applied when requests finish."""
+    """The threshold policy's hysteresis, also applied when requests finish. A high watermark of 0
+    means speculation never pays: everything goes to the baseline."""
+    if cfg.high_watermark == 0:
+        return PolicyState("baseline")
     if state.mode == "speculative" and load >= cfg.high_watermark:
         return PolicyState("baseline")
     if state.mode == "baseline" and load <= cfg.low_watermark:

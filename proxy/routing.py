@@ -32,6 +32,7 @@ class Router:
         self.tracker = InflightTracker(on_change=self._inflight_changed)
         metrics.set_watermarks(cfg.high_watermark, cfg.low_watermark, cfg.spillover_limit)
         metrics.set_mode(self.state.mode)
+        self.refresh()
 
     def snapshot(self) -> LoadSnapshot:
         return LoadSnapshot(self.tracker.snapshot(), self._health.engine_loads(), self._health.healthy_map())

@@ -1,0 +1,159 @@
+"""The hot path in: a client's POST to /v1/* or /generate, checked and handed to the relay.
+
+Plain ASGI, not a FastAPI route: on every proxied request it saves FastAPI's routing, Request
+objects and middleware stack (measured: a large share of the hop's added latency at one stream).
+Everything it rejects gets OpenAI's error shape; nothing here can leave an in-flight count behind,
+because the lease is taken later, inside the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from .config import Settings
+from .errors import ApiError
+from .metrics import Endpoint, code_class
+from .relay import ProxyCall, RelayResponse
+
+if TYPE_CHECKING:
+    from .app import Gate
+
+_EXACT: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+                               "/generate": "generate"}  # fmt: skip
+_JSON_TYPES = (b"application/json",)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def is_proxied(scope: Scope) -> bool:
+    path: str = scope["path"]
+    return scope["method"] == "POST" and (path in _EXACT or path.startswith("/v1/"))
+
+
+def endpoint_of(path: str) -> Endpoint:
+    return _EXACT.get(path, "other")
+
+
+def request_id_of(raw: bytes | None) -> str:
+    # Only a sane id is echoed: it lands in headers and logs.
+    if raw and len(raw) <= 128:
+        rid = raw.decode("latin-1")
+        if rid.isascii() and rid.isprintable():
+            return rid
+    return uuid.uuid4().hex
+
+
+async def handle(gate: Gate, scope: Scope, receive: Receive, send: Send) -> None:
+    started = asyncio.get_running_loop().time()
+    headers: dict[bytes, bytes] = {}
+    for k, v in scope["headers"]:
+        headers.setdefault(k.lower(), v)
+    request_id = request_id_of(headers.get(b"x-request-id"))
+    path: str = scope["path"]
+    endpoint = endpoint_of(path)
+    try:
+        call = await _accept(gate, scope, receive, headers, request_id, endpoint, started)
+    except ApiError as err:
+        await send_error(gate, send, err, endpoint, request_id)
+        return
+    except _ClientGone:
+        gate.metrics.requests.labels("none", endpoint, "4xx").inc()
+        return
+    await RelayResponse(gate, call)(scope, receive, send)
+
+
+async def _accept(
+    gate: Gate, scope: Scope, receive: Receive, headers: dict[bytes, bytes], request_id: str, endpoint: Endpoint,
+    started: float,
+) -> ProxyCall:  # fmt: skip
+    settings = gate.settings
+    authorize(settings, headers.get(b"authorization", b""))
+    body = await read_body(receive, headers.get(b"content-length"), settings)
+    ctype = headers.get(b"content-type", b"")
+    if ctype and ctype.split(b";", 1)[0].strip().lower() not in _JSON_TYPES:
+        shown = ctype[:100].decode("latin-1")
+        raise ApiError(415, f"Content-Type must be application/json, got {shown!r}.", code="unsupported_media_type")
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"The body is not valid JSON: {exc.msg}.", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise ApiError(400, "The body must be a JSON object.", code="invalid_json")
+    stream = payload.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise ApiError(400, "'stream' must be a boolean.", param="stream", code="invalid_type")
+    strip_usage = False
+    if stream and endpoint in ("chat", "completions"):
+        body, strip_usage = ask_for_usage(payload, body)
+    query: bytes = scope.get("query_string", b"")
+    target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+    up_headers = gate.upstream.request_headers(scope["headers"], request_id)
+    return ProxyCall(target, endpoint, body, up_headers, request_id, bool(stream), strip_usage, started)
+
+
+def ask_for_usage(payload: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
+    """Make the server send a usage chunk; return the body to send and whether to drop the chunk."""
+    options = payload.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object.", param="stream_options", code="invalid_type")
+    if options and options.get("include_usage") is True:
+        return body, False
+    payload["stream_options"] = {**(options or {}), "include_usage": True}
+    return orjson.dumps(payload), True
+
+
+def authorize(settings: Settings, given: bytes) -> None:
+    if not settings.api_keys:
+        return
+    scheme, _, token = given.partition(b" ")
+    token = token.strip()
+    ok = False
+    for key in settings.api_keys:
+        # Compare against every key, without early exit, in constant time per key.
+        ok |= hmac.compare_digest(token, key.encode())
+    if not (ok and scheme.lower() == b"bearer"):
+        raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+
+
+async def read_body(receive: Receive, declared: bytes | None, settings: Settings) -> bytes:
+    limit = settings.max_body_bytes
+    too_big = ApiError(413, f"The body is larger than {limit} bytes.", code="request_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(settings.read_timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise _ClientGone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                parts.append(chunk)
+                if not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        raise ApiError(408, "The request body did not arrive in time.", code="request_timeout") from None
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def send_error(gate: Gate, send: Send, err: ApiError, endpoint: Endpoint, request_id: str) -> None:
+    gate.metrics.requests.labels("none", endpoint, code_class(err.status)).inc()
+    body = err.body()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"x-request-id", request_id.encode("latin-1"))]  # fmt: skip
+    if err.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
