@@ -101,3 +101,12 @@ def test_engine_signal_drives_the_switch() -> None:
     cfg = PolicyConfig("threshold", 10, 4, load_signal="engine")
     d = decide(snap(0, 0, engine={"speculative": 12, "baseline": 0}), PolicyState(), cfg)
     assert (d.backend, d.reason, d.load) == ("baseline", "heavy_load", 12)
+
+
+def test_high_watermark_zero_sends_everything_to_the_baseline() -> None:
+    cfg = PolicyConfig("threshold", high_watermark=0, low_watermark=0)
+    state = PolicyState()
+    for load in (0, 0, 5, 0):
+        d = decide(snap(load, 0), state, cfg)
+        state = d.state
+        assert (d.backend, d.state.mode) == ("baseline", "baseline")

@@ -1,0 +1,234 @@
+"""`python -m loadtest sweep|compare|calibrate|demo`: measure servers and specgate, find the crossover."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .calibrate import Crossover, Recommendation, find_crossover, recommend
+from .client import Target
+from .procs import Proc, free_port, start
+from .prompts import source
+from .report import calibration_text, compare_table, level_table, plot_compare, write_json
+from .stats import LevelStats
+from .sweep import LevelPlan, TargetUnreachable, first_model, make_session, run_level
+
+DEFAULT_LEVELS = "1,2,5,10,30,70,100,250"
+
+
+def _levels(raw: str) -> list[int]:
+    try:
+        levels = sorted({int(x) for x in raw.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a comma list of integers") from None
+    if not levels or levels[0] < 1:
+        raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
+    return levels
+
+
+def _load_options(p: argparse.ArgumentParser, levels: str = DEFAULT_LEVELS) -> None:
+    p.add_argument("--concurrency", type=_levels, default=_levels(levels), help=f"levels (default {levels})")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--duration-s", type=float, default=30.0, help="measurement window per level (default 30)")
+    group.add_argument("--requests", type=int, default=None, help="or: requests measured per level")
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=0.0,
+        help="least warm-up per level (warm-up also lasts until every stream finished one request)",
+    )
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    p.add_argument("--prompts", default="diverse", help="diverse, fixed, or a JSONL file of prompts/messages")
+    p.add_argument("--seed", type=int, default=0, help="seed of the diverse prompts")
+    p.add_argument("--model", default=None, help="model name (default: the first of the target's /v1/models)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--no-ignore-eos", action="store_true", help="do not send ignore_eos (for servers that reject SGLang's extras)"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--out", default=None, help="write every figure and the settings as JSON here")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sweep = sub.add_parser("sweep", help="closed-loop load at each concurrency level against one URL")
+    sweep.add_argument("--url", required=True, help="OpenAI-compatible base URL (a server or specgate)")
+    _load_options(sweep)
+    compare = sub.add_parser("compare", help="sweep both servers and specgate at the same levels")
+    for name in ("speculative", "baseline", "proxy"):
+        compare.add_argument(f"--{name}", required=True, metavar="URL")
+    compare.add_argument("--plot", default="compare.png", help="PNG to write (default compare.png)")
+    _load_options(compare)
+    calibrate = sub.add_parser("calibrate", help="find where speculation stops paying; recommend watermarks")
+    calibrate.add_argument("--speculative", required=True, metavar="URL")
+    calibrate.add_argument("--baseline", required=True, metavar="URL")
+    _load_options(calibrate)
+    demo = sub.add_parser("demo", help="no GPU needed: simulated pair + specgate, calibrate, compare, plot")
+    demo.add_argument("--profile", default="crossover")
+    demo.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="1 keeps TTFT real-time, so the proxy's own latency is not magnified",
+    )
+    demo.add_argument("--out-dir", default="demo-results")
+    _load_options(demo, levels="1,5,10,30,70")
+    demo.set_defaults(duration_s=3.0, max_tokens=64)
+    return parser
+
+
+def _plan(args: argparse.Namespace) -> LevelPlan:
+    return LevelPlan(duration_s=None if args.requests else args.duration_s, requests=args.requests,
+                     warmup_s=args.warmup_s)  # fmt: skip
+
+
+async def _target(url: str, args: argparse.Namespace) -> Target:
+    model = args.model or await first_model(url, args.api_key)
+    return Target(url, model, chat=args.endpoint == "chat", api_key=args.api_key, max_tokens=args.max_tokens,
+                  ignore_eos=not args.no_ignore_eos)  # fmt: skip
+
+
+async def sweep_targets(urls: Mapping[str, str], args: argparse.Namespace) -> dict[str, list[LevelStats]]:
+    """Every target at each level in turn (levels outer), so machine drift hits all of them alike."""
+    targets = {name: await _target(url, args) for name, url in urls.items()}
+    plan = _plan(args)
+    out: dict[str, list[LevelStats]] = {name: [] for name in targets}
+    from tqdm import tqdm
+
+    async with make_session(max(args.concurrency)) as session:
+        for c in args.concurrency:
+            for name, target in targets.items():
+                bar = tqdm(desc=f"{name:>11} c={c:<4}", unit="req", file=sys.stderr, leave=False,
+                           disable=args.quiet or None)  # fmt: skip
+
+                def progress(phase: str, done: int, errors: int, bar: Any = bar) -> None:
+                    bar.set_postfix_str(f"{phase}, {errors} errors", refresh=False)
+                    bar.update(done - bar.n)
+
+                stats, _ = await run_level(session, target, c, plan, source(args.prompts, args.seed), progress)
+                bar.close()
+                out[name].append(stats)
+                print(f"{name:>11} c={c:<4} {stats.output_tok_s:>10,.1f} tok/s  {stats.errors} errors",
+                      file=sys.stderr, flush=True)  # fmt: skip
+    return out
+
+
+def _crossovers(sweeps: Mapping[str, Sequence[LevelStats]], levels: Sequence[int]) -> tuple[Crossover, Crossover]:
+    spec, base = sweeps["speculative"], sweeps["baseline"]
+    tp = find_crossover("output_tok_s", levels, [s.output_tok_s for s in spec], [b.output_tok_s for b in base])
+    lat = find_crossover("mean_tpot_ms", levels, [s.mean_tpot_ms for s in spec], [b.mean_tpot_ms for b in base],
+                         higher_is_better=False)  # fmt: skip
+    return tp, lat
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k != "api_key"}
+
+
+async def cmd_sweep(args: argparse.Namespace) -> int:
+    sweeps = await sweep_targets({"target": args.url}, args)
+    print(level_table(f"sweep of {args.url}", sweeps["target"]))
+    if args.out:
+        write_json(args.out, {"settings": _settings(args), "levels": sweeps["target"]})
+    return 0
+
+
+async def cmd_compare(args: argparse.Namespace) -> int:
+    urls = {"speculative": args.speculative, "baseline": args.baseline, "specgate": args.proxy}
+    sweeps = await sweep_targets(urls, args)
+    tp, lat = _crossovers(sweeps, args.concurrency)
+    for name, rows in sweeps.items():
+        print(level_table(name, rows) + "\n")
+    print(compare_table(sweeps))
+    plot_compare(args.plot, sweeps, tp)
+    print(f"\nplot: {args.plot}")
+    if args.out:
+        write_json(args.out, {"settings": _settings(args), "sweeps": sweeps, "crossover": [tp, lat]})
+    return 0
+
+
+def _recommendation(
+    sweeps: Mapping[str, Sequence[LevelStats]], levels: Sequence[int]
+) -> tuple[Crossover, Crossover, Recommendation]:
+    tp, lat = _crossovers(sweeps, levels)
+    return tp, lat, recommend(tp, lat, max(levels))
+
+
+async def cmd_calibrate(args: argparse.Namespace) -> int:
+    sweeps = await sweep_targets({"speculative": args.speculative, "baseline": args.baseline}, args)
+    tp, lat, rec = _recommendation(sweeps, args.concurrency)
+    print(compare_table(sweeps) + "\n")
+    print(calibration_text(tp, lat, rec))
+    if args.out:
+        write_json(args.out, {"settings": _settings(args), "sweeps": sweeps, "crossover": [tp, lat],
+                              "recommendation": rec})  # fmt: skip
+    return 0
+
+
+async def cmd_demo(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out_dir)
+    spec_port, base_port, proxy_port = free_port(), free_port(), free_port()
+    procs: list[Proc] = []
+    t_start = time.monotonic()
+    try:
+        sim_args = ["-m", "loadtest.simulator", "pair", "--profile", args.profile, "--shared-gpu",
+                    "--time-scale", str(args.time_scale), "--speculative-port", str(spec_port),
+                    "--baseline-port", str(base_port), "--log-level", "warning"]  # fmt: skip
+        procs.append(start("simulators", sim_args, ready_url=f"http://127.0.0.1:{base_port}/health"))
+        urls = {"speculative": f"http://127.0.0.1:{spec_port}", "baseline": f"http://127.0.0.1:{base_port}"}
+        print(f"simulated pair up ({args.profile} profile, shared GPU, time scale {args.time_scale:g}); "
+              "calibrating...", file=sys.stderr)  # fmt: skip
+        sweeps = await sweep_targets(urls, args)
+        tp, lat, rec = _recommendation(sweeps, args.concurrency)
+        env = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(proxy_port),
+               "SPECGATE_SPECULATIVE_URL": urls["speculative"], "SPECGATE_BASELINE_URL": urls["baseline"],
+               "SPECGATE_HIGH_WATERMARK": str(rec.high), "SPECGATE_LOW_WATERMARK": str(rec.low),
+               "SPECGATE_LOG_LEVEL": "warning"}  # fmt: skip
+        proxy_url = f"http://127.0.0.1:{proxy_port}"
+        procs.append(start("specgate", ["-m", "proxy"], ready_url=proxy_url + "/ready", env=env))
+        print(f"specgate up with HIGH={rec.high} LOW={rec.low}; sweeping it...", file=sys.stderr)
+        sweeps.update(await sweep_targets({"specgate": proxy_url}, args))
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+    print(calibration_text(tp, lat, rec))
+    print(compare_table(sweeps))
+    first = {name: rows[0] for name, rows in sweeps.items()}
+    spec1, gate1 = first["speculative"], first["specgate"]
+    print(f"\nat concurrency {spec1.concurrency}: specgate/speculative TTFT "
+          f"{gate1.median_ttft_ms / spec1.median_ttft_ms:.3f}, ITL {gate1.median_itl_ms / spec1.median_itl_ms:.3f}"
+          " (median over median)")  # fmt: skip
+    plot = out_dir / "compare.png"
+    plot_compare(plot, sweeps, tp)
+    write_json(out_dir / "demo.json", {"settings": _settings(args), "sweeps": sweeps, "crossover": [tp, lat],
+                                       "recommendation": rec})  # fmt: skip
+    print(f"\nplot: {plot}   data: {out_dir / 'demo.json'}   ({time.monotonic() - t_start:.0f} s)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    command = {"sweep": cmd_sweep, "compare": cmd_compare, "calibrate": cmd_calibrate, "demo": cmd_demo}
+    try:
+        return asyncio.run(command[args.command](args))
+    except TargetUnreachable as exc:
+        print(f"loadtest: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"loadtest: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""One streaming request against an OpenAI-compatible server, timed as SGLang's bench_serving does.
+
+TTFT is the time to the first chunk with text; ITL the gaps between chunks with text; output
+tokens come from `usage` (the request asks for it), falling back to the count of text chunks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from .prompts import Prompt
+
+
+@dataclass
+class RequestResult:
+    started: float
+    finished: float = 0.0
+    ok: bool = False
+    error: str | None = None
+    ttft: float | None = None
+    # Arrival times of the chunks that carried text (absolute, time.monotonic()).
+    chunk_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    backend: str | None = None
+
+    @property
+    def latency(self) -> float:
+        return self.finished - self.started
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in itertools.pairwise(t)]
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str
+    model: str
+    chat: bool = True
+    api_key: str | None = None
+    max_tokens: int = 512
+    ignore_eos: bool = True
+
+    def endpoint(self) -> str:
+        return self.url.rstrip("/") + ("/v1/chat/completions" if self.chat else "/v1/completions")
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, prompt: Prompt) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            **prompt.body(self.chat),
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+
+async def stream_request(session: aiohttp.ClientSession, target: Target, prompt: Prompt) -> RequestResult:
+    result = RequestResult(started=time.monotonic())
+    text_chunks = 0
+    done = False
+    try:
+        async with session.post(target.endpoint(), json=target.body(prompt), headers=target.headers()) as resp:
+            result.backend = resp.headers.get("x-specgate-backend")
+            if resp.status != 200:
+                body = (await resp.read())[:300].decode("utf-8", "replace")
+                result.error = f"HTTP {resp.status}: {body}"
+                return result
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    break
+                event = orjson.loads(payload)
+                if "error" in event:
+                    result.error = f"stream error: {str(event['error'])[:200]}"
+                    return result
+                if _has_text(event):
+                    now = time.monotonic()
+                    if result.ttft is None:
+                        result.ttft = now - result.started
+                    result.chunk_times.append(now)
+                    text_chunks += 1
+                usage = event.get("usage")
+                if isinstance(usage, dict):
+                    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    result.output_tokens = int(usage.get("completion_tokens") or 0)
+    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+        return result
+    finally:
+        result.finished = time.monotonic()
+    if not done:
+        result.error = "stream ended without [DONE]"
+        return result
+    if not result.output_tokens:
+        result.output_tokens = text_chunks
+    result.ok = True
+    return result
+
+
+def _has_text(event: dict[str, Any]) -> bool:
+    choices = event.get("choices")
+    if not choices:
+        return False
+    choice = choices[0]
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+    return bool(text)

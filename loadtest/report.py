@@ -1,0 +1,116 @@
+"""Tables, JSON and plots of sweep results. Reporting only: nothing here measures."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .calibrate import Crossover, Recommendation
+from .stats import LevelStats
+
+
+def _f(value: float, digits: int = 1) -> str:
+    return "-" if math.isnan(value) else f"{value:,.{digits}f}"
+
+
+def level_table(title: str, rows: Sequence[LevelStats]) -> str:
+    head = (f"{'conc':>5} {'out tok/s':>10} {'req/s':>7} {'TTFT mean':>9} {'med':>7} {'p99':>7} "
+            f"{'ITL mean':>8} {'med':>6} {'p95':>6} {'p99':>6} {'TPOT':>6} {'E2E mean':>9} {'med':>8} "
+            f"{'err':>4}  backends")  # fmt: skip
+    lines = [title, head, "-" * len(head)]
+    for r in rows:
+        share = ", ".join(f"{b} {v:.0%}" for b, v in r.backend_share.items())
+        lines.append(
+            f"{r.concurrency:>5} {_f(r.output_tok_s):>10} {_f(r.request_per_s, 2):>7} {_f(r.mean_ttft_ms):>9} "
+            f"{_f(r.median_ttft_ms):>7} {_f(r.p99_ttft_ms):>7} {_f(r.mean_itl_ms):>8} {_f(r.median_itl_ms):>6} "
+            f"{_f(r.p95_itl_ms):>6} {_f(r.p99_itl_ms):>6} {_f(r.mean_tpot_ms):>6} {_f(r.mean_e2e_ms):>9} "
+            f"{_f(r.median_e2e_ms):>8} {r.errors:>4}  {share}"
+        )
+    lines.append("(times in ms; out tok/s from usage over the measurement window)")
+    return "\n".join(lines)
+
+
+def compare_table(sweeps: Mapping[str, Sequence[LevelStats]]) -> str:
+    spec, base = sweeps["speculative"], sweeps["baseline"]
+    proxy = sweeps.get("specgate")
+    head = f"{'conc':>5} {'speculative':>12} {'baseline':>10}"
+    if proxy is not None:
+        head += f" {'specgate':>10} {'vs better':>9} {'spec share':>10}"
+    lines = ["output tok/s by concurrency", head, "-" * len(head)]
+    for i, (s, b) in enumerate(zip(spec, base, strict=True)):
+        line = f"{s.concurrency:>5} {_f(s.output_tok_s):>12} {_f(b.output_tok_s):>10}"
+        if proxy is not None:
+            p = proxy[i]
+            better = max(s.output_tok_s, b.output_tok_s)
+            ratio = p.output_tok_s / better if better > 0 else math.nan
+            line += (f" {_f(p.output_tok_s):>10} {_f(ratio, 3):>9} "
+                     f"{p.backend_share.get('speculative', 0.0):>10.0%}")  # fmt: skip
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def calibration_text(throughput: Crossover, latency: Crossover, rec: Recommendation) -> str:
+    def describe(c: Crossover) -> str:
+        if c.verdict == "crosses":
+            return f"speculation stops paying at ~{c.at:.1f} streams"
+        return {"never_pays": "speculation never pays", "always_pays": "speculation pays at every level",
+                "no_data": "no data"}[c.verdict]  # fmt: skip
+
+    return (
+        f"throughput (output tok/s):  {describe(throughput)}\n"
+        f"per-request latency (TPOT): {describe(latency)}\n\n"
+        f"{rec.explanation}\n\nPaste into specgate's environment:\n\n{rec.env_lines()}"
+    )
+
+
+def to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {k: to_jsonable(v) for k, v in dataclasses.asdict(obj).items()}
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    return obj
+
+
+def write_json(path: str | Path, payload: Mapping[str, Any]) -> None:
+    Path(path).write_text(json.dumps(to_jsonable(payload), indent=2) + "\n")
+
+
+def plot_compare(path: str | Path, sweeps: Mapping[str, Sequence[LevelStats]], crossover: Crossover) -> None:
+    """Throughput, TTFT and ITL against concurrency for each target, the crossover marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - a dependency of the loadtest extra
+        raise SystemExit("plotting needs matplotlib: pip install 'specgate[loadtest]'") from exc
+    style = {"speculative": ("tab:orange", "--"), "baseline": ("tab:blue", "--"), "specgate": ("tab:green", "-")}
+    panels = (("output_tok_s", "output tok/s"), ("median_ttft_ms", "median TTFT (ms)"),
+              ("median_itl_ms", "median ITL (ms)"))  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), constrained_layout=True)
+    for ax, (field, label) in zip(axes, panels, strict=True):
+        for name, rows in sweeps.items():
+            color, ls = style.get(name, ("tab:gray", "-"))
+            ax.plot([r.concurrency for r in rows], [getattr(r, field) for r in rows], ls, marker="o",
+                    color=color, label=name, linewidth=2.5 if name == "specgate" else 1.5)  # fmt: skip
+        if crossover.verdict == "crosses" and crossover.at is not None:
+            ax.axvline(crossover.at, color="tab:red", linestyle=":", label=f"crossover ~{crossover.at:.0f}")
+        ax.set_xscale("log")
+        levels = sorted({r.concurrency for rows in sweeps.values() for r in rows})
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("specgate against each server alone")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

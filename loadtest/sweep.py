@@ -1,0 +1,125 @@
+"""Closed-loop load at fixed concurrency levels (like bench_serving --max-concurrency).
+
+Each level: `concurrency` workers each send a request as soon as their last one ended. Warm-up
+lasts until every worker has finished one request (so ramp-up and any routing transient are
+over) and at least `warmup_s`. Then the measurement window runs for `duration_s`, or until
+`requests` requests started inside it have finished. Then no new requests are sent and the ones
+in flight finish (drain), so every request that overlapped the window has its `usage`. Output
+throughput counts the tokens produced inside the window (see stats.tokens_in_window).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import aiohttp
+
+from .client import RequestResult, Target, stream_request
+from .prompts import Prompt
+from .stats import LevelStats, summarize
+
+# A worker whose request failed waits this long before the next, so a dead target is no busy loop.
+ERROR_BACKOFF_S = 0.05
+
+
+class TargetUnreachable(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class LevelPlan:
+    duration_s: float | None = 30.0
+    requests: int | None = None
+    warmup_s: float = 0.0
+    # Upper bounds, so a level always ends: warm-up and drain each stop waiting after this.
+    max_wait_s: float = 600.0
+
+
+Progress = Callable[[str, int, int], None]  # (phase, completed, errors)
+
+
+def make_session(concurrency: int) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_read=600))
+
+
+async def first_model(url: str, api_key: str | None) -> str:
+    """The first model the target lists; raises TargetUnreachable with a clear message."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s,
+            s.get(url.rstrip("/") + "/v1/models", headers=headers) as resp,
+        ):
+            if resp.status != 200:
+                raise TargetUnreachable(f"{url}/v1/models answered HTTP {resp.status}")
+            data = await resp.json(content_type=None)
+            return str(data["data"][0]["id"])
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise TargetUnreachable(f"cannot reach {url}: {exc}") from None
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise TargetUnreachable(f"{url}/v1/models did not list a model") from None
+
+
+async def run_level(
+    session: aiohttp.ClientSession,
+    target: Target,
+    concurrency: int,
+    plan: LevelPlan,
+    prompts: Iterator[Prompt],
+    progress: Progress | None = None,
+) -> tuple[LevelStats, list[RequestResult]]:
+    results: list[RequestResult] = []
+    first_done = 0
+    errors = 0
+    stop = asyncio.Event()
+    window: list[float] = []  # [t0] once measuring, [t0, t1] once done
+    start = time.monotonic()
+
+    def report(phase: str) -> None:
+        if progress is not None:
+            progress(phase, len(results), errors)
+
+    async def worker() -> None:
+        nonlocal first_done, errors
+        counted_first = False
+        while not stop.is_set():
+            r = await stream_request(session, target, next(prompts))
+            results.append(r)
+            if not counted_first:
+                counted_first = True
+                first_done += 1
+            if not r.ok:
+                errors += 1
+                await asyncio.sleep(ERROR_BACKOFF_S)
+            report("drain" if stop.is_set() else ("measure" if window else "warm-up"))
+
+    async def controller() -> None:
+        deadline = start + plan.max_wait_s
+        # Polling counters every 10 ms, bounded by the deadline, is simpler than an event per result.
+        while (first_done < concurrency or time.monotonic() - start < plan.warmup_s) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        window.append(t0)
+        if plan.requests is not None:
+            while time.monotonic() < t0 + plan.max_wait_s:
+                done = sum(1 for r in results if r.started >= t0)
+                if done >= plan.requests:
+                    break
+                await asyncio.sleep(0.01)
+        else:
+            await asyncio.sleep(plan.duration_s or 0.0)
+        window.append(time.monotonic())
+        stop.set()
+
+    workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    await controller()
+    _, pending = await asyncio.wait(workers, timeout=plan.max_wait_s)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    report("done")
+    return summarize(concurrency, results, window[0], window[1]), results

@@ -1,0 +1,65 @@
+"""The load generator end to end: real sweeps through the proxy and against simulators."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from loadtest.procs import free_port
+
+from .conftest import StartSim, StartStack
+
+QUICK = ["--duration-s", "1", "--max-tokens", "16", "--quiet"]
+
+
+def loadtest(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "loadtest", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_sweep_through_the_proxy(stack: StartStack, tmp_path: Path) -> None:
+    s = stack(SPECGATE_HIGH_WATERMARK="3", SPECGATE_LOW_WATERMARK="1")
+    out = tmp_path / "r.json"
+    proc = loadtest("sweep", "--url", s.url, "--concurrency", "1,6", *QUICK, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "out tok/s" in proc.stdout and "TTFT" in proc.stdout
+    data = json.loads(out.read_text())
+    one, six = data["levels"]
+    assert (one["concurrency"], six["concurrency"]) == (1, 6)
+    assert one["errors"] == six["errors"] == 0
+    assert one["output_tok_s"] > 0 and one["median_ttft_ms"] > 0 and one["p99_itl_ms"] > 0
+    assert one["backend_share"] == {"speculative": 1.0}
+    assert six["backend_share"].get("baseline", 0) > 0.5  # six streams sit above the high watermark
+    assert data["settings"]["max_tokens"] == 16
+
+
+def test_unreachable_target_exits_non_zero_with_a_message() -> None:
+    proc = loadtest("sweep", "--url", f"http://127.0.0.1:{free_port()}", *QUICK)
+    assert proc.returncode == 2
+    assert "cannot reach" in proc.stderr
+
+
+def _calibrate(simulator: StartSim, profile: str, tmp_path: Path) -> tuple[str, dict]:  # type: ignore[type-arg]
+    args = ("--profile", profile, "--time-scale", "2")
+    spec, base = simulator("speculative", *args), simulator("baseline", *args)
+    out = tmp_path / "cal.json"
+    proc = loadtest("calibrate", "--speculative", spec.url, "--baseline", base.url, "--concurrency", "1,10,30",
+                    "--endpoint", "completions", "--prompts", "fixed", *QUICK, "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_calibrate_finds_the_crossover(simulator: StartSim, tmp_path: Path) -> None:
+    stdout, data = _calibrate(simulator, "crossover", tmp_path)
+    rec = data["recommendation"]
+    assert rec["verdict"] == "crosses"
+    assert 10 <= rec["high"] < 30 and rec["low"] < rec["high"]  # the profile crosses at 20
+    assert f"SPECGATE_HIGH_WATERMARK={rec['high']}" in stdout
+
+
+def test_calibrate_says_when_speculation_never_pays(simulator: StartSim, tmp_path: Path) -> None:
+    stdout, data = _calibrate(simulator, "seed-parallel", tmp_path)
+    assert data["recommendation"]["verdict"] == "never_pays"
+    assert "SPECGATE_HIGH_WATERMARK=0" in stdout
+    assert "never paid" in stdout
