@@ -85,14 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plan(args: argparse.Namespace) -> LevelPlan:
-    return LevelPlan(duration_s=None if args.requests else args.duration_s, requests=args.requests,
-                     warmup_s=args.warmup_s)  # fmt: skip
+    return LevelPlan(
+        duration_s=None if args.requests else args.duration_s, requests=args.requests, warmup_s=args.warmup_s
+    )
 
 
 async def _target(url: str, args: argparse.Namespace) -> Target:
     model = args.model or await first_model(url, args.api_key)
-    return Target(url, model, chat=args.endpoint == "chat", api_key=args.api_key, max_tokens=args.max_tokens,
-                  ignore_eos=not args.no_ignore_eos)  # fmt: skip
+    return Target(
+        url,
+        model,
+        chat=args.endpoint == "chat",
+        api_key=args.api_key,
+        max_tokens=args.max_tokens,
+        ignore_eos=not args.no_ignore_eos,
+    )
 
 
 async def sweep_targets(urls: Mapping[str, str], args: argparse.Namespace) -> dict[str, list[LevelStats]]:
@@ -105,8 +112,9 @@ async def sweep_targets(urls: Mapping[str, str], args: argparse.Namespace) -> di
     async with make_session(max(args.concurrency)) as session:
         for c in args.concurrency:
             for name, target in targets.items():
-                bar = tqdm(desc=f"{name:>11} c={c:<4}", unit="req", file=sys.stderr, leave=False,
-                           disable=args.quiet or None)  # fmt: skip
+                bar = tqdm(
+                    desc=f"{name:>11} c={c:<4}", unit="req", file=sys.stderr, leave=False, disable=args.quiet or None
+                )
 
                 def progress(phase: str, done: int, errors: int, bar: Any = bar) -> None:
                     bar.set_postfix_str(f"{phase}, {errors} errors", refresh=False)
@@ -115,16 +123,20 @@ async def sweep_targets(urls: Mapping[str, str], args: argparse.Namespace) -> di
                 stats, _ = await run_level(session, target, c, plan, source(args.prompts, args.seed), progress)
                 bar.close()
                 out[name].append(stats)
-                print(f"{name:>11} c={c:<4} {stats.output_tok_s:>10,.1f} tok/s  {stats.errors} errors",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"{name:>11} c={c:<4} {stats.output_tok_s:>10,.1f} tok/s  {stats.errors} errors",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return out
 
 
 def _crossovers(sweeps: Mapping[str, Sequence[LevelStats]], levels: Sequence[int]) -> tuple[Crossover, Crossover]:
     spec, base = sweeps["speculative"], sweeps["baseline"]
     tp = find_crossover("output_tok_s", levels, [s.output_tok_s for s in spec], [b.output_tok_s for b in base])
-    lat = find_crossover("mean_tpot_ms", levels, [s.mean_tpot_ms for s in spec], [b.mean_tpot_ms for b in base],
-                         higher_is_better=False)  # fmt: skip
+    lat = find_crossover(
+        "mean_tpot_ms", levels, [s.mean_tpot_ms for s in spec], [b.mean_tpot_ms for b in base], higher_is_better=False
+    )
     return tp, lat
 
 
@@ -167,8 +179,9 @@ async def cmd_calibrate(args: argparse.Namespace) -> int:
     print(compare_table(sweeps) + "\n")
     print(calibration_text(tp, lat, rec))
     if args.out:
-        write_json(args.out, {"settings": _settings(args), "sweeps": sweeps, "crossover": [tp, lat],
-                              "recommendation": rec})  # fmt: skip
+        write_json(
+            args.out, {"settings": _settings(args), "sweeps": sweeps, "crossover": [tp, lat], "recommendation": rec}
+        )
     return 0
 
 
@@ -178,19 +191,39 @@ async def cmd_demo(args: argparse.Namespace) -> int:
     procs: list[Proc] = []
     t_start = time.monotonic()
     try:
-        sim_args = ["-m", "loadtest.simulator", "pair", "--profile", args.profile, "--shared-gpu",
-                    "--time-scale", str(args.time_scale), "--speculative-port", str(spec_port),
-                    "--baseline-port", str(base_port), "--log-level", "warning"]  # fmt: skip
+        sim_args = [
+            "-m",
+            "loadtest.simulator",
+            "pair",
+            "--profile",
+            args.profile,
+            "--shared-gpu",
+            "--time-scale",
+            str(args.time_scale),
+            "--speculative-port",
+            str(spec_port),
+            "--baseline-port",
+            str(base_port),
+            "--log-level",
+            "warning",
+        ]
         procs.append(start("simulators", sim_args, ready_url=f"http://127.0.0.1:{base_port}/health"))
         urls = {"speculative": f"http://127.0.0.1:{spec_port}", "baseline": f"http://127.0.0.1:{base_port}"}
-        print(f"simulated pair up ({args.profile} profile, shared GPU, time scale {args.time_scale:g}); "
-              "calibrating...", file=sys.stderr)  # fmt: skip
+        print(
+            f"simulated pair up ({args.profile} profile, shared GPU, time scale {args.time_scale:g}); calibrating...",
+            file=sys.stderr,
+        )
         sweeps = await sweep_targets(urls, args)
         tp, lat, rec = _recommendation(sweeps, args.concurrency)
-        env = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(proxy_port),
-               "SPECGATE_SPECULATIVE_URL": urls["speculative"], "SPECGATE_BASELINE_URL": urls["baseline"],
-               "SPECGATE_HIGH_WATERMARK": str(rec.high), "SPECGATE_LOW_WATERMARK": str(rec.low),
-               "SPECGATE_LOG_LEVEL": "warning"}  # fmt: skip
+        env = {
+            "SPECGATE_HOST": "127.0.0.1",
+            "SPECGATE_PORT": str(proxy_port),
+            "SPECGATE_SPECULATIVE_URL": urls["speculative"],
+            "SPECGATE_BASELINE_URL": urls["baseline"],
+            "SPECGATE_HIGH_WATERMARK": str(rec.high),
+            "SPECGATE_LOW_WATERMARK": str(rec.low),
+            "SPECGATE_LOG_LEVEL": "warning",
+        }
         proxy_url = f"http://127.0.0.1:{proxy_port}"
         procs.append(start("specgate", ["-m", "proxy"], ready_url=proxy_url + "/ready", env=env))
         print(f"specgate up with HIGH={rec.high} LOW={rec.low}; sweeping it...", file=sys.stderr)
@@ -202,13 +235,17 @@ async def cmd_demo(args: argparse.Namespace) -> int:
     print(compare_table(sweeps))
     first = {name: rows[0] for name, rows in sweeps.items()}
     spec1, gate1 = first["speculative"], first["specgate"]
-    print(f"\nat concurrency {spec1.concurrency}: specgate/speculative TTFT "
-          f"{gate1.median_ttft_ms / spec1.median_ttft_ms:.3f}, ITL {gate1.median_itl_ms / spec1.median_itl_ms:.3f}"
-          " (median over median)")  # fmt: skip
+    print(
+        f"\nat concurrency {spec1.concurrency}: specgate/speculative TTFT "
+        f"{gate1.median_ttft_ms / spec1.median_ttft_ms:.3f}, ITL {gate1.median_itl_ms / spec1.median_itl_ms:.3f}"
+        " (median over median)"
+    )
     plot = out_dir / "compare.png"
     plot_compare(plot, sweeps, tp)
-    write_json(out_dir / "demo.json", {"settings": _settings(args), "sweeps": sweeps, "crossover": [tp, lat],
-                                       "recommendation": rec})  # fmt: skip
+    write_json(
+        out_dir / "demo.json",
+        {"settings": _settings(args), "sweeps": sweeps, "crossover": [tp, lat], "recommendation": rec},
+    )
     print(f"\nplot: {plot}   data: {out_dir / 'demo.json'}   ({time.monotonic() - t_start:.0f} s)")
     return 0
 

@@ -27,8 +27,9 @@ def find_crossover(
     higher_is_better: bool = True,
 ) -> Crossover:
     """The first level where speculation no longer beats the baseline, interpolated linearly."""
-    points = [(c, s, b) for c, s, b in zip(levels, speculative, baseline, strict=True)
-              if not (math.isnan(s) or math.isnan(b))]  # fmt: skip
+    points = [
+        (c, s, b) for c, s, b in zip(levels, speculative, baseline, strict=True) if not (math.isnan(s) or math.isnan(b))
+    ]
     if not points:
         return Crossover(metric, "no_data")
     sign = 1.0 if higher_is_better else -1.0
@@ -65,21 +66,27 @@ def recommend(throughput: Crossover, latency: Crossover, max_level: int) -> Reco
     if "never_pays" in verdicts:
         which = "throughput" if throughput.verdict == "never_pays" else "per-request latency (TPOT)"
         return Recommendation(
-            0, 0, "never_pays",
+            0,
+            0,
+            "never_pays",
             f"Speculation never paid: the baseline was ahead on {which} from the lowest level measured. "
             "Send everything to the baseline (a high watermark of 0 does that).",
-        )  # fmt: skip
+        )
     crossings = [c.at for c in (throughput, latency) if c.verdict == "crosses" and c.at is not None]
     if not crossings:
         return Recommendation(
-            max_level, hysteresis_low(max_level), "always_pays",
+            max_level,
+            hysteresis_low(max_level),
+            "always_pays",
             f"Speculation paid at every level measured, up to {max_level} concurrent streams. Measure higher "
             "levels before raising the high watermark further.",
-        )  # fmt: skip
+        )
     at = min(crossings)
     high = max(1, math.floor(at))
     return Recommendation(
-        high, hysteresis_low(high), "crosses",
+        high,
+        hysteresis_low(high),
+        "crosses",
         f"Speculation stops paying at about {at:.1f} concurrent streams; new requests go to the baseline "
         f"from {high} in flight and return to speculation at {hysteresis_low(high)}.",
-    )  # fmt: skip
+    )

@@ -11,20 +11,40 @@ from typing import Any
 import orjson
 
 _TOPICS = (
-    "the history of the printing press", "how vaccines train the immune system", "writing a binary search in Rust",
-    "the causes of the French Revolution", "photosynthesis in C4 plants", "tax-efficient retirement saving",
-    "how TCP congestion control works", "a recipe for sourdough bread", "the plot of Moby-Dick",
-    "quantum entanglement for beginners", "designing a REST API for a library", "the economics of solar power",
-    "training for a first marathon", "how transformers compute attention", "the geology of Iceland",
-    "negotiating a salary offer", "SQL window functions with examples", "the life cycle of stars",
-    "caring for a bonsai tree", "the rules of cricket", "garbage collection in the JVM", "Roman aqueducts",
-    "debugging a memory leak in Python", "the water cycle", "Bach's Goldberg Variations",
-)  # fmt: skip
+    "the history of the printing press",
+    "how vaccines train the immune system",
+    "writing a binary search in Rust",
+    "the causes of the French Revolution",
+    "photosynthesis in C4 plants",
+    "tax-efficient retirement saving",
+    "how TCP congestion control works",
+    "a recipe for sourdough bread",
+    "the plot of Moby-Dick",
+    "quantum entanglement for beginners",
+    "designing a REST API for a library",
+    "the economics of solar power",
+    "training for a first marathon",
+    "how transformers compute attention",
+    "the geology of Iceland",
+    "negotiating a salary offer",
+    "SQL window functions with examples",
+    "the life cycle of stars",
+    "caring for a bonsai tree",
+    "the rules of cricket",
+    "garbage collection in the JVM",
+    "Roman aqueducts",
+    "debugging a memory leak in Python",
+    "the water cycle",
+    "Bach's Goldberg Variations",
+)
 _TASKS = (
-    "Explain {t} in detail.", "Write a short essay about {t}.", "Give me a step-by-step guide to {t}.",
-    "Summarise what an expert should know about {t}.", "Teach {t} to a curious teenager.",
+    "Explain {t} in detail.",
+    "Write a short essay about {t}.",
+    "Give me a step-by-step guide to {t}.",
+    "Summarise what an expert should know about {t}.",
+    "Teach {t} to a curious teenager.",
     "List common misconceptions about {t} and correct them.",
-)  # fmt: skip
+)
 _FILLER = (
     "Please be thorough, give concrete examples, and organise the answer with headings. "
     "Assume the reader is smart but new to the subject, and point out where people usually go wrong. "

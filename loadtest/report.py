@@ -18,9 +18,11 @@ def _f(value: float, digits: int = 1) -> str:
 
 
 def level_table(title: str, rows: Sequence[LevelStats]) -> str:
-    head = (f"{'conc':>5} {'out tok/s':>10} {'req/s':>7} {'TTFT mean':>9} {'med':>7} {'p99':>7} "
-            f"{'ITL mean':>8} {'med':>6} {'p95':>6} {'p99':>6} {'TPOT':>6} {'E2E mean':>9} {'med':>8} "
-            f"{'err':>4}  backends")  # fmt: skip
+    head = (
+        f"{'conc':>5} {'out tok/s':>10} {'req/s':>7} {'TTFT mean':>9} {'med':>7} {'p99':>7} "
+        f"{'ITL mean':>8} {'med':>6} {'p95':>6} {'p99':>6} {'TPOT':>6} {'E2E mean':>9} {'med':>8} "
+        f"{'err':>4}  backends"
+    )
     lines = [title, head, "-" * len(head)]
     for r in rows:
         share = ", ".join(f"{b} {v:.0%}" for b, v in r.backend_share.items())
@@ -47,8 +49,7 @@ def compare_table(sweeps: Mapping[str, Sequence[LevelStats]]) -> str:
             p = proxy[i]
             better = max(s.output_tok_s, b.output_tok_s)
             ratio = p.output_tok_s / better if better > 0 else math.nan
-            line += (f" {_f(p.output_tok_s):>10} {_f(ratio, 3):>9} "
-                     f"{p.backend_share.get('speculative', 0.0):>10.0%}")  # fmt: skip
+            line += f" {_f(p.output_tok_s):>10} {_f(ratio, 3):>9} {p.backend_share.get('speculative', 0.0):>10.0%}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -57,8 +58,11 @@ def calibration_text(throughput: Crossover, latency: Crossover, rec: Recommendat
     def describe(c: Crossover) -> str:
         if c.verdict == "crosses":
             return f"speculation stops paying at ~{c.at:.1f} streams"
-        return {"never_pays": "speculation never pays", "always_pays": "speculation pays at every level",
-                "no_data": "no data"}[c.verdict]  # fmt: skip
+        return {
+            "never_pays": "speculation never pays",
+            "always_pays": "speculation pays at every level",
+            "no_data": "no data",
+        }[c.verdict]
 
     return (
         f"throughput (output tok/s):  {describe(throughput)}\n"
@@ -93,14 +97,24 @@ def plot_compare(path: str | Path, sweeps: Mapping[str, Sequence[LevelStats]], c
     except ImportError as exc:  # pragma: no cover - a dependency of the loadtest extra
         raise SystemExit("plotting needs matplotlib: pip install 'specgate[loadtest]'") from exc
     style = {"speculative": ("tab:orange", "--"), "baseline": ("tab:blue", "--"), "specgate": ("tab:green", "-")}
-    panels = (("output_tok_s", "output tok/s"), ("median_ttft_ms", "median TTFT (ms)"),
-              ("median_itl_ms", "median ITL (ms)"))  # fmt: skip
+    panels = (
+        ("output_tok_s", "output tok/s"),
+        ("median_ttft_ms", "median TTFT (ms)"),
+        ("median_itl_ms", "median ITL (ms)"),
+    )
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), constrained_layout=True)
     for ax, (field, label) in zip(axes, panels, strict=True):
         for name, rows in sweeps.items():
             color, ls = style.get(name, ("tab:gray", "-"))
-            ax.plot([r.concurrency for r in rows], [getattr(r, field) for r in rows], ls, marker="o",
-                    color=color, label=name, linewidth=2.5 if name == "specgate" else 1.5)  # fmt: skip
+            ax.plot(
+                [r.concurrency for r in rows],
+                [getattr(r, field) for r in rows],
+                ls,
+                marker="o",
+                color=color,
+                label=name,
+                linewidth=2.5 if name == "specgate" else 1.5,
+            )
         if crossover.verdict == "crosses" and crossover.at is not None:
             ax.axvline(crossover.at, color="tab:red", linestyle=":", label=f"crossover ~{crossover.at:.0f}")
         ax.set_xscale("log")

@@ -24,8 +24,11 @@ from .relay import ProxyCall, RelayResponse
 if TYPE_CHECKING:
     from .app import Gate
 
-_EXACT: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
-                               "/generate": "generate"}  # fmt: skip
+_EXACT: dict[str, Endpoint] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/generate": "generate",
+}
 _JSON_TYPES = (b"application/json",)
 
 
@@ -71,9 +74,14 @@ async def handle(gate: Gate, scope: Scope, receive: Receive, send: Send) -> None
 
 
 async def _accept(
-    gate: Gate, scope: Scope, receive: Receive, headers: dict[bytes, bytes], request_id: str, endpoint: Endpoint,
+    gate: Gate,
+    scope: Scope,
+    receive: Receive,
+    headers: dict[bytes, bytes],
+    request_id: str,
+    endpoint: Endpoint,
     started: float,
-) -> ProxyCall:  # fmt: skip
+) -> ProxyCall:
     settings = gate.settings
     authorize(settings, headers.get(b"authorization", b""))
     body = await read_body(receive, headers.get(b"content-length"), settings)
@@ -151,8 +159,11 @@ async def read_body(receive: Receive, declared: bytes | None, settings: Settings
 async def send_error(gate: Gate, send: Send, err: ApiError, endpoint: Endpoint, request_id: str) -> None:
     gate.metrics.requests.labels("none", endpoint, code_class(err.status)).inc()
     body = err.body()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"x-request-id", request_id.encode("latin-1"))]  # fmt: skip
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", request_id.encode("latin-1")),
+    ]
     if err.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})

@@ -1,0 +1,339 @@
+"""Writes deploy/grafana/dashboards/specgate.json. Run it after changing a panel:
+
+    python deploy/grafana/make_dashboard.py
+
+Generated, not hand-edited, so every panel has the same units, legends and datasource, and a test
+checks that the committed JSON is what this script makes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+DS = {"type": "prometheus", "uid": "prometheus"}
+RATE = "$__rate_interval"
+SGLANG = "sglang[:_]"  # metric prefix up to SGLang 0.5.3 (`sglang:`) and from 0.5.4 (`sglang_`)
+
+
+def target(expr: str, legend: str, ref: str) -> dict[str, Any]:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, "range": True}
+
+
+def timeseries(
+    title: str,
+    desc: str,
+    targets: list[tuple[str, str]],
+    grid: tuple[int, int, int, int],
+    *,
+    unit: str = "short",
+    stack: bool = False,
+    overrides: list[dict[str, Any]] | None = None,
+    minimum: float | None = 0,
+    thresholds: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    x, y, w, h = grid
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "custom": {
+            "drawStyle": "line",
+            "lineWidth": 2,
+            "fillOpacity": 15 if stack else 5,
+            "showPoints": "never",
+            "stacking": {"mode": "normal" if stack else "none", "group": "A"},
+            "thresholdsStyle": {"mode": "line" if thresholds else "off"},
+        },
+        "thresholds": {"mode": "absolute", "steps": thresholds or [{"color": "green", "value": None}]},
+    }
+    if minimum is not None:
+        defaults["min"] = minimum
+    return {
+        "id": 0,
+        "type": "timeseries",
+        "title": title,
+        "description": desc,
+        "datasource": DS,
+        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "targets": [target(e, lg, chr(ord("A") + i)) for i, (e, lg) in enumerate(targets)],
+        "fieldConfig": {"defaults": defaults, "overrides": overrides or []},
+        "options": {
+            "legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+    }
+
+
+def stat(
+    title: str,
+    desc: str,
+    expr: str,
+    legend: str,
+    grid: tuple[int, int, int, int],
+    mappings: list[dict[str, Any]],
+    steps: list[dict[str, Any]],
+) -> dict[str, Any]:
+    x, y, w, h = grid
+    return {
+        "id": 0,
+        "type": "stat",
+        "title": title,
+        "description": desc,
+        "datasource": DS,
+        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "targets": [target(expr, legend, "A")],
+        "fieldConfig": {
+            "defaults": {
+                "mappings": mappings,
+                "thresholds": {"mode": "absolute", "steps": steps},
+                "color": {"mode": "thresholds"},
+            },
+            "overrides": [],
+        },
+        "options": {
+            "colorMode": "background",
+            "graphMode": "none",
+            "textMode": "value_and_name",
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+        },
+    }
+
+
+def row(title: str, y: int) -> dict[str, Any]:
+    return {
+        "id": 0,
+        "type": "row",
+        "title": title,
+        "collapsed": False,
+        "gridPos": {"x": 0, "y": y, "w": 24, "h": 1},
+        "panels": [],
+    }
+
+
+def quantiles(metric: str) -> list[tuple[str, str]]:
+    out = []
+    for q in ("0.5", "0.95"):
+        expr = f"histogram_quantile({q}, sum by (le, backend) (rate({metric}_bucket[{RATE}])))"
+        out.append((expr, f"{{{{backend}}}} p{int(float(q) * 100)}"))
+    return out
+
+
+def by_name(name: str, legend: str, agg: str = "sum by (backend)") -> tuple[str, str]:
+    return f'{agg} ({{__name__=~"{SGLANG}{name}"}})', legend
+
+
+def fixed_color(name: str, color: str, dashed: bool = False) -> dict[str, Any]:
+    props: list[dict[str, Any]] = [{"id": "color", "value": {"mode": "fixed", "fixedColor": color}}]
+    if dashed:
+        props.append({"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}})
+    return {"matcher": {"id": "byName", "options": name}, "properties": props}
+
+
+def panels() -> list[dict[str, Any]]:
+    up_map = [
+        {"type": "value", "options": {"0": {"text": "DOWN", "color": "red"}, "1": {"text": "UP", "color": "green"}}}
+    ]
+    mode_map = [
+        {
+            "type": "value",
+            "options": {"0": {"text": "baseline", "color": "blue"}, "1": {"text": "speculative", "color": "orange"}},
+        }
+    ]
+    mode_axis = {
+        "matcher": {"id": "byName", "options": "mode (1 speculative, 0 baseline)"},
+        "properties": [
+            {"id": "custom.axisPlacement", "value": "right"},
+            {"id": "min", "value": 0},
+            {"id": "max", "value": 1},
+            {"id": "custom.lineInterpolation", "value": "stepAfter"},
+            {"id": "custom.fillOpacity", "value": 20},
+            {"id": "color", "value": {"mode": "fixed", "fixedColor": "purple"}},
+            {"id": "decimals", "value": 0},
+        ],
+    }
+    return [
+        row("Routing", 0),
+        timeseries(
+            "Routing mode, load and watermarks",
+            "The load specgate compares with the watermarks, and the mode new requests get. Above the high "
+            "watermark new requests go to the baseline; they return to speculation at the low one.",
+            [
+                ("specgate_load", "load"),
+                ('specgate_watermark{level="high"}', "high watermark"),
+                ('specgate_watermark{level="low"}', "low watermark"),
+                ("specgate_routing_mode", "mode (1 speculative, 0 baseline)"),
+            ],
+            (0, 1, 16, 9),
+            unit="short",
+            overrides=[
+                fixed_color("load", "green"),
+                fixed_color("high watermark", "red", dashed=True),
+                fixed_color("low watermark", "orange", dashed=True),
+                mode_axis,
+            ],
+        ),
+        stat(
+            "Routing mode",
+            "Where new requests go now.",
+            "specgate_routing_mode",
+            "mode",
+            (16, 1, 8, 3),
+            mode_map,
+            [{"color": "blue", "value": None}, {"color": "orange", "value": 1}],
+        ),
+        stat(
+            "Backends up",
+            "specgate's view of each SGLang server's health.",
+            "specgate_backend_up",
+            "{{backend}}",
+            (16, 4, 8, 3),
+            up_map,
+            [{"color": "red", "value": None}, {"color": "green", "value": 1}],
+        ),
+        stat(
+            "Mode switches (1h)",
+            "Routing mode switches in the last hour; many means the watermarks are too close.",
+            "sum(increase(specgate_mode_switches_total[1h]))",
+            "switches",
+            (16, 7, 8, 3),
+            [],
+            [{"color": "green", "value": None}, {"color": "orange", "value": 30}, {"color": "red", "value": 120}],
+        ),
+        timeseries(
+            "Routing decisions per second by backend and reason",
+            "Every routing decision: light_load/heavy_load/hysteresis_hold by the policy, spillover, "
+            "only_healthy when a server is down, failover for retries.",
+            [
+                (
+                    f"sum by (backend, reason) (rate(specgate_routing_decisions_total[{RATE}]))",
+                    "{{backend}} / {{reason}}",
+                )
+            ],
+            (0, 10, 12, 8),
+            unit="reqps",
+            stack=True,
+        ),
+        timeseries(
+            "In-flight requests per backend",
+            "Requests specgate is relaying now, per server.",
+            [("sum by (backend) (specgate_inflight_requests)", "{{backend}}")],
+            (12, 10, 12, 8),
+            stack=True,
+        ),
+        row("Throughput and latency", 18),
+        timeseries(
+            "Output tokens per second",
+            "Output tokens relayed, from each response's usage, per server and in total.",
+            [
+                (f"sum by (backend) (rate(specgate_output_tokens_total[{RATE}]))", "{{backend}}"),
+                (f"sum(rate(specgate_output_tokens_total[{RATE}]))", "total"),
+            ],
+            (0, 19, 12, 8),
+            unit="none",
+            overrides=[fixed_color("total", "white", dashed=True)],
+        ),
+        timeseries(
+            "Requests per second by status",
+            "Responses by status class (backend none: answered by specgate).",
+            [(f"sum by (code) (rate(specgate_requests_total[{RATE}]))", "{{code}}")],
+            (12, 19, 12, 8),
+            unit="reqps",
+            stack=True,
+            overrides=[fixed_color("2xx", "green"), fixed_color("4xx", "orange"), fixed_color("5xx", "red")],
+        ),
+        timeseries(
+            "Time to first token, p50 and p95",
+            "Streams only: request received to first chunk relayed.",
+            quantiles("specgate_time_to_first_token_seconds"),
+            (0, 27, 8, 8),
+            unit="s",
+        ),
+        timeseries(
+            "Inter-chunk latency, p50 and p95",
+            "Gap between chunks relayed to the client (a speculative chunk often carries several tokens).",
+            quantiles("specgate_inter_chunk_latency_seconds"),
+            (8, 27, 8, 8),
+            unit="s",
+        ),
+        timeseries(
+            "End-to-end latency, p50 and p95",
+            "Request received to the end of its response.",
+            quantiles("specgate_request_duration_seconds"),
+            (16, 27, 8, 8),
+            unit="s",
+        ),
+        row("Failures", 35),
+        timeseries(
+            "Failovers, upstream errors, client disconnects",
+            "Retries on the other server, failures talking to a server by kind, and clients that left early "
+            "(their generations are aborted).",
+            [
+                (f"sum by (from, to) (rate(specgate_failovers_total[{RATE}]))", "failover {{from}} -> {{to}}"),
+                (
+                    f"sum by (backend, kind) (rate(specgate_upstream_errors_total[{RATE}]))",
+                    "error {{backend}} {{kind}}",
+                ),
+                (f"sum by (backend) (rate(specgate_client_disconnects_total[{RATE}]))", "disconnect {{backend}}"),
+            ],
+            (0, 36, 24, 8),
+            unit="reqps",
+            thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}],
+        ),
+        row("SGLang servers", 44),
+        timeseries(
+            "Speculative accept length",
+            "Tokens accepted per verification step (counts the bonus token; 1 means drafts are wasted).",
+            [by_name("spec_accept_length", "{{backend}}", "max by (backend)")],
+            (0, 45, 6, 8),
+            unit="none",
+            thresholds=[{"color": "red", "value": None}, {"color": "green", "value": 2}],
+        ),
+        timeseries(
+            "SGLang running and queued requests",
+            "As the servers report them (refreshed every 40 decode steps, frozen when idle).",
+            [by_name("num_running_reqs", "{{backend}} running"), by_name("num_queue_reqs", "{{backend}} queued")],
+            (6, 45, 6, 8),
+        ),
+        timeseries(
+            "SGLang KV cache usage",
+            "Share of the KV cache in use; near 1 the server queues requests.",
+            [by_name("token_usage", "{{backend}}", "max by (backend)")],
+            (12, 45, 6, 8),
+            unit="percentunit",
+            thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 0.9}],
+        ),
+        timeseries(
+            "SGLang generation throughput",
+            "Output tokens per second as each server reports it.",
+            [by_name("gen_throughput", "{{backend}}")],
+            (18, 45, 6, 8),
+            unit="none",
+        ),
+    ]
+
+
+def dashboard() -> dict[str, Any]:
+    numbered = panels()
+    for i, panel in enumerate(numbered, 1):
+        panel["id"] = i
+    return {
+        "uid": "specgate",
+        "title": "specgate",
+        "tags": ["specgate", "sglang"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "refresh": "5s",
+        "graphTooltip": 1,
+        "time": {"from": "now-30m", "to": "now"},
+        "templating": {"list": []},
+        "annotations": {"list": []},
+        "panels": numbered,
+    }
+
+
+if __name__ == "__main__":
+    out = Path(__file__).parent / "dashboards" / "specgate.json"
+    out.write_text(json.dumps(dashboard(), indent=2) + "\n")
+    print(f"wrote {out}")
