@@ -130,17 +130,30 @@ class RelayResponse(Response):
         assert task is not None
         state = {"gone": False, "done": False}
 
+        loop = asyncio.get_running_loop()
+        relay = _Relay(self.gate, self.call, send, state)
+        timeout = self.gate.settings.read_timeout_s
+
         async def watch() -> None:
+            # Waits for the client to go, and every half timeout checks that it still reads: a
+            # client that takes no bytes for read_timeout_s is dropped like a gone one, so its
+            # generation does not hold a GPU slot forever.
             while True:
-                message = await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), timeout / 2)
+                except TimeoutError:
+                    since = relay.sending_since
+                    if since is None or loop.time() - since < timeout or state["done"]:
+                        continue
+                    log.warning("request %s: client took no data for %.0f s", self.call.request_id, timeout)
+                    message = {"type": "http.disconnect"}
                 if message["type"] == "http.disconnect":
                     if not state["done"]:
                         state["gone"] = True
                         task.cancel()
                     return
 
-        watcher = asyncio.get_running_loop().create_task(watch())
-        relay = _Relay(self.gate, self.call, send, state)
+        watcher = loop.create_task(watch())
         try:
             await relay.run()
         except asyncio.CancelledError:
@@ -166,6 +179,8 @@ class _Relay:
         self.status = 0
         self.started_response = False
         self.complete = False
+        # When the send in progress began (None between sends): the watcher's slow-client check.
+        self.sending_since: float | None = None
 
     async def run(self) -> None:
         gate = self.gate
@@ -243,7 +258,9 @@ class _Relay:
         try:
             while chunk:
                 if out:
+                    self.sending_since = now
                     await self._send({"type": "http.response.body", "body": out, "more_body": True})
+                    self.sending_since = None
                 chunk = await up.read_chunk()
                 if not chunk:
                     break

@@ -1,0 +1,61 @@
+"""A misbehaving 'SGLang' for tests: `python -m tests.hostile_server PORT`. The request body's
+`mode` picks the misbehaviour; /health answers 200 so the proxy routes to it."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from aiohttp import web
+
+SSE = {"Content-Type": "text/event-stream"}
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    mode = body.get("mode")
+    if mode == "garbage_200":
+        return web.Response(body=b"\x00\xffnot json at all", content_type="application/json")
+    if mode == "huge":
+        return web.Response(body=b'{"pad":"' + b"x" * (48 * 1024 * 1024) + b'"}', content_type="application/json")
+    resp = web.StreamResponse(headers=SSE)
+    await resp.prepare(request)
+    if mode == "malformed_sse":
+        await resp.write(b"data: {not json\n\ndata: \xff\xfe\n\nevent: weird\nretry: x\n\ndata: [DONE]\n\n")
+    elif mode == "no_blank_lines":
+        for _ in range(64):
+            await resp.write(b"data: " + b"y" * 8192 + b"\n")  # never a blank line: one endless event
+    elif mode == "never_ends":
+        while True:  # ends when the client goes (the handler is cancelled)
+            await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":" x"}}]}\n\n')
+            await asyncio.sleep(0.01)
+    elif mode == "firehose":
+        event = b"data: " + b"z" * 65536 + b"\n\n"
+        while True:  # as fast as the reader takes it
+            await resp.write(event)
+    elif mode == "reset_mid_stream":
+        await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":" a"}}]}\n\n')
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+    await resp.write_eof()
+    return resp
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+async def main(port: int) -> None:
+    app = web.Application(client_max_size=1024**2)
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/chat/completions", generate)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(int(sys.argv[1])))
