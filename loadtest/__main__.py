@@ -81,7 +81,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out-dir", default="demo-results")
     _load_options(demo, levels="1,5,10,30,70")
     demo.set_defaults(duration_s=3.0, max_tokens=64)
+    chaos = sub.add_parser("chaos", help="soak specgate and simulators while servers die, stall and fail")
+    chaos.add_argument("--phase-s", type=float, default=20.0, help="length of each of the six phases")
+    chaos.add_argument("--concurrency", type=int, default=12)
+    chaos.add_argument("--time-scale", type=float, default=20.0)
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--memory-requests", type=int, default=500, help="N of the N vs 10 N memory check")
+    chaos.add_argument("--out", default=None, help="write the report as JSON here")
     return parser
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from .chaos import format_report, run_chaos
+
+    report = asyncio.run(run_chaos(args.phase_s, args.concurrency, args.time_scale, args.seed,
+                                   args.memory_requests))  # fmt: skip
+    print(format_report(report))
+    if args.out:
+        write_json(args.out, {"settings": vars(args), "report": report.to_dict(), "ok": report.ok})
+    return 0 if report.ok else 1
 
 
 def _plan(args: argparse.Namespace) -> LevelPlan:
@@ -252,6 +270,8 @@ async def cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "chaos":
+        return cmd_chaos(args)
     if args.command == "demo":
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     command = {"sweep": cmd_sweep, "compare": cmd_compare, "calibrate": cmd_calibrate, "demo": cmd_demo}
