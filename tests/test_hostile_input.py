@@ -133,3 +133,25 @@ def test_malformed_protocol_lines_are_rejected_cleanly(stack: StartStack) -> Non
             assert sock.recv(4096).startswith(b"HTTP/1.1 400")
     r = httpx.post(s.url + "/v1/completions", json={"prompt": "p", "max_tokens": 2})
     assert r.status_code == 200  # still serving
+
+
+def test_repeated_and_missing_headers(stack: StartStack) -> None:
+    s = stack(SPECGATE_API_KEYS="k")
+    url = s.url + "/v1/completions"
+    body = b'{"prompt": "p", "max_tokens": 2}'
+    # Repeated headers: the first one counts (a second key cannot sneak in behind a wrong first).
+    twice = [("Authorization", "Bearer wrong"), ("Authorization", "Bearer k"), ("Content-Type", "application/json")]
+    assert httpx.post(url, content=body, headers=twice).status_code == 401
+    ok = [
+        ("Authorization", "Bearer k"),
+        ("Authorization", "Bearer wrong"),
+        ("Content-Type", "application/json"),
+        ("Content-Type", "text/plain"),
+        ("X-Request-Id", "a"),
+        ("X-Request-Id", "b"),
+    ]
+    r = httpx.post(url, content=body, headers=ok)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "a"
+    # No Content-Type at all: a JSON body is still accepted.
+    assert httpx.post(url, content=body, headers={"Authorization": "Bearer k"}).status_code == 200
+    assert httpx.get(s.url + "/routing").json()["inflight"] == 0

@@ -276,6 +276,8 @@ def test_api_keys_and_upstream_key(stack: StartStack) -> None:
     assert [m.id for m in client(s.url, "k1").models.list()] == ["default"]
     assert httpx.get(s.url + "/health").status_code == 200
     assert scrape(s.url)["specgate_requests_total"] >= 5
+    # Only the requests with a valid key reached a server.
+    assert scrape(s.spec.url)["sglang:num_requests_total"] + scrape(s.base.url)["sglang:num_requests_total"] == 1
     assert routing(s)["backends"]["speculative"]["engine_load"] is not None  # scraped with the upstream key
 
 
@@ -288,6 +290,9 @@ def test_api_keys_and_upstream_key(stack: StartStack) -> None:
         (b'{"prompt":"p","stream":true,"stream_options":3}', {"Content-Type": "application/json"}, 400, "invalid_type"),
         (b'{"prompt":"p"}', {"Content-Type": "text/plain"}, 415, "unsupported_media_type"),
         (b'{"prompt":"' + b"x" * 5000 + b'"}', {"Content-Type": "application/json"}, 413, "request_too_large"),
+        (b'{"prompt":' + b"[" * 1500 + b"]" * 1500 + b"}", {"Content-Type": "application/json"}, 400, "invalid_json"),
+        (b'{"prompt":"\xff\xfe"}', {"Content-Type": "application/json"}, 400, "invalid_json"),
+        (b"", {"Content-Type": "application/json"}, 400, "invalid_json"),
     ],
 )
 def test_bad_input_gets_openai_errors(
