@@ -88,7 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--seed", type=int, default=0)
     chaos.add_argument("--memory-requests", type=int, default=500, help="N of the N vs 10 N memory check")
     chaos.add_argument("--out", default=None, help="write the report as JSON here")
+    overhead = sub.add_parser("overhead", help="specgate's own cost per hop, beside nginx and direct")
+    overhead.add_argument("--reps", type=int, default=3)
+    overhead.add_argument("--no-nginx", action="store_true")
+    overhead.add_argument("--out", default=None, help="write every sample as JSON here")
     return parser
+
+
+def cmd_overhead(args: argparse.Namespace) -> int:
+    from .overhead import format_results, run_overhead
+
+    results = run_overhead(args.reps, nginx=not args.no_nginx)
+    print(format_results(results))
+    if args.out:
+        write_json(args.out, {"settings": vars(args), "results": results})
+    return 0
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
@@ -272,6 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "chaos":
         return cmd_chaos(args)
+    if args.command == "overhead":
+        return cmd_overhead(args)
     if args.command == "demo":
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     command = {"sweep": cmd_sweep, "compare": cmd_compare, "calibrate": cmd_calibrate, "demo": cmd_demo}
