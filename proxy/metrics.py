@@ -6,9 +6,10 @@ every combination is created up front so dashboards see zeros instead of missing
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from .policy import BACKENDS, REASONS, Backend, other
 
@@ -92,7 +93,16 @@ class Metrics:
             buckets=CHUNK_BUCKETS,
             registry=r,
         )
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._prime()
+
+    def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        """`metric.labels(*labels)`, cached: the per-request and per-chunk paths call this."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def _prime(self) -> None:
         for b in BACKENDS:

@@ -135,24 +135,27 @@ class RelayResponse(Response):
         timeout = self.gate.settings.read_timeout_s
 
         async def watch() -> None:
-            # Waits for the client to go, and every half timeout checks that it still reads: a
-            # client that takes no bytes for read_timeout_s is dropped like a gone one, so its
-            # generation does not hold a GPU slot forever.
             while True:
-                try:
-                    message = await asyncio.wait_for(receive(), timeout / 2)
-                except TimeoutError:
-                    since = relay.sending_since
-                    if since is None or loop.time() - since < timeout or state["done"]:
-                        continue
-                    log.warning("request %s: client took no data for %.0f s", self.call.request_id, timeout)
-                    message = {"type": "http.disconnect"}
+                message = await receive()
                 if message["type"] == "http.disconnect":
                     if not state["done"]:
                         state["gone"] = True
                         task.cancel()
                     return
 
+        def check_reader() -> None:
+            # Every half timeout: a client that took no bytes for read_timeout_s is dropped like a
+            # gone one, so its generation does not hold a GPU slot forever. A timer, not a timeout
+            # around receive(): that would cost a task per request.
+            since = relay.sending_since
+            if since is not None and loop.time() - since >= timeout and not state["done"]:
+                log.warning("request %s: client took no data for %.0f s", self.call.request_id, timeout)
+                state["gone"] = True
+                task.cancel()
+                return
+            timers[0] = loop.call_later(timeout / 2, check_reader)
+
+        timers = [loop.call_later(timeout / 2, check_reader)]
         watcher = loop.create_task(watch())
         try:
             await relay.run()
@@ -162,6 +165,7 @@ class RelayResponse(Response):
             relay.client_gone()
         finally:
             watcher.cancel()
+            timers[0].cancel()
             relay.finish()
 
 
@@ -248,13 +252,13 @@ class _Relay:
         now = loop.time()
         timed = call.stream and up.status == 200
         if timed and first:
-            gate.metrics.ttft.labels(backend).observe(now - call.started)
+            gate.metrics.child(gate.metrics.ttft, backend).observe(now - call.started)
         keep_body = not is_sse and up.status == 200 and "json" in up.content_type
         body_parts = [first] if keep_body else []
         kept = len(first)
         out = sse.feed(first) if sse is not None else first
         chunk = first
-        inter_chunk = gate.metrics.inter_chunk.labels(backend)
+        inter_chunk = gate.metrics.child(gate.metrics.inter_chunk, backend)
         try:
             while chunk:
                 if out:
@@ -294,8 +298,8 @@ class _Relay:
             except orjson.JSONDecodeError:
                 usage = None
         if usage is not None:
-            gate.metrics.prompt_tokens.labels(backend).inc(usage[0])
-            gate.metrics.output_tokens.labels(backend).inc(usage[1])
+            gate.metrics.child(gate.metrics.prompt_tokens, backend).inc(usage[0])
+            gate.metrics.child(gate.metrics.output_tokens, backend).inc(usage[1])
 
     def _own_headers(self, backend: Backend | None, reason: Reason) -> list[tuple[bytes, bytes]]:
         out = [(b"x-request-id", self.call.request_id.encode("latin-1")), (b"x-specgate-reason", reason.encode())]
@@ -343,10 +347,10 @@ class _Relay:
         m = self.gate.metrics
         label = self.backend or "none"
         status = self.status if self.complete else 499
-        m.requests.labels(label, self.call.endpoint, code_class(status)).inc()
+        m.child(m.requests, label, self.call.endpoint, code_class(status)).inc()
         if self.backend is not None:
             loop_time = asyncio.get_running_loop().time()
-            m.duration.labels(self.backend, self.call.endpoint).observe(loop_time - self.call.started)
+            m.child(m.duration, self.backend, self.call.endpoint).observe(loop_time - self.call.started)
 
 
 __all__ = ["ProxyCall", "RelayResponse", "SseRelay", "error_body", "usage_of"]

@@ -44,7 +44,7 @@ class Router:
     def decide(self) -> Decision:
         decision = decide(self.snapshot(), self.state, self.cfg)
         self._set_state(decision.state)
-        self._metrics.decisions.labels(decision.backend or "none", decision.reason).inc()
+        self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
         return decision
 
     def admit(self, backend: Backend) -> Lease:
@@ -60,17 +60,21 @@ class Router:
 
     def refresh(self) -> None:
         """Re-apply the hysteresis after load or health changed, so the mode gauge tells the truth."""
-        snap = self.snapshot()
-        load = total_load(snap, self.cfg.load_signal)
+        if self.cfg.load_signal == "local":
+            # The common case, on every admit and release: no snapshot to build.
+            load, spec_load = self.tracker.total, self.tracker.count("speculative")
+        else:
+            snap = self.snapshot()
+            load = total_load(snap, self.cfg.load_signal)
+            spec_load = backend_load(snap, "speculative", self.cfg.load_signal)
         self._metrics.load.set(load)
         if self.cfg.policy == "threshold":
             self._set_state(next_mode(load, self.state, self.cfg))
         else:
-            room = backend_load(snap, "speculative", self.cfg.load_signal) < self.cfg.spillover_limit
-            self._set_state(PolicyState("speculative" if room else "baseline"))
+            self._set_state(PolicyState("speculative" if spec_load < self.cfg.spillover_limit else "baseline"))
 
     def _inflight_changed(self, backend: Backend, count: int) -> None:
-        self._metrics.inflight.labels(backend).set(count)
+        self._metrics.child(self._metrics.inflight, backend).set(count)
         self.refresh()
 
     def _set_state(self, state: PolicyState) -> None:
