@@ -141,7 +141,7 @@ async def sweep_targets(urls: Mapping[str, str], args: argparse.Namespace) -> di
     out: dict[str, list[LevelStats]] = {name: [] for name in targets}
     from tqdm import tqdm
 
-    async with make_session(max(args.concurrency)) as session:
+    async with make_session() as session:
         for c in args.concurrency:
             for name, target in targets.items():
                 bar = tqdm(

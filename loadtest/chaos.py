@@ -63,14 +63,6 @@ class ChaosReport:
         return out
 
 
-def _rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 async def _metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -256,9 +248,9 @@ async def run_chaos(phase_s: float = 3.0, concurrency: int = 12, time_scale: flo
                 await asyncio.gather(*(w(n // 10) for _ in range(10)))
 
             await burst(memory_requests)
-            report.rss_after_n_mib = _rss_mib(proxy.pid)
+            report.rss_after_n_mib = proxy.rss_mib()
             await burst(memory_requests * 9)
-            report.rss_after_10n_mib = _rss_mib(proxy.pid)
+            report.rss_after_10n_mib = proxy.rss_mib()
             report.memory_requests = memory_requests * 10
     finally:
         if proxy is not None:

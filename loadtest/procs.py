@@ -56,6 +56,14 @@ class Proc:
                 self.popen.wait()
         return self.popen.returncode
 
+    def rss_mib(self) -> float:
+        """Resident memory now (Linux)."""
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        raise RuntimeError(f"no VmRSS for {self.name}")
+
     def cpu_seconds(self) -> float:
         """User plus system CPU time so far (Linux)."""
         with open(f"/proc/{self.pid}/stat") as f:

@@ -41,7 +41,7 @@ class LevelPlan:
 Progress = Callable[[str, int, int], None]  # (phase, completed, errors)
 
 
-def make_session(concurrency: int) -> aiohttp.ClientSession:
+def make_session() -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_read=600))
 

@@ -22,7 +22,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .errors import ApiError, error_body, sse_error
+from .errors import ApiError, sse_error
 from .inflight import Lease
 from .metrics import Endpoint, code_class
 from .policy import Backend, Reason, other
@@ -181,7 +181,6 @@ class _Relay:
         self.backend: Backend | None = None
         self.upstream: UpstreamResponse | None = None
         self.status = 0
-        self.started_response = False
         self.complete = False
         # When the send in progress began (None between sends): the watcher's slow-client check.
         self.sending_since: float | None = None
@@ -247,7 +246,6 @@ class _Relay:
             headers = [(k, v) for k, v in headers if k != b"content-length"]
         headers += self._own_headers(backend, reason)
         await self._send({"type": "http.response.start", "status": up.status, "headers": headers})
-        self.started_response = True
         loop = asyncio.get_running_loop()
         now = loop.time()
         timed = call.stream and up.status == 200
@@ -319,7 +317,6 @@ class _Relay:
                 "headers": headers + self._own_headers(backend, reason),
             }
         )
-        self.started_response = True
         self._state["done"] = True
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
         self.complete = True
@@ -351,6 +348,3 @@ class _Relay:
         if self.backend is not None:
             loop_time = asyncio.get_running_loop().time()
             m.child(m.duration, self.backend, self.call.endpoint).observe(loop_time - self.call.started)
-
-
-__all__ = ["ProxyCall", "RelayResponse", "SseRelay", "error_body", "usage_of"]

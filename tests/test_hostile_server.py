@@ -16,14 +16,6 @@ from .conftest import StartSim
 from .helpers import scrape
 
 
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.fixture
 def hostile(simulator: StartSim) -> Iterator[tuple[str, Proc]]:
     """specgate whose speculative server misbehaves (the baseline is a simulator)."""
@@ -71,14 +63,14 @@ def test_garbage_with_200_is_relayed_and_usage_skipped(hostile: tuple[str, Proc]
 
 def test_huge_response_streams_through_in_bounded_memory(hostile: tuple[str, Proc]) -> None:
     url, proxy = hostile
-    before = rss_mib(proxy.pid)
+    before = proxy.rss_mib()
     size = 0
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
                       json={"mode": "huge", "messages": [{"role": "user", "content": "x"}]}) as r:  # fmt: skip
         for chunk in r.iter_raw():
             size += len(chunk)
     assert size > 48 * 1024 * 1024
-    assert rss_mib(proxy.pid) - before < 40  # relayed, not buffered (the body is 48 MiB)
+    assert proxy.rss_mib() - before < 40  # relayed, not buffered (the body is 48 MiB)
     still_healthy(url)
 
 
