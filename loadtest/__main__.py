@@ -91,14 +91,26 @@ def build_parser() -> argparse.ArgumentParser:
     overhead = sub.add_parser("overhead", help="specgate's own cost per hop, beside nginx and direct")
     overhead.add_argument("--reps", type=int, default=3)
     overhead.add_argument("--no-nginx", action="store_true")
+    overhead.add_argument("--peers-venv", default=None,
+                          help="a venv with litellm[proxy] and sglang-router (scripts/install-peers); "
+                               "default: .venv-peers beside this venv, when it exists")  # fmt: skip
+    overhead.add_argument("--no-peers", action="store_true", help="measure neither LiteLLM nor sglang-router")
+    overhead.add_argument("--only", action="append", default=None, metavar="TEXT",
+                          help="run only the scenarios whose name contains TEXT (repeatable)")  # fmt: skip
     overhead.add_argument("--out", default=None, help="write every sample as JSON here")
     return parser
 
 
 def cmd_overhead(args: argparse.Namespace) -> int:
-    from .overhead import format_results, run_overhead
+    from .overhead import SCENARIOS, default_peers_venv, format_results, run_overhead
 
-    results = run_overhead(args.reps, nginx=not args.no_nginx)
+    peers = None if args.no_peers else (Path(args.peers_venv) if args.peers_venv else default_peers_venv())
+    scenarios = tuple(sc for sc in SCENARIOS if not args.only or any(t in sc.name for t in args.only))
+    if not scenarios:
+        print(f"loadtest: no scenario matches {args.only}; there are: {', '.join(sc.name for sc in SCENARIOS)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    results = run_overhead(args.reps, nginx=not args.no_nginx, peers_venv=peers, scenarios=scenarios)
     print(format_results(results))
     if args.out:
         write_json(args.out, {"settings": vars(args), "results": results})

@@ -1,36 +1,63 @@
-"""What one hop through specgate costs, beside the practical limit of a proxy hop (nginx).
+"""What one hop through specgate costs, beside the practical limit of a proxy hop (nginx) and the
+peers users would deploy instead (LiteLLM's proxy, SGLang's Rust router) when they are installed.
 
-    python -m loadtest overhead [--reps 3] [--no-nginx]
+    python -m loadtest overhead [--reps 3] [--no-nginx] [--peers-venv .venv-peers]
 
-Starts a zero-delay backend (the simulator with its delays off), specgate in front of it (both
-backend URLs point at it), and nginx as a plain reverse proxy (Debian's nginx-light, configured
-here on loopback). Load comes from this process; backend and proxies are separate processes.
-Targets alternate within each repetition so machine drift hits all alike; each figure is the
-median over repetitions.
+Starts a backend (the simulator with its delays off), specgate in front of it (both backend URLs
+point at it), nginx as a plain reverse proxy (Debian's nginx-light, configured here on loopback,
+one process), and each peer found. Load comes from this process (a bare HTTP/1.1 client, see
+rawclient.py); backend and proxies are separate processes. Targets alternate within each
+repetition so machine drift hits all alike; each figure is the median over repetitions.
 
-Scenarios: non-streaming small responses at concurrency 1 and 50 (req/s, p50/p99 latency,
-added latency = through a target minus direct); streaming 64-token responses at concurrency 1,
-50 and 250 (TTFT and inter-chunk latency added, chunks/s relayed); CPU seconds of the proxy
-process per 1,000 requests. The load generator's own CPU is printed: at 100% of a core its
-figures would measure the generator, not the target.
+Scenarios: non-streaming small responses at concurrency 1 and 50 (req/s, p50/p99 latency, added
+latency = through a target minus direct); streaming 64-token responses at concurrency 1, 50 and
+250 (TTFT and inter-chunk latency added, chunks/s relayed); CPU seconds of each proxy process per
+1,000 requests. With a zero-delay backend the streams run as fast as the CPUs allow, so at 250
+streams every process is saturated and inter-chunk gaps measure throughput, not latency. The
+`paced` scenario is the one for latency: the backend decodes in batched steps of a fixed length,
+as a GPU server does, and every chunk of every stream must cross the hop within its step.
+The load generator's own CPU is printed: near 100% of a core its figures would measure the
+generator, not the target.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import resource
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
+import orjson
+import uvloop
 
-from .procs import Proc, free_port, simulator_args, start
+from .procs import Proc, free_port, http_status, simulator_args, start
+from .rawclient import Exchange, RawClient, post
 from .stats import percentile
+
+MODEL = "sim"
+# LiteLLM's proxy refuses to start without a master key; clients then send it.
+_LITELLM_KEY = "sk-overhead-benchmark"
+# A one-word tokenizer in Hugging Face's format, for sglang-router.
+_TOKENIZER: dict[str, object] = {
+    "version": "1.0",
+    "truncation": None,
+    "padding": None,
+    "added_tokens": [],
+    "normalizer": None,
+    "pre_tokenizer": {"type": "Whitespace"},
+    "post_processor": None,
+    "decoder": None,
+    "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "p": 1}, "unk_token": "[UNK]"},
+}
 
 
 @dataclass(frozen=True)
@@ -40,6 +67,16 @@ class Scenario:
     stream: bool
     max_tokens: int
     requests: int
+    # The backend's decode step in ms (every stream gets a token per step); 0: no delay at all.
+    pace_ms: float = 0.0
+    # Response lengths spread evenly over max_tokens +- spread. With one length for all, streams
+    # that start together end together, and every request of a paced run arrives in one herd.
+    spread: int = 0
+
+    def lengths(self) -> list[int]:
+        if not self.spread:
+            return [self.max_tokens]
+        return list(range(self.max_tokens - self.spread, self.max_tokens + self.spread + 1, max(1, self.spread // 8)))
 
 
 SCENARIOS = (
@@ -48,6 +85,7 @@ SCENARIOS = (
     Scenario("stream64 c=1", 1, True, 64, 200),
     Scenario("stream64 c=50", 50, True, 64, 1500),
     Scenario("stream64 c=250", 250, True, 64, 2500),
+    Scenario("paced64 c=250", 250, True, 64, 1500, pace_ms=20.0, spread=32),
 )
 
 
@@ -63,6 +101,8 @@ class Sample:
     target_cpu_per_1k_s: float = float("nan")
     client_cpu: float = 0.0
     errors: int = 0
+    # Chunks lost on the way: fewer SSE data events than the backend sent.
+    missing_chunks: int = 0
 
 
 @dataclass
@@ -75,76 +115,91 @@ class Result:
         return float(statistics.median(getattr(s, attr) for s in self.samples))
 
 
+@dataclass
+class Target:
+    name: str
+    port: int
+    proc: Proc | None  # the process whose CPU is the hop's cost (None: the backend itself)
+    headers: dict[str, str] = field(default_factory=dict)
+
+
 def _client_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
 
-async def _run(url: str, sc: Scenario, proc: Proc | None) -> Sample:
-    body = {"prompt": "p", "max_tokens": sc.max_tokens, "stream": sc.stream}
+async def _run(target: Target, sc: Scenario) -> Sample:
+    requests = [
+        (n, post("127.0.0.1", target.port, "/v1/completions", orjson.dumps(
+            {"model": MODEL, "prompt": "p", "max_tokens": n, "stream": sc.stream, "ignore_eos": True}), target.headers))
+        for n in sc.lengths()
+    ]  # fmt: skip
     latencies: list[float] = []
     ttfts: list[float] = []
     gaps: list[float] = []
-    chunks = 0
-    errors = 0
+    chunks = errors = missing = 0
     per_worker = max(1, sc.requests // sc.concurrency)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    clients = [RawClient("127.0.0.1", target.port) for _ in range(sc.concurrency)]
 
-        async def worker() -> None:
-            nonlocal chunks, errors
-            for _ in range(per_worker):
-                t0 = time.perf_counter()
-                try:
-                    async with session.post(url + "/v1/completions", json=body) as r:
-                        if r.status != 200:
-                            errors += 1
-                            await r.read()
-                            continue
-                        if not sc.stream:
-                            await r.read()
-                        else:
-                            last = None
-                            async for line in r.content:
-                                if not line.startswith(b"data: {"):
-                                    continue
-                                now = time.perf_counter()
-                                if last is None:
-                                    ttfts.append(now - t0)
-                                else:
-                                    gaps.append(now - last)
-                                last = now
-                                chunks += 1
-                except aiohttp.ClientError:
-                    errors += 1
-                    continue
-                latencies.append(time.perf_counter() - t0)
+    async def one(client: RawClient, request: bytes) -> tuple[float, Exchange | None]:
+        t0 = time.perf_counter()
+        try:
+            return t0, await client.send(request)
+        except OSError:
+            client.close()
+            return t0, None
 
-        # Warm the keep-alive pools before timing.
-        await asyncio.gather(
-            *(session.post(url + "/v1/completions", json=body) for _ in range(min(sc.concurrency, 20)))
-        )
-        cpu0 = proc.cpu_seconds() if proc else 0.0
+    async def worker(i: int, client: RawClient) -> None:
+        nonlocal chunks, errors, missing
+        for j in range(per_worker):
+            n, request = requests[(i + j) % len(requests)]
+            t0, ex = await one(client, request)
+            if ex is None or ex.status != 200:
+                errors += 1
+                continue
+            latencies.append(time.perf_counter() - t0)
+            if sc.stream:
+                ev = ex.events
+                # The backend sends one data event per token plus the final usage event.
+                missing += max(0, n + 1 - len(ev))
+                if ev:
+                    ttfts.append(ev[0] - t0)
+                    # The last event (finish_reason, no text) follows the last token at once: not a gap.
+                    gaps.extend(b - a for a, b in itertools.pairwise(ev[:-1]))
+                chunks += len(ev)
+
+    try:
+        # Open every connection and warm the target before timing.
+        await asyncio.gather(*(one(c, requests[0][1]) for c in clients))
+        cpu0 = target.proc.cpu_seconds() if target.proc else 0.0
         c0, t0 = _client_cpu(), time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(sc.concurrency)))
+        await asyncio.gather(*(worker(i, c) for i, c in enumerate(clients)))
         wall = time.perf_counter() - t0
         client = (_client_cpu() - c0) / wall
-        cpu = (proc.cpu_seconds() - cpu0) if proc else float("nan")
+        cpu = (target.proc.cpu_seconds() - cpu0) if target.proc else float("nan")
+    finally:
+        for c in clients:
+            c.close()
     n = len(latencies)
     ms = [x * 1000 for x in latencies]
+    gap_ms = [x * 1000 for x in gaps]
     return Sample(
-        req_s=n / wall, p50_ms=percentile(ms, 50), p99_ms=percentile(ms, 99),
+        req_s=n / wall, p50_ms=percentile(ms, 50) if ms else float("nan"),
+        p99_ms=percentile(ms, 99) if ms else float("nan"),
         ttft_p50_ms=percentile([x * 1000 for x in ttfts], 50) if ttfts else float("nan"),
-        chunk_p50_ms=percentile([x * 1000 for x in gaps], 50) if gaps else float("nan"),
-        chunk_p99_ms=percentile([x * 1000 for x in gaps], 99) if gaps else float("nan"),
+        chunk_p50_ms=percentile(gap_ms, 50) if gaps else float("nan"),
+        chunk_p99_ms=percentile(gap_ms, 99) if gaps else float("nan"),
         chunks_s=chunks / wall if sc.stream else float("nan"),
-        target_cpu_per_1k_s=cpu / n * 1000 if n and proc else float("nan"), client_cpu=client, errors=errors,
+        target_cpu_per_1k_s=cpu / n * 1000 if n and target.proc else float("nan"), client_cpu=client,
+        errors=errors, missing_chunks=missing,
     )  # fmt: skip
 
 
 def _nginx_conf(port: int, backend_port: int, workdir: Path) -> Path:
+    # One process (no master) so that its CPU can be read like the others'.
     conf = workdir / "nginx.conf"
     conf.write_text(f"""
+master_process off;
 worker_processes 1;
 pid {workdir}/nginx.pid;
 error_log {workdir}/error.log warn;
@@ -170,63 +225,154 @@ http {{
     return conf
 
 
-def run_overhead(reps: int = 3, nginx: bool = True, scenarios: tuple[Scenario, ...] = SCENARIOS) -> list[Result]:
-    backend_port, proxy_port, nginx_port = free_port(), free_port(), free_port()
-    procs: list[Proc] = []
-    targets: dict[str, tuple[str, Proc | None]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            backend = start("backend", simulator_args("baseline", backend_port, "--ttft-base-ms", "0",
-                                                      "--time-scale", "1000", "--max-running-requests", "4096"),
-                            ready_url=f"http://127.0.0.1:{backend_port}/health")  # fmt: skip
-            procs.append(backend)
-            targets["direct"] = (f"http://127.0.0.1:{backend_port}", backend)
-            env = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(proxy_port), "SPECGATE_LOG_LEVEL": "warning",
-                   "SPECGATE_SPECULATIVE_URL": f"http://127.0.0.1:{backend_port}",
-                   "SPECGATE_BASELINE_URL": f"http://127.0.0.1:{backend_port}",
-                   "SPECGATE_HIGH_WATERMARK": "100000", "SPECGATE_LOW_WATERMARK": "1"}  # fmt: skip
-            gate = start("specgate", ["-m", "proxy"], ready_url=f"http://127.0.0.1:{proxy_port}/ready", env=env)
-            procs.append(gate)
-            targets["specgate"] = (f"http://127.0.0.1:{proxy_port}", gate)
-            binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-            if nginx and binary:
-                conf = _nginx_conf(nginx_port, backend_port, Path(tmp))
-                popen = subprocess.Popen([binary, "-c", str(conf), "-e", f"{tmp}/error.log"],
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-                ng = Proc("nginx", popen)
-                procs.append(ng)
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    try:
-                        import urllib.request
+def _litellm_conf(backend_port: int, workdir: Path) -> Path:
+    conf = workdir / "litellm.yaml"
+    conf.write_text(f"""
+model_list:
+  - model_name: {MODEL}
+    litellm_params:
+      model: openai/{MODEL}
+      api_base: http://127.0.0.1:{backend_port}/v1
+      api_key: none
+litellm_settings:
+  telemetry: false
+  drop_params: true
+""")
+    return conf
 
-                        urllib.request.urlopen(f"http://127.0.0.1:{nginx_port}/health", timeout=1)
-                        break
-                    except OSError:
-                        time.sleep(0.05)
-                # nginx's master forks the worker that does the work; its CPU is not measured here.
-                targets["nginx"] = (f"http://127.0.0.1:{nginx_port}", None)
-            elif nginx:
-                print("nginx not found (Debian: apt-get install nginx-light); measuring without it")
-            results = {(sc.name, t): Result(sc.name, t) for sc in scenarios for t in targets}
-            for rep in range(reps):
-                for sc in scenarios:
-                    order = list(targets) if rep % 2 == 0 else list(reversed(targets))
-                    for name in order:
-                        url, proc = targets[name]
-                        results[(sc.name, name)].samples.append(asyncio.run(_run(url, sc, proc)))
-                print(f"repetition {rep + 1}/{reps} done", flush=True)
-            return list(results.values())
-        finally:
-            for proc in reversed(procs):
-                proc.stop()
+
+def _wait_ready(proc: Proc, url: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            return False
+        if http_status(url, timeout_s=1.0) == 200:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+    popen = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, **(env or {})})  # fmt: skip
+    return Proc(name, popen)
+
+
+def _find(binary: str, peers_venv: Path | None) -> str | None:
+    if peers_venv is not None and (peers_venv / "bin" / binary).exists():
+        return str(peers_venv / "bin" / binary)
+    return shutil.which(binary)
+
+
+def _pace_profile(pace_ms: float, workdir: Path) -> Path:
+    # Total tok/s proportional to streams: every decode step lasts pace_ms whatever the batch.
+    path = workdir / f"paced-{pace_ms:g}.csv"
+    rows = [f"{c},{c * 1000 / pace_ms:g},{c * 1000 / pace_ms:g}" for c in (1, 10000)]
+    path.write_text("concurrency,speculative_tok_s,baseline_tok_s\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def _start_targets(
+    pace_ms: float, workdir: Path, nginx: bool, peers_venv: Path | None, say: Callable[[str], None]
+) -> tuple[list[Proc], list[Target]]:
+    procs: list[Proc] = []
+    targets: list[Target] = []
+    backend_port = free_port()
+    if pace_ms:
+        speed = ["--profile", str(_pace_profile(pace_ms, workdir)), "--ttft-base-ms", "0", "--prefill-tok-s", "1e9"]
+    else:
+        speed = ["--ttft-base-ms", "0", "--time-scale", "1000"]
+    # sglang-router loads the tokenizer of the model_path the backend reports: a local one here,
+    # or it would reach for a model hub.
+    tokenizer = workdir / "tokenizer"
+    tokenizer.mkdir(exist_ok=True)
+    (tokenizer / "tokenizer.json").write_bytes(orjson.dumps(_TOKENIZER))
+    backend = start("backend", simulator_args("baseline", backend_port, *speed, "--served-model-name", MODEL,
+                                              "--model-path", str(tokenizer), "--max-running-requests", "4096"),
+                    ready_url=f"http://127.0.0.1:{backend_port}/health")  # fmt: skip
+    procs.append(backend)
+    targets.append(Target("direct", backend_port, None))
+    port = free_port()
+    env = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(port), "SPECGATE_LOG_LEVEL": "warning",
+           "SPECGATE_SPECULATIVE_URL": f"http://127.0.0.1:{backend_port}",
+           "SPECGATE_BASELINE_URL": f"http://127.0.0.1:{backend_port}",
+           "SPECGATE_HIGH_WATERMARK": "100000", "SPECGATE_LOW_WATERMARK": "1"}  # fmt: skip
+    procs.append(start("specgate", ["-m", "proxy"], ready_url=f"http://127.0.0.1:{port}/ready", env=env))
+    targets.append(Target("specgate", port, procs[-1]))
+    binary = _find("nginx", None) or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if nginx and binary:
+        port = free_port()
+        conf = _nginx_conf(port, backend_port, workdir)
+        proc = _spawn("nginx", [binary, "-c", str(conf), "-e", f"{workdir}/error.log"])
+        procs.append(proc)
+        if _wait_ready(proc, f"http://127.0.0.1:{port}/health", 10):
+            targets.append(Target("nginx", port, proc))
+        else:
+            say(f"nginx did not start (see {workdir}/error.log); measuring without it")
+    elif nginx:
+        say("nginx not found (Debian: apt-get install nginx-light); measuring without it")
+    if peers_venv is None:
+        return procs, targets
+    litellm = _find("litellm", peers_venv)
+    if litellm:
+        port = free_port()
+        # LOCAL_MODEL_COST_MAP: LiteLLM would otherwise fetch its price list from the internet.
+        proc = _spawn("litellm", [litellm, "--config", str(_litellm_conf(backend_port, workdir)), "--host",
+                                  "127.0.0.1", "--port", str(port), "--num_workers", "1"],
+                      env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
+                           "LITELLM_MASTER_KEY": _LITELLM_KEY,
+                           "DISABLE_SCHEMA_UPDATE": "true"})  # fmt: skip
+        procs.append(proc)
+        if _wait_ready(proc, f"http://127.0.0.1:{port}/health/liveliness", 120):
+            targets.append(Target("litellm", port, proc, {"Authorization": f"Bearer {_LITELLM_KEY}"}))
+        else:
+            say("LiteLLM's proxy did not start; measuring without it")
+    router = _find("python", peers_venv) if (peers_venv / "bin" / "sglang-router").exists() else None
+    if router:
+        port = free_port()
+        proc = _spawn("sglang-router", [router, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                        "--port", str(port), "--worker-urls", f"http://127.0.0.1:{backend_port}",
+                                        "--log-level", "warn"])  # fmt: skip
+        procs.append(proc)
+        if _wait_ready(proc, f"http://127.0.0.1:{port}/health", 60):
+            targets.append(Target("sglang-router", port, proc))
+        else:
+            say("sglang-router did not start; measuring without it")
+    return procs, targets
+
+
+def run_overhead(
+    reps: int = 3,
+    nginx: bool = True,
+    scenarios: tuple[Scenario, ...] = SCENARIOS,
+    peers_venv: Path | None = None,
+    say: Callable[[str], None] = print,
+) -> list[Result]:
+    results: dict[tuple[str, str], Result] = {}
+    for pace in sorted({sc.pace_ms for sc in scenarios}):
+        group = [sc for sc in scenarios if sc.pace_ms == pace]
+        procs: list[Proc] = []
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                procs, targets = _start_targets(pace, Path(tmp), nginx, peers_venv, say)
+                for rep in range(reps):
+                    for sc in group:
+                        for t in targets if rep % 2 == 0 else targets[::-1]:
+                            sample = uvloop.run(_run(t, sc))
+                            results.setdefault((sc.name, t.name), Result(sc.name, t.name)).samples.append(sample)
+                    say(f"{'paced' if pace else 'zero-delay'} backend: repetition {rep + 1}/{reps} done")
+            finally:
+                for proc in reversed(procs):
+                    proc.stop()
+    rank = {sc.name: i for i, sc in enumerate(scenarios)}
+    return sorted(results.values(), key=lambda r: rank[r.scenario])
 
 
 def format_results(results: list[Result]) -> str:
     by = {(r.scenario, r.target): r for r in results}
     lines = []
-    head = (f"{'scenario':15} {'target':9} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'added p50':>9} "
-            f"{'TTFT p50':>8} {'TTFT add':>8} {'chunk p99':>9} {'chunk add':>9} {'chunks/s':>9} "
+    head = (f"{'scenario':15} {'target':13} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'added p50':>9} "
+            f"{'TTFT p50':>8} {'TTFT add':>8} {'chunk p99':>9} {'chunk add':>9} {'chunks/s':>8} "
             f"{'CPU s/1k':>8} {'vs nginx':>8} {'client':>6}")  # fmt: skip
     lines += [head, "-" * len(head)]
     for r in results:
@@ -236,11 +382,23 @@ def format_results(results: list[Result]) -> str:
         ttft_add = r.median("ttft_p50_ms") - direct.median("ttft_p50_ms") if direct else float("nan")
         chunk_add = r.median("chunk_p99_ms") - direct.median("chunk_p99_ms") if direct else float("nan")
         vs_ng = r.median("req_s") / ng.median("req_s") if ng else float("nan")
+        flags = ""
+        if sum(s.errors for s in r.samples):
+            flags += f" errors={sum(s.errors for s in r.samples)}"
+        if sum(s.missing_chunks for s in r.samples):
+            flags += f" missing_chunks={sum(s.missing_chunks for s in r.samples)}"
         lines.append(
-            f"{r.scenario:15} {r.target:9} {r.median('req_s'):>8.0f} {r.median('p50_ms'):>7.2f} "
+            f"{r.scenario:15} {r.target:13} {r.median('req_s'):>7.0f} {r.median('p50_ms'):>7.2f} "
             f"{r.median('p99_ms'):>7.2f} {added:>9.2f} {r.median('ttft_p50_ms'):>8.2f} {ttft_add:>8.2f} "
-            f"{r.median('chunk_p99_ms'):>9.2f} {chunk_add:>9.2f} {r.median('chunks_s'):>9.0f} "
-            f"{r.median('target_cpu_per_1k_s'):>8.2f} {vs_ng:>8.2f} {r.median('client_cpu'):>6.0%}"
+            f"{r.median('chunk_p99_ms'):>9.2f} {chunk_add:>9.2f} {r.median('chunks_s'):>8.0f} "
+            f"{r.median('target_cpu_per_1k_s'):>8.2f} {vs_ng:>8.2f} {r.median('client_cpu'):>6.0%}{flags}"
         )
-    lines.append("(medians over repetitions; added = target minus direct; client = the load generator's CPU)")
+    lines.append("(medians over repetitions; added = target minus direct; chunk = gap between SSE events of one")
+    lines.append(" stream; client = the load generator's CPU, near 100% it measures itself, not the target)")
     return "\n".join(lines)
+
+
+def default_peers_venv() -> Path | None:
+    """`.venv-peers` beside the running venv (scripts/install-peers makes it), if there is one."""
+    here = Path(sys.prefix).parent / ".venv-peers"
+    return here if here.is_dir() else None

@@ -103,12 +103,15 @@ def test_native_generate_streaming_and_not(simulator: StartSim) -> None:
 
 def test_models_and_server_info(simulator: StartSim) -> None:
     spec = simulator("speculative", *FAST, "--served-model-name", "llama-8b", "--accept-length", "2.5")
-    base = simulator("baseline", *FAST)
+    base = simulator("baseline", *FAST, "--model-path", "/models/llama-8b")
     models = httpx.get(spec.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "llama-8b"
     assert models["data"][0]["owned_by"] == "sglang"
     info = httpx.get(spec.url + "/get_server_info").json()
     assert info["internal_states"][0]["avg_spec_accept_length"] == 2.5
+    # model_path is the served name unless --model-path says otherwise, as in SGLang.
+    assert info["model_path"] == "llama-8b"
+    assert httpx.get(base.url + "/get_server_info").json()["model_path"] == "/models/llama-8b"
     assert httpx.get(spec.url + "/server_info").json()["speculative_algorithm"] == "EAGLE3"
     assert "avg_spec_accept_length" not in httpx.get(base.url + "/get_server_info").json()["internal_states"][0]
 

@@ -56,6 +56,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--served-model-name", default="default")
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="model_path that /get_server_info reports (default: the served name); routers that load the "
+        "model's tokenizer from it, like sglang-router, find a local one there instead of reaching for a hub",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' as SGLang does")
     p.add_argument("--time-scale", type=_positive, default=1.0, help="run everything X times faster")
     p.add_argument(
@@ -138,6 +144,7 @@ def configs_from_args(argv: Sequence[str]) -> tuple[list[ServerConfig], bool]:
         profile=profile,
         host=args.host,
         served_model_name=args.served_model_name,
+        model_path=args.model_path,
         api_key=args.api_key,
         time_scale=args.time_scale,
         max_running_requests=args.max_running_requests,

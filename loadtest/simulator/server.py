@@ -46,6 +46,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     served_model_name: str = "default"
+    # What /get_server_info reports as model_path (SGLang's --model-path); the served name if unset.
+    model_path: str | None = None
     api_key: str | None = None
     time_scale: float = 1.0
     max_running_requests: int = 256
@@ -169,7 +171,7 @@ class SimServer:
             state["avg_spec_accept_length"] = self.engine.avg_accept_length()
         return _json(
             {
-                "model_path": cfg.served_model_name,
+                "model_path": cfg.model_path or cfg.served_model_name,
                 "served_model_name": cfg.served_model_name,
                 "tp_size": 1,
                 "max_running_requests": cfg.max_running_requests,
