@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from loadtest.bench_upstream import CLIENTS, Case, format_table
+from loadtest.bench_upstream import run as run_upstream
 from loadtest.overhead import Scenario, format_results, run_overhead
 
 
@@ -28,3 +30,14 @@ def test_overhead_benchmark_measures_every_target() -> None:
     assert paced.chunk_p50_ms >= 3.0
     assert Scenario("x", 1, True, 64, 1, spread=32).lengths() == list(range(32, 97, 4))
     assert "specgate" in format_results(results)
+
+
+def test_upstream_client_benchmark_runs_every_client() -> None:
+    cases = (Case("tiny", 2, 1, False, 20), Case("tiny stream", 2, 8, True, 6))
+    results = run_upstream(reps=1, cases=cases)
+    for case in cases:
+        assert set(results[case.name]) == set(CLIENTS)
+        for samples in results[case.name].values():
+            ((cpu_ms, req_s),) = samples
+            assert cpu_ms > 0 and req_s > 0
+    assert "httpx+aiohttp" in format_table(results)
