@@ -5,7 +5,9 @@
 The proxy's cost is mostly its upstream client (shared/design.md), so the choice is made here by
 measurement: the same requests, from one process on uvloop, against the zero-delay simulator, by
 
-- `aiohttp`: proxy/upstream.py itself, the client specgate uses;
+- `specgate`: proxy/upstream.py itself, the httptools connection pool specgate uses;
+- `aiohttp`: aiohttp.ClientSession set up as specgate had it (no cookie jar, no decompression,
+  pool sized to the concurrency), reading with `content.readany()`;
 - `httpx`: httpx.AsyncClient on its own transport (httpcore), pool sized to the concurrency;
 - `httpx+aiohttp`: httpx.AsyncClient on httpx-aiohttp's transport, httpx's API on aiohttp's pool;
 - `bare`: the overhead benchmark's httptools client (loadtest/rawclient.py), no pool, no timeouts,
@@ -27,6 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import aiohttp
 import httpx
 import orjson
 import uvloop
@@ -53,7 +56,7 @@ CASES = (
     Case("small c=50", 50, 1, False, 4000),
     Case("stream64 c=50", 50, 64, True, 1000),
 )
-CLIENTS = ("aiohttp", "httpx", "httpx+aiohttp", "bare")
+CLIENTS = ("specgate", "aiohttp", "httpx", "httpx+aiohttp", "bare")
 
 Send = Callable[[], Awaitable[None]]
 
@@ -70,17 +73,34 @@ async def _measure(client: str, port: int, case: Case) -> tuple[float, float]:
     headers = [("Content-Type", "application/json")]
     closers: list[Callable[[], Awaitable[None]]] = []
     make: Callable[[], Send]
-    if client == "aiohttp":
+    if client == "specgate":
         upstream = Upstream(Settings(speculative_url=url, baseline_url=url, max_connections_per_backend=1024))
         await upstream.start()
         closers.append(upstream.aclose)
+        up_headers = upstream.request_headers([], "bench")
 
         def make() -> Send:
             async def send() -> None:
-                resp = await upstream.send("baseline", "/v1/completions", body, headers)
+                resp = await upstream.send("baseline", b"/v1/completions", body, up_headers)
                 while await resp.read_chunk():
                     pass
                 resp.release()
+
+            return send
+    elif client == "aiohttp":
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=30),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        closers.append(session.close)
+
+        def make() -> Send:
+            async def send() -> None:
+                async with session.post(url + "/v1/completions", data=body, headers=headers) as resp:
+                    while await resp.content.readany():
+                        pass
 
             return send
     elif client in ("httpx", "httpx+aiohttp"):
@@ -148,13 +168,13 @@ def run(reps: int, cases: tuple[Case, ...] = CASES, clients: tuple[str, ...] = C
 
 
 def format_table(results: Results) -> str:
-    lines = [f"{'case':15} {'client':14} {'CPU ms/req':>10} {'req/s':>8} {'CPU vs aiohttp':>14}", "-" * 65]
+    lines = [f"{'case':15} {'client':14} {'CPU ms/req':>10} {'req/s':>8} {'CPU vs specgate':>15}", "-" * 66]
     for case, by_client in results.items():
-        base = statistics.median(x[0] for x in by_client["aiohttp"]) if by_client.get("aiohttp") else float("nan")
+        base = statistics.median(x[0] for x in by_client["specgate"]) if by_client.get("specgate") else float("nan")
         for client, samples in by_client.items():
             cpu = statistics.median(x[0] for x in samples)
             rps = statistics.median(x[1] for x in samples)
-            lines.append(f"{case:15} {client:14} {cpu:>10.3f} {rps:>8.0f} {cpu / base:>13.2f}x")
+            lines.append(f"{case:15} {client:14} {cpu:>10.3f} {rps:>8.0f} {cpu / base:>14.2f}x")
     lines.append("(medians over repetitions; CPU of the client process per request, the backend runs elsewhere)")
     return "\n".join(lines)
 

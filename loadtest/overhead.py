@@ -72,6 +72,8 @@ class Scenario:
     # Response lengths spread evenly over max_tokens +- spread. With one length for all, streams
     # that start together end together, and every request of a paced run arrives in one herd.
     spread: int = 0
+    # Workers start no new request past this (seconds): a slow target gives fewer samples, not hours.
+    max_s: float = 20.0
 
     def lengths(self) -> list[int]:
         if not self.spread:
@@ -139,6 +141,7 @@ async def _run(target: Target, sc: Scenario) -> Sample:
     gaps: list[float] = []
     chunks = errors = missing = 0
     per_worker = max(1, sc.requests // sc.concurrency)
+    deadline = float("inf")
     clients = [RawClient("127.0.0.1", target.port) for _ in range(sc.concurrency)]
 
     async def one(client: RawClient, request: bytes) -> tuple[float, Exchange | None]:
@@ -152,6 +155,8 @@ async def _run(target: Target, sc: Scenario) -> Sample:
     async def worker(i: int, client: RawClient) -> None:
         nonlocal chunks, errors, missing
         for j in range(per_worker):
+            if time.perf_counter() > deadline:
+                break
             n, request = requests[(i + j) % len(requests)]
             t0, ex = await one(client, request)
             if ex is None or ex.status != 200:
@@ -160,7 +165,7 @@ async def _run(target: Target, sc: Scenario) -> Sample:
             latencies.append(time.perf_counter() - t0)
             if sc.stream:
                 ev = ex.events
-                # The backend sends one data event per token plus the final usage event.
+                # The backend sends one data event per token, then one with finish_reason.
                 missing += max(0, n + 1 - len(ev))
                 if ev:
                     ttfts.append(ev[0] - t0)
@@ -173,6 +178,7 @@ async def _run(target: Target, sc: Scenario) -> Sample:
         await asyncio.gather(*(one(c, requests[0][1]) for c in clients))
         cpu0 = target.proc.cpu_seconds() if target.proc else 0.0
         c0, t0 = _client_cpu(), time.perf_counter()
+        deadline = t0 + sc.max_s
         await asyncio.gather(*(worker(i, c) for i, c in enumerate(clients)))
         wall = time.perf_counter() - t0
         client = (_client_cpu() - c0) / wall

@@ -102,7 +102,9 @@ async def _accept(
     if stream and endpoint in ("chat", "completions"):
         body, strip_usage = ask_for_usage(payload, body)
     query: bytes = scope.get("query_string", b"")
-    target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+    # The path as the client sent it (still percent-encoded): the decoded one may hold spaces.
+    raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
+    target = raw_path + b"?" + query if query else raw_path
     up_headers = gate.upstream.request_headers(scope["headers"], request_id)
     return ProxyCall(target, endpoint, body, up_headers, request_id, bool(stream), strip_usage, started)
 

@@ -44,10 +44,10 @@ _USAGE_MARK = b'"completion_tokens"'
 class ProxyCall:
     """A validated client request, ready to send to a backend."""
 
-    path: str
+    target: bytes  # path and query, as the client sent them
     endpoint: Endpoint
     body: bytes
-    headers: list[tuple[str, str]]
+    headers: bytes  # the upstream request's header lines (Upstream.request_headers)
     request_id: str
     stream: bool
     # The proxy asked the server for a usage chunk the client did not ask for: drop it again.
@@ -210,7 +210,7 @@ class _Relay:
             assert self.backend is not None and self.lease is not None
             backend = self.backend
             try:
-                self.upstream = await gate.upstream.send(backend, call.path, call.body, call.headers)
+                self.upstream = await gate.upstream.send(backend, call.target, call.body, call.headers)
                 return await self.upstream.read_chunk(), reason
             except UpstreamError as err:
                 gate.metrics.upstream_errors.labels(backend, err.kind).inc()

@@ -1,19 +1,34 @@
 """The one place that builds and sends requests to the SGLang servers, and maps transport errors.
 
-The client is aiohttp: measured on these machines (shared/design.md) it costs about a quarter of
-httpx's CPU per request, and the proxy's cost is mostly its upstream client. Everything about
-it stays behind this module: the rest of the gateway sees `UpstreamResponse` and `UpstreamError`.
+The client is a small HTTP/1.1 connection pool on httptools (the C parser uvicorn uses). The
+proxy's cost is mostly its upstream client, and `python -m loadtest.bench_upstream` measured the
+candidates on this exact leg: httpx costs 4.5-30x aiohttp's CPU per request, httpx on an aiohttp
+transport 1.2-3.8x, and aiohttp itself spends most of a request in its own machinery (URL,
+header multidicts, tracing, timers) that a proxy with two fixed servers does not need. This pool
+writes a prebuilt request and hands body bytes over as they arrive, at a fraction of that cost.
+Everything about it stays behind this module: the gateway sees `UpstreamResponse` and
+`UpstreamError`.
+
+What it does and no more: keep-alive connections per server (LIFO, dropped after
+`_KEEPALIVE_S` idle, before SGLang's uvicorn closes them at 5 s), at most
+`max_connections_per_backend` at once, connect and read timeouts, flow control (a client that
+reads slowly pauses the server's socket instead of growing a buffer), and one transparent resend
+when a reused connection turns out to be closed before any answer. No redirects, cookies,
+compression or proxies: SGLang needs none, and the relay passes bytes through as they came.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import ssl
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from http.cookies import BaseCookie, SimpleCookie
+from typing import cast
+from urllib.parse import urlsplit
 
-import aiohttp
-from yarl import URL
+import httptools
 
 from .config import Settings
 from .metrics import ErrorKind
@@ -22,38 +37,35 @@ from .policy import BACKENDS, Backend
 # Connection-scoped headers (RFC 9110 7.6.1) and those the proxy sets itself.
 HOP_BY_HOP = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
     }
 )
 _NOT_FORWARDED_UP = HOP_BY_HOP | {
-    "host",
-    "content-length",
-    "authorization",
-    "accept-encoding",
-    "x-request-id",
-    "expect",
-    "content-type",
+    b"host",
+    b"content-length",
+    b"authorization",
+    b"accept-encoding",
+    b"x-request-id",
+    b"expect",
+    b"content-type",
 }
-_NOT_RETURNED = HOP_BY_HOP | {"server", "date"}
+_NOT_RETURNED = HOP_BY_HOP | {b"server", b"date"}
 
-
-class _NoCookieJar(aiohttp.DummyCookieJar):
-    """Cookies travel as the client's own headers; the jar keeps none. aiohttp's dummy jar builds
-    a new empty cookie set on every request (measured: ~25 us); this one returns one shared set,
-    which aiohttp only reads."""
-
-    _EMPTY: BaseCookie[str] = SimpleCookie()
-
-    def filter_cookies(self, request_url: URL) -> BaseCookie[str]:
-        return self._EMPTY
+# Idle connections older than this are closed rather than reused: SGLang's uvicorn closes its
+# side after 5 s, and a request written into a connection it is closing is lost.
+_KEEPALIVE_S = 4.0
+# Body bytes held for a reader before the server's socket is paused.
+_BUFFER_HIGH = 256 * 1024
+# Largest body `get` reads (health, metrics, models).
+_GET_BODY_LIMIT = 8 * 1024 * 1024
 
 
 class UpstreamError(Exception):
@@ -65,17 +77,12 @@ class UpstreamError(Exception):
         self.retryable = retryable
 
 
-def _map_error(exc: BaseException, backend: Backend, before_response: bool) -> UpstreamError:
-    # Order matters: several aiohttp errors subclass both ClientError and OSError/TimeoutError.
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return UpstreamError("connect", f"{backend}: connect timed out", retryable=True)
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return UpstreamError("connect", f"{backend}: cannot connect ({exc.os_error.strerror or exc})", retryable=True)
-    if isinstance(exc, (aiohttp.SocketTimeoutError, asyncio.TimeoutError)):
-        return UpstreamError("timeout", f"{backend}: no data within the read timeout", retryable=False)
-    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)):
-        return UpstreamError("disconnect", f"{backend}: connection lost ({type(exc).__name__})", retryable=True)
-    return UpstreamError("protocol", f"{backend}: bad response ({type(exc).__name__})", retryable=before_response)
+class _Broken(Exception):
+    """What went wrong on a connection, before it is named after its server."""
+
+    def __init__(self, kind: ErrorKind, what: str) -> None:
+        super().__init__(what)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -85,100 +92,375 @@ class HealthProbe:
     error: UpstreamError | None
 
 
+class _Conn(asyncio.Protocol):
+    """One connection; one exchange at a time. httptools calls the on_* methods while parsing."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self.reused = False
+        self.last_data = 0.0
+        self.timeout_s = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.active = False
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.keep_alive = False
+        self.complete = False
+        self.got_bytes = False
+        self.body: list[bytes] = []
+        self.buffered = 0
+        self.paused = False
+        self.error: _Broken | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, but they are ones.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.active:
+            # Bytes nobody asked for (after a complete response): this connection is not reusable.
+            self.abort()
+            return
+        self.got_bytes = True
+        self.last_data = asyncio.get_running_loop().time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(_Broken("protocol", "the server switched protocols"))
+        except httptools.HttpParserError as exc:
+            self._fail(_Broken("protocol", f"malformed HTTP ({exc})"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.active and not self.complete and self.error is None:
+            if self.headers_done and self._ends_at_eof():
+                self.complete = True
+            else:
+                self.error = _Broken("disconnect", "connection lost" + (f" ({exc})" if exc else ""))
+        self._wake()
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.headers_done:
+            # A second response to one request: stop parsing (feed_data raises, the exchange fails).
+            raise _Broken("protocol", "more than one response to a request")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        # Asked now: once the message is complete the parser has already reset.
+        self.keep_alive = self.parser.should_keep_alive()
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.buffered += len(body)
+        if self.buffered > _BUFFER_HIGH and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # the exchange
+    def _ends_at_eof(self) -> bool:
+        names = {k.lower() for k, _ in self.headers}
+        return b"content-length" not in names and b"transfer-encoding" not in names
+
+    def _fail(self, err: _Broken) -> None:
+        if self.error is None:
+            self.error = err
+        self.abort()
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until the parser has news (headers, body, end, error), or no byte came for `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        self.waiter = waiter = loop.create_future()
+        self.timeout_s = timeout_s
+        if self.timer is None:
+            self.timer = loop.call_at(self.last_data + timeout_s, self._check_timeout)
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+
+    def _check_timeout(self) -> None:
+        # One timer per connection, moved on only when it fires: arrivals just note the time,
+        # so a stream of chunks does not schedule and cancel a timer for each.
+        self.timer = None
+        w = self.waiter
+        if w is None or w.done():
+            return
+        loop = asyncio.get_running_loop()
+        due = self.last_data + self.timeout_s
+        if loop.time() >= due:
+            w.set_exception(_Broken("timeout", "no data within the read timeout"))
+        else:
+            self.timer = loop.call_at(due, self._check_timeout)
+
+    def begin(self, request: bytes) -> None:
+        self._reset()
+        self.active = True
+        self.last_data = asyncio.get_running_loop().time()
+        assert self.transport is not None
+        self.transport.write(request)
+
+    def take_body(self) -> bytes:
+        body = self.body
+        chunk = body[0] if len(body) == 1 else b"".join(body)
+        self.body = []
+        self.buffered = 0
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+        return chunk
+
+    def reusable(self) -> bool:
+        return self.complete and self.keep_alive and not self.closed and self.error is None
+
+    def stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def abort(self) -> None:
+        self.closed = True
+        self.stop_timer()
+        if self.transport is not None:
+            self.transport.close()
+
+
+class _Server:
+    """One SGLang server: where it is, and its pool of keep-alive connections."""
+
+    def __init__(self, backend: Backend, url: str, settings: Settings, auth: bytes | None) -> None:
+        parts = urlsplit(url)
+        self.backend = backend
+        self.url = url
+        self.host = parts.hostname or "127.0.0.1"
+        self.tls = parts.scheme == "https"
+        self.port = parts.port or (443 if self.tls else 80)
+        self.prefix = parts.path.rstrip("/").encode("latin-1")
+        self.netloc = parts.netloc.rsplit("@", 1)[-1].encode("latin-1")
+        if auth is None and parts.username is not None:
+            basic = f"{parts.username}:{parts.password or ''}".encode("latin-1")
+            auth = b"Basic " + base64.b64encode(basic)
+        self.auth = b"authorization: " + auth + b"\r\n" if auth else b""
+        self.connect_timeout_s = settings.connect_timeout_s
+        self.read_timeout_s = settings.read_timeout_s
+        self.idle: list[_Conn] = []
+        self.slots = asyncio.Semaphore(settings.max_connections_per_backend)
+
+    def head(self, method: bytes, target: bytes, headers: bytes) -> bytes:
+        return b"%s %s%s HTTP/1.1\r\nhost: %s\r\n%s%s" % (method, self.prefix, target, self.netloc, self.auth, headers)
+
+    async def acquire(self) -> _Conn:
+        """A connection, reused when one is idle and fresh; the caller holds a slot."""
+        now = time.monotonic()
+        while self.idle:
+            conn = self.idle.pop()
+            fresh = now - conn.idle_since < _KEEPALIVE_S
+            if fresh and not conn.closed and conn.transport is not None and not conn.transport.is_closing():
+                conn.reused = True
+                return conn
+            conn.abort()
+        return await self.connect()
+
+    async def connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(
+                    _Conn, self.host, self.port, ssl=ssl.create_default_context() if self.tls else None
+                )
+        except TimeoutError:
+            raise _Broken("connect", "connect timed out") from None
+        except OSError as exc:
+            raise _Broken("connect", f"cannot connect ({exc.strerror or exc})") from None
+        return conn
+
+    def put_back(self, conn: _Conn) -> None:
+        if conn.reusable():
+            conn.stop_timer()
+            conn.active = False
+            conn.idle_since = time.monotonic()
+            self.idle.append(conn)
+        else:
+            conn.abort()
+        self.slots.release()
+
+    def drop(self, conn: _Conn) -> None:
+        conn.abort()
+        self.slots.release()
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.abort()
+        self.idle.clear()
+
+    def error(self, err: _Broken, *, before_response: bool) -> UpstreamError:
+        # Connect failures and lost connections may be retried elsewhere (the relay does so only
+        # before the client got a byte); a bad response only before it began; a timeout never.
+        retryable = err.kind in ("connect", "disconnect") or (err.kind == "protocol" and before_response)
+        return UpstreamError(err.kind, f"{self.backend}: {err}", retryable=retryable)
+
+
 class UpstreamResponse:
     """A response whose headers arrived; its body is read chunk by chunk as the server sends it."""
 
-    __slots__ = ("_backend", "_resp", "status")
+    __slots__ = ("_conn", "_done", "_server", "status")
 
-    def __init__(self, backend: Backend, resp: aiohttp.ClientResponse) -> None:
-        self._backend = backend
-        self._resp = resp
-        self.status = resp.status
+    def __init__(self, server: _Server, conn: _Conn) -> None:
+        self._server = server
+        self._conn = conn
+        self._done = False
+        self.status = conn.status
 
     @property
     def content_type(self) -> str:
-        return self._resp.headers.get("Content-Type", "")
+        for k, v in self._conn.headers:
+            if k.lower() == b"content-type":
+                return v.decode("latin-1")
+        return ""
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        return [
-            (k.lower().encode("latin-1"), v.encode("latin-1"))
-            for k, v in self._resp.headers.items()
-            if k.lower() not in _NOT_RETURNED
-        ]
+        return [(k.lower(), v) for k, v in self._conn.headers if k.lower() not in _NOT_RETURNED]
 
     async def read_chunk(self) -> bytes:
         """The next piece of body as it arrived from the server; b"" at the end."""
-        try:
-            return await self._resp.content.readany()
-        except Exception as exc:
-            raise _map_error(exc, self._backend, before_response=False) from exc
+        conn = self._conn
+        while True:
+            if conn.body:
+                return conn.take_body()
+            if conn.complete:
+                return b""
+            if conn.error is not None:
+                raise self._server.error(conn.error, before_response=False)
+            try:
+                await conn.wait(self._server.read_timeout_s)
+            except _Broken as err:
+                raise self._server.error(err, before_response=False) from None
 
     def close(self) -> None:
         """Drop the connection (not back to the pool): the server sees its client go and aborts."""
-        self._resp.close()
+        if not self._done:
+            self._done = True
+            self._server.drop(self._conn)
 
     def release(self) -> None:
-        self._resp.release()
+        if not self._done:
+            self._done = True
+            self._server.put_back(self._conn)
 
 
 class Upstream:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._urls: dict[Backend, str] = {"speculative": settings.speculative_url, "baseline": settings.baseline_url}
         key = settings.upstream_api_key
-        self._auth: list[tuple[str, str]] = [("Authorization", f"Bearer {key.get_secret_value()}")] if key else []
-        self._sessions: dict[Backend, aiohttp.ClientSession] = {}
+        auth = b"Bearer " + key.get_secret_value().encode("latin-1") if key else None
+        self._servers: dict[Backend, _Server] = {
+            "speculative": _Server("speculative", settings.speculative_url, settings, auth),
+            "baseline": _Server("baseline", settings.baseline_url, settings, auth),
+        }
 
     def url(self, backend: Backend) -> str:
-        return self._urls[backend]
+        return self._servers[backend].url
 
     async def start(self) -> None:
-        s = self._settings
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s, sock_read=s.read_timeout_s)
-        for backend in BACKENDS:
-            connector = aiohttp.TCPConnector(
-                limit=s.max_connections_per_backend, limit_per_host=0, keepalive_timeout=30, enable_cleanup_closed=True
-            )
-            self._sessions[backend] = aiohttp.ClientSession(
-                connector=connector,
-                timeout=timeout,
-                auto_decompress=False,  # relay bytes as the server sent them
-                skip_auto_headers=("User-Agent", "Accept-Encoding"),
-                cookie_jar=_NoCookieJar(),
-            )
+        pass  # connections open on first use
 
     async def aclose(self) -> None:
-        for session in self._sessions.values():
-            await session.close()
-        self._sessions.clear()
+        for backend in BACKENDS:
+            self._servers[backend].close()
 
-    def request_headers(self, client_headers: Iterable[tuple[bytes, bytes]], request_id: str) -> list[tuple[str, str]]:
-        """Client headers minus hop-by-hop and credentials, plus the upstream key and request id."""
-        out = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in client_headers
-            if k.decode("latin-1").lower() not in _NOT_FORWARDED_UP
-        ]
-        out.append(("Content-Type", "application/json"))
-        out.append(("X-Request-Id", request_id))
-        out.extend(self._auth)
-        return out
+    def request_headers(self, client_headers: Iterable[tuple[bytes, bytes]], request_id: str) -> bytes:
+        """Client headers minus hop-by-hop and credentials, plus the request id, as the head's lines.
+        uvicorn's parser already refused any header with CR or LF in it."""
+        lines = [k + b": " + v + b"\r\n" for k, v in client_headers if k.lower() not in _NOT_FORWARDED_UP]
+        lines.append(b"content-type: application/json\r\nx-request-id: " + request_id.encode("latin-1") + b"\r\n")
+        return b"".join(lines)
 
-    async def send(self, backend: Backend, path: str, body: bytes, headers: list[tuple[str, str]]) -> UpstreamResponse:
-        session = self._sessions[backend]
+    async def send(self, backend: Backend, target: bytes, body: bytes, headers: bytes) -> UpstreamResponse:
+        """POST `body` to `target` (path and query, as the client sent them); wait for the headers."""
+        server = self._servers[backend]
+        head = server.head(b"POST", target, headers) + b"content-length: %d\r\n\r\n" % len(body)
+        conn = await self._exchange(server, head + body, before_response=True)
+        return UpstreamResponse(server, conn)
+
+    async def _exchange(self, server: _Server, request: bytes, *, before_response: bool) -> _Conn:
+        """Write `request` on a pooled connection and wait for the response's headers. The
+        connection holds one of the server's slots until the response is released or closed."""
+        await server.slots.acquire()
+        conn: _Conn | None = None
         try:
-            resp = await session.post(self._urls[backend] + path, data=body, headers=headers, allow_redirects=False)
-        except Exception as exc:
-            raise _map_error(exc, backend, before_response=True) from exc
-        return UpstreamResponse(backend, resp)
+            for attempt in (0, 1):
+                conn = await server.acquire()
+                conn.begin(request)
+                try:
+                    while not conn.headers_done and conn.error is None:
+                        await conn.wait(server.read_timeout_s)
+                except _Broken as timeout:
+                    conn.error = timeout
+                if conn.error is None:
+                    return conn
+                err = conn.error
+                conn.abort()
+                # A kept-alive connection the server closed meanwhile: nothing was read, send anew.
+                if attempt == 1 or not (conn.reused and err.kind == "disconnect" and not conn.got_bytes):
+                    raise err
+            raise AssertionError("unreachable")
+        except _Broken as err:
+            server.slots.release()
+            raise server.error(err, before_response=before_response) from None
+        except BaseException:
+            # Cancelled (the client left, a timeout): the server must see the connection go.
+            if conn is not None:
+                conn.abort()
+            server.slots.release()
+            raise
 
     async def get(self, backend: Backend, path: str, timeout_s: float) -> HealthProbe:
         """A small GET with its own timeout (health, metrics, models)."""
-        session = self._sessions[backend]
+        server = self._servers[backend]
+        request = server.head(b"GET", path.encode("latin-1"), b"") + b"\r\n"
         try:
-            async with session.get(
-                self._urls[backend] + path, headers=self._auth, timeout=aiohttp.ClientTimeout(total=timeout_s)
-            ) as resp:
-                return HealthProbe(resp.status, await resp.read(), None)
-        except Exception as exc:
-            return HealthProbe(None, b"", _map_error(exc, backend, before_response=True))
+            async with asyncio.timeout(timeout_s):
+                conn = await self._exchange(server, request, before_response=True)
+                resp = UpstreamResponse(server, conn)
+                try:
+                    parts: list[bytes] = []
+                    size = 0
+                    while chunk := await resp.read_chunk():
+                        size += len(chunk)
+                        if size > _GET_BODY_LIMIT:
+                            raise UpstreamError("protocol", f"{backend}: {path} body too large", retryable=False)
+                        parts.append(chunk)
+                    resp.release()
+                    return HealthProbe(conn.status, b"".join(parts), None)
+                finally:
+                    resp.close()
+        except TimeoutError:
+            err = UpstreamError("timeout", f"{backend}: no answer to {path} within {timeout_s:g} s", retryable=False)
+            return HealthProbe(None, b"", err)
+        except UpstreamError as err:
+            return HealthProbe(None, b"", err)

@@ -43,6 +43,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def echo(request: web.Request) -> web.Response:
+    """What reached the server: the request target and headers, as they came on the wire."""
+    headers = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in request.raw_headers]
+    return web.json_response({"target": request.raw_path, "headers": headers, "body": await request.text()})
+
+
 async def health(request: web.Request) -> web.Response:
     return web.Response(text="")
 
@@ -51,6 +57,7 @@ async def main(port: int) -> None:
     app = web.Application(client_max_size=1024**2)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_post("/v1/echo/{tail:.*}", echo)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()

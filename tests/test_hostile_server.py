@@ -130,3 +130,22 @@ def test_client_that_stops_reading_is_dropped(hostile: tuple[str, Proc]) -> None
         sock.close()
     assert proxy.alive()
     still_healthy(url)
+
+
+def test_the_server_gets_the_request_as_the_client_sent_it(hostile: tuple[str, Proc]) -> None:
+    url, _ = hostile
+    body = b'{"stream": false, "x": "\\u00e9"}'
+    headers = {"Content-Type": "application/json", "X-Custom": "v", "Cookie": "c=1", "Authorization": "Bearer k",
+               "Connection": "keep-alive", "X-Request-Id": "rid-1"}  # fmt: skip
+    r = httpx.post(url + "/v1/echo/a%20b%2Fc?x=1&y=%3D", content=body, headers=headers, timeout=10)
+    assert r.status_code == 200 and r.headers["x-specgate-backend"] == "speculative"
+    seen = r.json()
+    # Still percent-encoded: the decoded path ("a b/c") would be a different request, or a broken one.
+    assert seen["target"] == "/v1/echo/a%20b%2Fc?x=1&y=%3D"
+    assert seen["body"] == body.decode()
+    got = {k.lower(): v for k, v in seen["headers"]}
+    assert got["x-custom"] == "v" and got["cookie"] == "c=1" and got["x-request-id"] == "rid-1"
+    assert got["content-type"] == "application/json" and got["content-length"] == str(len(body))
+    assert got["host"].startswith("127.0.0.1:") and got["host"] != url.removeprefix("http://")  # the server's own
+    # The client's credentials and hop-by-hop headers stay with the proxy.
+    assert "authorization" not in got and "connection" not in got
