@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from .errors import ApiError, sse_error
@@ -119,9 +118,13 @@ def usage_of(obj: Any) -> tuple[int, int] | None:
     return None
 
 
-class RelayResponse(Response):
+class RelayResponse:
+    """The ASGI response of one proxied request (a plain class: a Starlette Response would build
+    headers of its own on every request, to be thrown away)."""
+
+    __slots__ = ("call", "gate")
+
     def __init__(self, gate: Gate, call: ProxyCall) -> None:
-        super().__init__(status_code=200)
         self.gate = gate
         self.call = call
 
