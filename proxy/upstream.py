@@ -141,7 +141,8 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self.active and not self.complete and self.error is None:
-            if self.headers_done and self._ends_at_eof():
+            # Only a clean close ends a body that has no length: a reset cuts it short.
+            if exc is None and self.headers_done and self._ends_at_eof():
                 self.complete = True
             else:
                 self.error = _Broken("disconnect", "connection lost" + (f" ({exc})" if exc else ""))
@@ -257,8 +258,8 @@ class _Server:
         self.backend = backend
         self.url = url
         self.host = parts.hostname or "127.0.0.1"
-        self.tls = parts.scheme == "https"
-        self.port = parts.port or (443 if self.tls else 80)
+        self.tls = ssl.create_default_context() if parts.scheme == "https" else None
+        self.port = parts.port or (443 if self.tls is not None else 80)
         self.prefix = parts.path.rstrip("/").encode("latin-1")
         self.netloc = parts.netloc.rsplit("@", 1)[-1].encode("latin-1")
         if auth is None and parts.username is not None:
@@ -289,9 +290,7 @@ class _Server:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(
-                    _Conn, self.host, self.port, ssl=ssl.create_default_context() if self.tls else None
-                )
+                _, conn = await loop.create_connection(_Conn, self.host, self.port, ssl=self.tls)
         except TimeoutError:
             raise _Broken("connect", "connect timed out") from None
         except OSError as exc:

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import shutil
+import socket
+import ssl
+import struct
+import subprocess
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -251,3 +257,56 @@ def test_url_prefix_userinfo_and_upstream_key_shape_the_request() -> None:
     # SPECGATE_UPSTREAM_API_KEY wins over credentials in the URL.
     script = asyncio.run(run_with(keep_alive, test, url="http://u:p@127.0.0.1:{port}", upstream_api_key="sk-up"))
     assert b"authorization: Bearer sk-up\r\n" in script.heads[0] and b"Basic" not in script.heads[0]
+
+
+def test_an_https_server_is_reached_over_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is needed to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    # The client trusts what the system trusts; here, this certificate.
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+
+    async def main() -> Script:
+        script = Script(keep_alive)
+        server = await asyncio.start_server(script.serve, "127.0.0.1", 0, ssl=server_tls)
+        url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        up = Upstream(Settings(speculative_url=url, baseline_url=url))
+        try:
+            assert await post(up) == (200, b"{}")
+            assert await post(up) == (200, b"{}")
+        finally:
+            await up.aclose()
+            server.close()
+        return script
+
+    script = asyncio.run(main())
+    assert len(script.heads) == 2 and script.connections == 1
+
+
+def test_a_reset_cuts_short_a_body_that_ends_at_eof() -> None:
+    async def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, s: Script) -> None:
+        await s.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\npart")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
+        writer.transport.abort()
+
+    async def test(up: Upstream, s: Script) -> None:
+        resp = await up.send("baseline", b"/v1/completions", b"{}", up.request_headers([], "rid"))
+        assert await resp.read_chunk() == b"part"
+        with pytest.raises(UpstreamError) as err:
+            await resp.read_chunk()
+        assert err.value.kind == "disconnect"
+        resp.close()
+
+    asyncio.run(run_with(reset, test))
