@@ -22,6 +22,7 @@ import asyncio
 import base64
 import ssl
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import cast
@@ -268,7 +269,8 @@ class _Server:
         self.auth = b"authorization: " + auth + b"\r\n" if auth else b""
         self.connect_timeout_s = settings.connect_timeout_s
         self.read_timeout_s = settings.read_timeout_s
-        self.idle: list[_Conn] = []
+        # Newest last: requests take from the right, stale ones are closed from the left.
+        self.idle: deque[_Conn] = deque()
         self.slots = asyncio.Semaphore(settings.max_connections_per_backend)
 
     def head(self, method: bytes, target: bytes, headers: bytes) -> bytes:
@@ -301,8 +303,12 @@ class _Server:
         if conn.reusable():
             conn.stop_timer()
             conn.active = False
-            conn.idle_since = time.monotonic()
+            conn.idle_since = now = time.monotonic()
             self.idle.append(conn)
+            # After a burst, connections below the top would otherwise wait for the next burst to close.
+            idle = self.idle
+            while now - idle[0].idle_since >= _KEEPALIVE_S or idle[0].closed:
+                idle.popleft().abort()
         else:
             conn.abort()
         self.slots.release()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import proxy.upstream as upstream_module
 from proxy.config import Settings
 from proxy.upstream import Upstream, UpstreamError
 
@@ -310,3 +311,20 @@ def test_a_reset_cuts_short_a_body_that_ends_at_eof() -> None:
         resp.close()
 
     asyncio.run(run_with(reset, test))
+
+
+def test_idle_connections_are_closed_once_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(upstream_module, "_KEEPALIVE_S", 0.2)
+
+    async def test(up: Upstream, s: Script) -> None:
+        await asyncio.gather(*(post(up) for _ in range(5)))
+        assert s.open_now == 5  # all kept alive
+        for _ in range(3):
+            # One stream keeps reusing the newest connection; the four below it go stale.
+            await asyncio.sleep(0.1)
+            assert await post(up) == (200, b"{}")
+        await asyncio.sleep(0.05)
+        assert s.open_now == 1  # closed when they went stale, not left for the next burst
+
+    script = asyncio.run(run_with(keep_alive, test))
+    assert script.connections == 5
