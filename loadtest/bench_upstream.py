@@ -10,6 +10,7 @@ measurement: the same requests, from one process on uvloop, against the zero-del
   pool sized to the concurrency), reading with `content.readany()`;
 - `httpx`: httpx.AsyncClient on its own transport (httpcore), pool sized to the concurrency;
 - `httpx+aiohttp`: httpx.AsyncClient on httpx-aiohttp's transport, httpx's API on aiohttp's pool;
+- `httpx2`: the maintained fork of httpx (same API, its own transport), pool sized the same;
 - `bare`: the overhead benchmark's httptools client (loadtest/rawclient.py), no pool, no timeouts,
   no error mapping: the floor, not a candidate.
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 import aiohttp
 import httpx
+import httpx2
 import orjson
 import uvloop
 from httpx_aiohttp import AiohttpTransport
@@ -56,7 +58,7 @@ CASES = (
     Case("small c=50", 50, 1, False, 4000),
     Case("stream64 c=50", 50, 64, True, 1000),
 )
-CLIENTS = ("specgate", "aiohttp", "httpx", "httpx+aiohttp", "bare")
+CLIENTS = ("specgate", "aiohttp", "httpx", "httpx+aiohttp", "httpx2", "bare")
 
 Send = Callable[[], Awaitable[None]]
 
@@ -112,6 +114,18 @@ async def _measure(client: str, port: int, case: Case) -> tuple[float, float]:
         def make() -> Send:
             async def send() -> None:
                 async with hx.stream("POST", "/v1/completions", content=body, headers=headers) as resp:
+                    async for _ in resp.aiter_raw():
+                        pass
+
+            return send
+    elif client == "httpx2":
+        limits2 = httpx2.Limits(max_connections=1024, max_keepalive_connections=1024)
+        hx2 = httpx2.AsyncClient(base_url=url, limits=limits2, timeout=30)
+        closers.append(hx2.aclose)
+
+        def make() -> Send:
+            async def send() -> None:
+                async with hx2.stream("POST", "/v1/completions", content=body, headers=headers) as resp:
                     async for _ in resp.aiter_raw():
                         pass
 

@@ -2,11 +2,12 @@
 
 The client is a small HTTP/1.1 connection pool on httptools (the C parser uvicorn uses). The
 proxy's cost is mostly its upstream client, and `python -m loadtest.bench_upstream` measured the
-candidates on this exact leg, CPU per request against this pool: aiohttp 2.2-4.0x for small
-requests and 1.3x for 64-token streams, httpx 8.7-107x (its pool slows with concurrency), httpx on
-httpx-aiohttp's transport 1.7-15x. aiohttp spent most of a request in machinery a proxy with two
-fixed servers does not use (URL objects, header multidicts, tracing, a timer per read). Everything
-about the client stays behind this module: the gateway sees `UpstreamResponse` and `UpstreamError`.
+candidates on this exact leg, CPU per request against this pool: aiohttp 2.7-4.3x for small
+requests and 1.4x for 64-token streams, httpx 11-113x (its pool slows with concurrency), httpx on
+httpx-aiohttp's transport 1.6-15x, httpx2 2.8-32x. aiohttp spent most of a request in machinery
+a proxy with two fixed servers does not use (URL objects, header multidicts, tracing, a timer per
+read). Everything about the client stays behind this module: the gateway sees `UpstreamResponse`
+and `UpstreamError`.
 
 What it does and no more: keep-alive connections per server (LIFO, dropped after `_KEEPALIVE_S`
 idle, before SGLang's uvicorn closes them at 5 s), at most `max_connections_per_backend` at once,
