@@ -77,7 +77,6 @@ async def _measure(client: str, port: int, case: Case) -> tuple[float, float]:
     make: Callable[[], Send]
     if client == "specgate":
         upstream = Upstream(Settings(speculative_url=url, baseline_url=url, max_connections_per_backend=1024))
-        await upstream.start()
         closers.append(upstream.aclose)
         up_headers = upstream.request_headers([], "bench")
 
@@ -105,27 +104,13 @@ async def _measure(client: str, port: int, case: Case) -> tuple[float, float]:
                         pass
 
             return send
-    elif client in ("httpx", "httpx+aiohttp"):
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-        transport = AiohttpTransport() if client == "httpx+aiohttp" else httpx.AsyncHTTPTransport(limits=limits)
-        hx = httpx.AsyncClient(base_url=url, transport=transport, limits=limits, timeout=30)
+    elif client in ("httpx", "httpx+aiohttp", "httpx2"):
+        hx = _httpx_client(client, url)
         closers.append(hx.aclose)
 
         def make() -> Send:
             async def send() -> None:
                 async with hx.stream("POST", "/v1/completions", content=body, headers=headers) as resp:
-                    async for _ in resp.aiter_raw():
-                        pass
-
-            return send
-    elif client == "httpx2":
-        limits2 = httpx2.Limits(max_connections=1024, max_keepalive_connections=1024)
-        hx2 = httpx2.AsyncClient(base_url=url, limits=limits2, timeout=30)
-        closers.append(hx2.aclose)
-
-        def make() -> Send:
-            async def send() -> None:
-                async with hx2.stream("POST", "/v1/completions", content=body, headers=headers) as resp:
                     async for _ in resp.aiter_raw():
                         pass
 
@@ -162,6 +147,17 @@ async def _measure(client: str, port: int, case: Case) -> tuple[float, float]:
 
 # case -> client -> one (CPU ms per request, requests/s) per repetition
 Results = dict[str, dict[str, list[tuple[float, float]]]]
+
+
+def _httpx_client(client: str, url: str) -> httpx.AsyncClient | httpx2.AsyncClient:
+    """httpx on its own transport or on httpx-aiohttp's, or its fork httpx2; pools sized alike."""
+    if client == "httpx2":
+        return httpx2.AsyncClient(
+            base_url=url, limits=httpx2.Limits(max_connections=1024, max_keepalive_connections=1024), timeout=30
+        )
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    transport = AiohttpTransport() if client == "httpx+aiohttp" else httpx.AsyncHTTPTransport(limits=limits)
+    return httpx.AsyncClient(base_url=url, transport=transport, limits=limits, timeout=30)
 
 
 def run(reps: int, cases: tuple[Case, ...] = CASES, clients: tuple[str, ...] = CLIENTS) -> Results:

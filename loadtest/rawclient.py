@@ -24,7 +24,6 @@ class Exchange:
 
     status: int = 0
     events: list[float] = field(default_factory=list)
-    body_bytes: int = 0
 
 
 class _Conn(asyncio.Protocol):
@@ -58,7 +57,6 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         ex = self.current
         assert ex is not None
-        ex.body_bytes += len(body)
         n = body.count(b"data: {")
         if n:
             now = time.perf_counter()

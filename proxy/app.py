@@ -50,8 +50,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics = Metrics()
-        upstream = Upstream(settings)
-        await upstream.start()
+        upstream = Upstream(settings)  # connections open on first use
         health = HealthMonitor(settings, upstream, metrics)
         cfg = PolicyConfig(
             settings.policy,

@@ -333,20 +333,15 @@ class _Server:
 class UpstreamResponse:
     """A response whose headers arrived; its body is read chunk by chunk as the server sends it."""
 
-    __slots__ = ("_conn", "_done", "_server", "status")
+    __slots__ = ("_conn", "_done", "_server", "content_type", "status")
 
     def __init__(self, server: _Server, conn: _Conn) -> None:
         self._server = server
         self._conn = conn
         self._done = False
         self.status = conn.status
-
-    @property
-    def content_type(self) -> str:
-        for k, v in self._conn.headers:
-            if k.lower() == b"content-type":
-                return v.decode("latin-1")
-        return ""
+        # Read once here: the relay asks for it more than once per request.
+        self.content_type = next((v.decode("latin-1") for k, v in conn.headers if k.lower() == b"content-type"), "")
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [(k.lower(), v) for k, v in self._conn.headers if k.lower() not in _NOT_RETURNED]
@@ -390,9 +385,6 @@ class Upstream:
 
     def url(self, backend: Backend) -> str:
         return self._servers[backend].url
-
-    async def start(self) -> None:
-        pass  # connections open on first use
 
     async def aclose(self) -> None:
         for backend in BACKENDS:

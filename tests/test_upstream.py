@@ -70,7 +70,6 @@ async def run_with(handler: Handler, test: Callable[[Upstream, Script], Awaitabl
     url = settings.pop("url", f"http://127.0.0.1:{port}")
     assert isinstance(url, str)
     up = Upstream(Settings(speculative_url=url.format(port=port), baseline_url=url.format(port=port), **settings))  # type: ignore[arg-type]
-    await up.start()
     try:
         await asyncio.wait_for(test(up, script), 20)
     finally:
