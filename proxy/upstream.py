@@ -330,6 +330,11 @@ class _Server:
         return UpstreamError(err.kind, f"{self.backend}: {err}", retryable=retryable)
 
 
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class UpstreamResponse:
     """A response whose headers arrived; its body is read chunk by chunk as the server sends it."""
 
@@ -345,6 +350,25 @@ class UpstreamResponse:
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [(k.lower(), v) for k, v in self._conn.headers if k.lower() not in _NOT_RETURNED]
+
+    @property
+    def ended(self) -> bool:
+        """The whole body has arrived and been read."""
+        return self._conn.complete and not self._conn.body
+
+    async def wait_end(self, within_s: float) -> None:
+        """Wait at most `within_s` for more of the body or its end; never raises (read_chunk will)."""
+        conn = self._conn
+        if conn.body or conn.complete or conn.error is not None:
+            return
+        loop = asyncio.get_running_loop()
+        conn.waiter = waiter = loop.create_future()
+        timer = loop.call_later(within_s, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            conn.waiter = None
+            timer.cancel()
 
     async def read_chunk(self) -> bytes:
         """The next piece of body as it arrived from the server; b"" at the end."""

@@ -33,6 +33,18 @@ async def generate(request: web.Request) -> web.StreamResponse:
         event = b"data: " + b"z" * 65536 + b"\n\n"
         while True:  # as fast as the reader takes it
             await resp.write(event)
+    elif mode == "done_then_end":
+        # `[DONE]`, then the end of the chunked body in a write of its own (as SGLang's uvicorn
+        # writes it), a moment later: the proxy reads `[DONE]` alone.
+        await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":" a"}}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.001)
+    elif mode == "done_then_hold":
+        # `[DONE]`, then the body stays open until someone POSTs /release.
+        await resp.write(b"data: [DONE]\n\n")
+        release: asyncio.Event = request.app["release"]
+        await release.wait()
+        release.clear()
     elif mode == "reset_mid_stream":
         await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":" a"}}]}\n\n')
         await asyncio.sleep(0.05)
@@ -49,6 +61,11 @@ async def echo(request: web.Request) -> web.Response:
     return web.json_response({"target": request.raw_path, "headers": headers, "body": await request.text()})
 
 
+async def release(request: web.Request) -> web.Response:
+    request.app["release"].set()
+    return web.Response(text="")
+
+
 async def health(request: web.Request) -> web.Response:
     return web.Response(text="")
 
@@ -58,6 +75,8 @@ async def main(port: int) -> None:
     app.router.add_get("/health", health)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_post("/v1/echo/{tail:.*}", echo)
+    app.router.add_post("/release", release)
+    app["release"] = asyncio.Event()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -149,3 +149,53 @@ def test_the_server_gets_the_request_as_the_client_sent_it(hostile: tuple[str, P
     assert got["host"].startswith("127.0.0.1:") and got["host"] != url.removeprefix("http://")  # the server's own
     # The client's credentials and hop-by-hop headers stay with the proxy.
     assert "authorization" not in got and "connection" not in got
+
+
+def raw_exchange(url: str, request: bytes, until: bytes) -> list[bytes]:
+    """The pieces recv() returned, up to the one that completes `until`: what the proxy wrote
+    together arrives together on loopback."""
+    host, port = url.removeprefix("http://").split(":")
+    pieces: list[bytes] = []
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        while until not in b"".join(pieces):
+            piece = sock.recv(1 << 20)
+            assert piece, b"".join(pieces)
+            pieces.append(piece)
+    return pieces
+
+
+def post(path: str, body: bytes) -> bytes:
+    return b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        path.encode(),
+        len(body),
+        body,
+    )
+
+
+def test_done_goes_with_the_end_of_the_body(hostile: tuple[str, Proc]) -> None:
+    url, _ = hostile
+    body = b'{"mode": "done_then_end", "stream": true, "messages": []}'
+    for _ in range(3):
+        pieces = raw_exchange(url, post("/v1/chat/completions", body), until=b"data: [DONE]")
+        # The server wrote `[DONE]` and the end of its body apart; the client gets them together,
+        # so one that stops at `[DONE]` finds the response complete (and may reuse the connection).
+        assert pieces[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), pieces
+        # ...and the head came first, before any event (SGLang sends it at once).
+        assert pieces[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    still_healthy(url)
+
+
+def test_done_is_not_held_for_a_body_that_stays_open(hostile: tuple[str, Proc]) -> None:
+    url, _ = hostile
+    body = {"mode": "done_then_hold", "messages": [], "stream": True}
+    server = httpx.get(url + "/routing").json()["backends"]["speculative"]["url"]
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=10) as r:
+        pieces = r.iter_raw()
+        got = b""
+        while b"data: [DONE]\n\n" not in got:
+            got += next(pieces)  # arrives while the server still holds its body open
+        assert got.endswith(b"data: [DONE]\n\n")
+        httpx.post(server + "/release", timeout=10)
+        assert b"".join(pieces) == b""
+    still_healthy(url)
