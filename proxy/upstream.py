@@ -330,11 +330,6 @@ class _Server:
         return UpstreamError(err.kind, f"{self.backend}: {err}", retryable=retryable)
 
 
-def _resolve(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
 class UpstreamResponse:
     """A response whose headers arrived; its body is read chunk by chunk as the server sends it."""
 
@@ -363,7 +358,7 @@ class UpstreamResponse:
             return
         loop = asyncio.get_running_loop()
         conn.waiter = waiter = loop.create_future()
-        timer = loop.call_later(within_s, _resolve, waiter)
+        timer = loop.call_later(within_s, conn._wake)
         try:
             await waiter
         finally:

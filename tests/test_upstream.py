@@ -196,21 +196,27 @@ def test_a_body_that_ends_at_eof_is_complete() -> None:
     assert script.connections == 2  # connection: close is honoured
 
 
+def cut_after(first: bytes) -> Callable[[Upstream, Script], Awaitable[None]]:
+    """A test: the body starts with `first`, then the connection is lost."""
+
+    async def test(up: Upstream, s: Script) -> None:
+        resp = await up.send("baseline", b"/v1/completions", b"{}", up.request_headers([], "rid"))
+        assert await resp.read_chunk() == first
+        with pytest.raises(UpstreamError) as err:
+            await resp.read_chunk()
+        assert err.value.kind == "disconnect"
+        resp.close()
+
+    return test
+
+
 def test_a_body_cut_short_is_a_disconnect() -> None:
     async def short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, s: Script) -> None:
         await s.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly this")
         await writer.drain()
 
-    async def test(up: Upstream, s: Script) -> None:
-        resp = await up.send("baseline", b"/v1/completions", b"{}", up.request_headers([], "rid"))
-        assert await resp.read_chunk() == b"only this"
-        with pytest.raises(UpstreamError) as err:
-            await resp.read_chunk()
-        assert err.value.kind == "disconnect"
-        resp.close()
-
-    asyncio.run(run_with(short, test))
+    asyncio.run(run_with(short, cut_after(b"only this")))
 
 
 def test_a_malformed_answer_is_a_protocol_error() -> None:
@@ -301,15 +307,7 @@ def test_a_reset_cuts_short_a_body_that_ends_at_eof() -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
         writer.transport.abort()
 
-    async def test(up: Upstream, s: Script) -> None:
-        resp = await up.send("baseline", b"/v1/completions", b"{}", up.request_headers([], "rid"))
-        assert await resp.read_chunk() == b"part"
-        with pytest.raises(UpstreamError) as err:
-            await resp.read_chunk()
-        assert err.value.kind == "disconnect"
-        resp.close()
-
-    asyncio.run(run_with(reset, test))
+    asyncio.run(run_with(reset, cut_after(b"part")))
 
 
 def test_idle_connections_are_closed_once_stale(monkeypatch: pytest.MonkeyPatch) -> None:
