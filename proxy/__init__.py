@@ -1,1 +1,1 @@
-"""specgate: the load-aware gateway between a speculative and a baseline SGLang server."""
+"""specgate: the load-aware gateway between a speculative and a baseline inference server (SGLang, vLLM, llama.cpp)."""

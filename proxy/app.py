@@ -137,15 +137,22 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
                 "url": _redact(gate.upstream.url(b)),
                 "healthy": h.healthy,
                 "inflight": r.tracker.count(b),
+                "engine": h.engine,
                 "engine_load": h.engine_load,
+                "engine_signal_up": bool(h.engine_signal_up),
+                "engine_signal_error": h.engine_signal_error,
                 "spec_accept_length": h.spec_accept_length,
                 "last_error": h.last_error,
             }
+        in_effect, why = gate.health.signal_in_effect()
         return _json(
             {
                 "policy": s.policy,
                 "mode": r.state.mode,
                 "load_signal": s.load_signal,
+                "load_signal_in_effect": in_effect,
+                "load_signal_why": why,
+                "engine_setting": s.engine,
                 "load": r.load,
                 "inflight": r.tracker.total,
                 "watermarks": {"high": s.high_watermark, "low": s.low_watermark},
@@ -165,9 +172,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
         ingress.authorize(gate.settings, request.headers.get("authorization", "").encode("latin-1"))
         healthy = [b for b in BACKENDS if gate.health.healthy(b)]
         if not healthy:
-            raise ApiError(
-                503, "No healthy backend: both SGLang servers are down.", "server_error", "no_healthy_backend"
-            )
+            raise ApiError(503, "No healthy backend: both servers are down.", "server_error", "no_healthy_backend")
         probes = await asyncio.gather(
             *(gate.upstream.get(b, "/v1/models", gate.settings.health_timeout_s) for b in healthy)
         )

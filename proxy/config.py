@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .engines import EngineSetting
+
 PolicyName = Literal["threshold", "spillover"]
 LoadSignal = Literal["local", "engine", "max"]
 
@@ -31,6 +33,8 @@ class Settings(BaseSettings):
     load_signal: LoadSignal = "local"
     # Engine gauges frozen this long are taken as an idle server (SGLang keeps them when idle).
     engine_stale_s: float = Field(10.0, gt=0)
+    # Which engine's metrics to read: detected from each server's /metrics names, or fixed.
+    engine: EngineSetting = "auto"
 
     api_keys: Annotated[tuple[str, ...], NoDecode] = ()
     upstream_api_key: SecretStr | None = None

@@ -1,46 +1,44 @@
-"""Health of each SGLang server, and the load its engine reports.
+"""Health of each server, and the load and acceptance its engine reports.
 
-A background task polls `/health` (and `/metrics` when the load signal needs the engine's view)
-every `health_interval_s`. A refused or failed connection is the sure sign of a dead server; a
-slow `/health` is only a hint (SGLang runs a one-token generation for it), so timeouts mark a
-server down only after several in a row. Requests that cannot connect call `mark_down` so traffic
-moves at once instead of at the next poll.
+A background task polls `/health` and `/metrics` of both servers every `health_interval_s`, the
+two at once, so a slow `/health` never delays the load reading. A refused or failed connection is
+the sure sign of a dead server; a slow `/health` is only a hint (SGLang runs a one-token
+generation for it, and a saturated llama-server answers it after the running batch), so timeouts
+mark a server down only after several in a row, and not at all while the server is answering
+proxied requests: that is the best proof of life there is (passive health). Requests that cannot
+connect call `mark_down` so traffic moves at once instead of at the next poll.
+
+What `/metrics` means is the engine adapters' business (engines.py): detected from the names,
+or fixed by `SPECGATE_ENGINE`. When the engine load cannot be read, nothing is silent: a warning
+once per outage, `specgate_engine_signal_up{backend}` 0, and `/routing` says why and which signal
+is in effect (the policy then counts that server by this proxy's own in-flight requests).
 
 SGLang refreshes its gauges every 40 decode steps and keeps them when idle, so a server that went
-quiet can report running requests forever. Gauges and counters that have not moved for
-`engine_stale_s` are read as an idle server: engine load 0.
+quiet can report running requests forever. For engines that do this, values that have not moved
+for `engine_stale_s` are read as an idle server: engine load 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from .config import Settings
+from .engines import ENGINES, AcceptanceRate, Engine, EngineName, describe_health, detect, parse_metrics
 from .metrics import Metrics
 from .policy import BACKENDS, Backend
 from .upstream import Upstream
 
 log = logging.getLogger("specgate.health")
 
-# Consecutive /health timeouts that mark a server down.
+# Consecutive /health timeouts that mark a server down (unless it is answering proxied requests).
 TIMEOUTS_BEFORE_DOWN = 3
-_PREFIXES = ("sglang:", "sglang_")
-_LOAD_GAUGES = ("num_running_reqs", "num_queue_reqs")
-# Values whose standing still means an idle server (they move on every 40-step refresh or finish).
-_ACTIVITY = (
-    "num_running_reqs",
-    "num_queue_reqs",
-    "gen_throughput",
-    "generation_tokens_total",
-    "prompt_tokens_total",
-    "num_requests_total",
-)
+# Acceptance from counters is averaged over this long: a few scrapes, enough drafts to mean something.
+ACCEPT_WINDOW_S = 10.0
 
 
 @dataclass
@@ -49,23 +47,20 @@ class BackendHealth:
     healthy: bool = False
     last_error: str | None = None
     consecutive_timeouts: int = 0
+    # When a proxied request last got bytes from this server (the health clock).
+    last_alive: float | None = None
+    # The engine whose metrics the server exports (detected, or as configured).
+    engine: EngineName | None = None
     engine_load: int | None = None
+    # None until the first scrape; then whether the engine load could be read, and if not, why.
+    engine_signal_up: bool | None = None
+    engine_signal_error: str | None = "not scraped yet"
+    # Live mean acceptance length (>= 1, bonus token included); None without speculation.
     spec_accept_length: float | None = None
+    _reading_at: float | None = field(default=None, repr=False)
     _activity: tuple[float, ...] | None = field(default=None, repr=False)
-    _activity_since: float = 0.0
-
-
-def parse_engine_metrics(text: str) -> dict[str, float]:
-    """SGLang metric values by name without prefix, summed over label sets (tp/dp ranks)."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            for prefix in _PREFIXES:
-                if sample.name.startswith(prefix):
-                    name = sample.name[len(prefix) :]
-                    out[name] = out.get(name, 0.0) + sample.value
-                    break
-    return out
+    _activity_since: float = field(default=0.0, repr=False)
+    _acceptance: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(ACCEPT_WINDOW_S), repr=False)
 
 
 class HealthMonitor:
@@ -82,6 +77,10 @@ class HealthMonitor:
         self._metrics = metrics
         self.on_change = on_change
         self._clock = clock
+        self._engine: Engine | None = None if settings.engine == "auto" else ENGINES[settings.engine]
+        # Proxied traffic younger than this keeps a server with a timing-out /health up: as long as
+        # the timeouts would have taken to mark it down.
+        self.alive_window_s = TIMEOUTS_BEFORE_DOWN * (settings.health_interval_s + settings.health_timeout_s)
         self.backends: dict[Backend, BackendHealth] = {b: BackendHealth(b) for b in BACKENDS}
 
     def healthy(self, backend: Backend) -> bool:
@@ -93,8 +92,30 @@ class HealthMonitor:
     def engine_loads(self) -> dict[Backend, int | None]:
         return {b: h.engine_load for b, h in self.backends.items()}
 
+    def signal_in_effect(self) -> tuple[str, str | None]:
+        """The load signal the policy really uses, and why it differs from the configured one."""
+        configured = self._settings.load_signal
+        if configured == "local":
+            return "local", None
+        down = {b: h.engine_signal_error for b, h in self.backends.items() if not h.engine_signal_up}
+        if not down:
+            return configured, None
+        why = "; ".join(f"{b}: {err}" for b, err in down.items())
+        if len(down) == len(self.backends):
+            return "local", f"no engine load readable ({why}): counting this proxy's in-flight requests"
+        return "mixed", f"engine load unreadable for {why}: that server counted by this proxy's in-flight requests"
+
     def mark_down(self, backend: Backend, reason: str) -> None:
         self._set(backend, False, reason)
+
+    def note_alive(self, backend: Backend) -> None:
+        """A proxied request got bytes from this server just now."""
+        h = self.backends[backend]
+        h.last_alive = self._clock()
+        if not h.healthy and h.consecutive_timeouts >= TIMEOUTS_BEFORE_DOWN:
+            # Down only for slow /health answers, yet it serves: it is alive.
+            h.consecutive_timeouts = 0
+            self._set(backend, True, None)
 
     def _set(self, backend: Backend, healthy: bool, error: str | None) -> None:
         h = self.backends[backend]
@@ -114,7 +135,7 @@ class HealthMonitor:
             await self.poll_once()
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(b) for b in BACKENDS))
+        await asyncio.gather(*(self._poll(b) for b in BACKENDS), *(self._scrape(b) for b in BACKENDS))
         self.on_change()
 
     async def _poll(self, backend: Backend) -> None:
@@ -125,36 +146,85 @@ class HealthMonitor:
             h.consecutive_timeouts = 0
             self._set(backend, True, None)
         elif probe.error is not None and probe.error.kind == "timeout":
+            since = None if h.last_alive is None else self._clock() - h.last_alive
+            if h.healthy and since is not None and since <= self.alive_window_s:
+                h.consecutive_timeouts = 0
+                h.last_error = f"/health timed out, but proxied requests got answers {since:.1f} s ago"
+                return
             h.consecutive_timeouts += 1
             if h.consecutive_timeouts >= TIMEOUTS_BEFORE_DOWN:
                 self._set(backend, False, f"/health timed out {h.consecutive_timeouts} times in a row")
         elif probe.error is not None:
             self._set(backend, False, str(probe.error))
         else:
-            self._set(backend, False, f"/health answered {probe.status}")
-        # Scraped under every load signal: the dashboard and /routing show the engine's view too.
-        await self._scrape(backend)
+            self._set(backend, False, describe_health(probe.status or 0, probe.body))
 
     async def _scrape(self, backend: Backend) -> None:
+        """Read the engine's load and acceptance. Scraped under every load signal: the dashboard
+        and /routing show the engine's view too."""
         h = self.backends[backend]
         probe = await self._upstream.get(backend, "/metrics", self._settings.health_timeout_s)
-        values: dict[str, float] | None = None
+        now = self._clock()
+        error: str | None = None
+        values: dict[str, float] = {}
         if probe.status == 200:
             try:
-                values = parse_engine_metrics(probe.body.decode("utf-8", "replace"))
+                values = parse_metrics(probe.body.decode("utf-8", "replace"))
             except ValueError:
-                values = None
-        if not values or not all(g in values for g in _LOAD_GAUGES):
-            h.engine_load = None
-            h._activity = None
-            self._metrics.engine_load.labels(backend).set(-1)
+                error = "/metrics is not in Prometheus' text format"
+        elif probe.error is not None:
+            error = f"/metrics: {probe.error}"
+        else:
+            error = f"/metrics answered {probe.status} (SGLang needs --enable-metrics, llama-server --metrics)"
+        engine = self._engine if self._engine is not None else detect(values)
+        load: int | None = None
+        if error is None:
+            if engine is None:
+                error = "/metrics holds no SGLang, vLLM or llama.cpp metrics"
+            else:
+                load = engine.load(values)
+                if load is None:
+                    error = f"/metrics lacks {', '.join(engine.missing(values))} (is this a {engine.name} server?)"
+        if engine is None or load is None:
+            timed_out = probe.error is not None and probe.error.kind == "timeout"
+            fresh = h._reading_at is not None and now - h._reading_at < self._settings.engine_stale_s
+            if not (timed_out and fresh):  # a busy server's slow scrape: its last reading stands a while
+                self._signal_down(h, error or "unreadable")
             return
-        now = self._clock()
-        activity = tuple(values.get(k, 0.0) for k in _ACTIVITY)
-        if activity != h._activity:
-            h._activity, h._activity_since = activity, now
-        stale = now - h._activity_since >= self._settings.engine_stale_s
-        load = 0 if stale else int(values["num_running_reqs"] + values["num_queue_reqs"])
-        h.engine_load = load
-        h.spec_accept_length = values.get("spec_accept_length")
+        h.engine = engine.name
+        if engine.freezes_when_idle:
+            activity = engine.activity_of(values)
+            if activity != h._activity:
+                h._activity, h._activity_since = activity, now
+            if now - h._activity_since >= self._settings.engine_stale_s:
+                load = 0
+        h.engine_load, h._reading_at = load, now
         self._metrics.engine_load.labels(backend).set(load)
+        accept = engine.accept_gauge_value(values)
+        counters = engine.accept_counters(values)
+        if accept is None and counters is not None:
+            accept = h._acceptance.update(now, *counters)
+        h.spec_accept_length = accept
+        self._metrics.accept_length.labels(backend).set(math.nan if accept is None else accept)
+        if h.engine_signal_up is not True:
+            h.engine_signal_up, h.engine_signal_error = True, None
+            self._metrics.engine_signal_up.labels(backend).set(1)
+            log.info("engine load of %s readable (%s)", backend, engine.name)
+
+    def _signal_down(self, h: BackendHealth, error: str) -> None:
+        h.engine_load, h._reading_at, h._activity, h.spec_accept_length = None, None, None, None
+        self._metrics.engine_load.labels(h.name).set(-1)
+        self._metrics.accept_length.labels(h.name).set(math.nan)
+        self._metrics.engine_signal_up.labels(h.name).set(0)
+        was_up = h.engine_signal_up
+        h.engine_signal_up, h.engine_signal_error = False, error
+        if was_up is not False:  # once per outage
+            level = logging.WARNING if self._settings.load_signal != "local" else logging.DEBUG
+            log.log(
+                level,
+                "engine load of %s unreadable, so SPECGATE_LOAD_SIGNAL=%s counts it by this proxy's "
+                "in-flight requests: %s",
+                h.name,
+                self._settings.load_signal,
+                error,
+            )

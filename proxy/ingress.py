@@ -95,9 +95,9 @@ async def _accept(
         raise ApiError(400, f"The body is not valid JSON: {exc.msg}.", code="invalid_json") from None
     if not isinstance(payload, dict):
         raise ApiError(400, "The body must be a JSON object.", code="invalid_json")
-    stream = payload.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise ApiError(400, "'stream' must be a boolean.", param="stream", code="invalid_type")
+    # Fields specgate need not understand go on as sent, for the server to judge: a `stream` that is
+    # not a boolean is the server's to accept or refuse, and specgate then asks for no usage.
+    stream = payload.get("stream") is True
     strip_usage = False
     if stream and endpoint in ("chat", "completions"):
         body, strip_usage = ask_for_usage(payload, body)
@@ -106,15 +106,18 @@ async def _accept(
     raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
     target = raw_path + b"?" + query if query else raw_path
     up_headers = gate.upstream.request_headers(scope["headers"], request_id)
-    return ProxyCall(target, endpoint, body, up_headers, request_id, bool(stream), strip_usage, started)
+    return ProxyCall(target, endpoint, body, up_headers, request_id, stream, strip_usage, started)
 
 
 def ask_for_usage(payload: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
-    """Make the server send a usage chunk; return the body to send and whether to drop the chunk."""
+    """Make the server send a usage chunk; return the body to send and whether to drop the chunk.
+    `stream_options` that are not an object, or whose `include_usage` is not a boolean, are the
+    server's to judge: sent unchanged, and no usage is counted for that request."""
     options = payload.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise ApiError(400, "'stream_options' must be an object.", param="stream_options", code="invalid_type")
-    if options and options.get("include_usage") is True:
+        return body, False
+    include = (options or {}).get("include_usage")
+    if include is not None and include is not False:
         return body, False
     payload["stream_options"] = {**(options or {}), "include_usage": True}
     return orjson.dumps(payload), True

@@ -6,6 +6,7 @@ every combination is created up front so dashboards see zeros instead of missing
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -61,6 +62,18 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        self.engine_signal_up = Gauge(
+            "specgate_engine_signal_up",
+            "1 when the server's engine load could be read from its /metrics (0: the policy counts it locally).",
+            ["backend"],
+            registry=r,
+        )
+        self.accept_length = Gauge(
+            "specgate_accept_length",
+            "Live mean speculative acceptance length the server reports (bonus token included; NaN: none).",
+            ["backend"],
+            registry=r,
+        )
         self.failovers = Counter(
             "specgate_failovers", "Requests retried on the other backend.", ["from", "to"], registry=r
         )
@@ -109,6 +122,8 @@ class Metrics:
             self.inflight.labels(b).set(0)
             self.backend_up.labels(b).set(0)
             self.engine_load.labels(b).set(-1)
+            self.engine_signal_up.labels(b).set(0)
+            self.accept_length.labels(b).set(math.nan)
             self.failovers.labels(b, other(b))
             self.client_disconnects.labels(b)
             self.output_tokens.labels(b)

@@ -4,7 +4,7 @@ The relay is a raw ASGI response so that every exit path is in one place: the le
 released inside `RelayResponse.__call__`, and a watcher on `receive()` cancels the relay the moment
 the client disconnects (uvicorn silently drops writes to a gone client, so without the watcher a
 relay would read a stalled or long generation to its end). Closing the upstream connection on that
-path is what makes SGLang abort the generation.
+path is what makes the server (SGLang, vLLM, llama-server) abort the generation.
 
 Nothing is sent to the client until the server's first body byte arrives. Until then a failure can
 still be retried on the other server or answered with a clean status; after it, a broken stream
@@ -40,6 +40,12 @@ USAGE_BODY_LIMIT = 4 * 1024 * 1024
 # A partial SSE event held back (only when a usage chunk must be dropped) is released past this.
 PARTIAL_EVENT_LIMIT = 256 * 1024
 _USAGE_MARK = b'"completion_tokens"'
+# A finish event: its `finish_reason` is a string, not null (compact JSON, as every engine writes it).
+_FINISH_MARK = b'"finish_reason":"'
+# How often a running stream tells the health monitor that its server is answering.
+ALIVE_EVERY_S = 1.0
+# The fields of a usage chunk that are the chunk's own; anything else the server moved there.
+_ENVELOPE = frozenset({"id", "object", "created", "model", "system_fingerprint", "service_tier", "choices", "usage"})
 _DONE = b"data: [DONE]\n\n"
 # How long `[DONE]` is held for the server's end of body to go with it. SGLang's follows at once;
 # a server that keeps its body open after `[DONE]` has its last bytes delayed this long, no more.
@@ -63,14 +69,18 @@ class ProxyCall:
 
 class SseRelay:
     """Tracks SSE event boundaries in a relayed stream, to read token usage and, when asked, to
-    drop the usage chunk. Bytes pass through unchanged and unmerged; only when dropping is on is
-    a partial trailing event held until its end arrives (a client cannot use half an event)."""
+    drop the usage chunk that specgate itself asked for. Bytes pass through unchanged and unmerged;
+    only when dropping is on is a partial trailing event held until its end arrives (a client
+    cannot use half an event), and the finish event until the next bytes: a server may have moved
+    fields into the usage chunk only because usage was asked for (llama-server moves `timings`
+    there), and those go back onto the finish event, where the client would have found them."""
 
-    __slots__ = ("_partial", "_strip", "_usage_event")
+    __slots__ = ("_held", "_partial", "_strip", "_usage_event")
 
     def __init__(self, strip_usage: bool) -> None:
         self._strip = strip_usage
         self._partial = b""
+        self._held = b""
         self._usage_event: bytes | None = None
 
     def feed(self, chunk: bytes) -> bytes:
@@ -79,29 +89,64 @@ class SseRelay:
         end = data.rfind(b"\n\n")
         cut = end + 2 if end >= 0 else 0
         complete, self._partial = data[:cut], data[cut:]
+        if self._held:
+            complete, self._held = self._held + complete, b""
         if _USAGE_MARK in complete:
             complete = self._scan(complete)
+        if self._strip and complete and _FINISH_MARK in complete:
+            # The usage chunk follows the finish event: hold that event until the next bytes come.
+            last = complete.rfind(b"\n\n", 0, len(complete) - 2)
+            tail = complete[last + 2 :] if last >= 0 else complete
+            if _FINISH_MARK in tail:
+                complete, self._held = complete[: len(complete) - len(tail)], tail
         if len(self._partial) > PARTIAL_EVENT_LIMIT:
-            # Not SSE as SGLang writes it (no blank line for this long): stop holding anything back.
-            held, self._partial = self._partial, b""
+            # Not SSE as servers write it (no blank line for this long): stop holding anything back.
+            held, self._partial = self._held + self._partial, b""
+            self._held = b""
             if self._strip:
                 self._strip = False
                 return complete + held
         return complete if self._strip else chunk
 
     def flush(self) -> bytes:
-        rest, self._partial = self._partial, b""
+        rest, self._partial, self._held = self._held + self._partial, b"", b""
         return rest if self._strip else b""
 
     def _scan(self, complete: bytes) -> bytes:
-        kept = []
+        kept: list[bytes] = []
         for event in complete.split(b"\n\n"):
             if _USAGE_MARK in event:
                 self._usage_event = event
                 if self._strip and (b'"choices":[]' in event or b'"choices": []' in event):
+                    self._drop_usage(event, kept)
                     continue
             kept.append(event)
         return b"\n\n".join(kept)
+
+    def _drop_usage(self, event: bytes, kept: list[bytes]) -> None:
+        """Drop the usage chunk, keeping what else the server put in it (see the class)."""
+        try:
+            obj = orjson.loads(event.strip().removeprefix(b"data:"))
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(obj, dict):
+            return
+        extra = {k: v for k, v in obj.items() if k not in _ENVELOPE and v is not None}
+        if not extra:
+            return
+        for i in range(len(kept) - 1, -1, -1):
+            if kept[i].startswith(b"data:") and _FINISH_MARK in kept[i]:
+                try:
+                    prev = orjson.loads(kept[i].removeprefix(b"data:"))
+                except orjson.JSONDecodeError:
+                    break
+                if isinstance(prev, dict):
+                    prev.update({k: v for k, v in extra.items() if k not in prev})
+                    kept[i] = b"data: " + orjson.dumps(prev)
+                    return
+                break
+        # The finish event is gone already: the rest of the chunk goes on without the usage.
+        kept.append(b"data: " + orjson.dumps({k: v for k, v in obj.items() if k != "usage"}))
 
     def usage(self) -> tuple[int, int] | None:
         if self._usage_event is None:
@@ -202,7 +247,7 @@ class _Relay:
         decision = gate.router.decide()
         if decision.backend is None:
             raise_error = ApiError(
-                503, "No healthy backend: both SGLang servers are down.", "server_error", "no_healthy_backend"
+                503, "No healthy backend: both servers are down.", "server_error", "no_healthy_backend"
             )
             await self._error(raise_error, decision.reason)
             return
@@ -223,7 +268,9 @@ class _Relay:
             backend = self.backend
             try:
                 self.upstream = await gate.upstream.send(backend, call.target, call.body, call.headers)
-                return await self.upstream.read_chunk(), reason
+                first = await self.upstream.read_chunk()
+                gate.health.note_alive(backend)
+                return first, reason
             except UpstreamError as err:
                 gate.metrics.upstream_errors.labels(backend, err.kind).inc()
                 if err.kind == "connect":
@@ -266,6 +313,7 @@ class _Relay:
         now = loop.time()
         if timed and first:
             gate.metrics.child(gate.metrics.ttft, backend).observe(now - call.started)
+        alive_at = now
         body_parts = [first] if keep_body else []
         kept = len(first)
         chunk = first
@@ -291,6 +339,9 @@ class _Relay:
                 t = loop.time()
                 if timed:
                     inter_chunk.observe(t - now)
+                if t - alive_at >= ALIVE_EVERY_S:
+                    gate.health.note_alive(backend)
+                    alive_at = t
                 now = t
                 if keep_body:
                     kept += len(chunk)

@@ -1,4 +1,4 @@
-"""The one place that builds and sends requests to the SGLang servers, and maps transport errors.
+"""The one place that builds and sends requests to the servers, and maps transport errors.
 
 The client is a small HTTP/1.1 connection pool on httptools (the C parser uvicorn uses). The
 proxy's cost is mostly its upstream client, and `python -m loadtest.bench_upstream` measured the
@@ -253,7 +253,7 @@ class _Conn(asyncio.Protocol):
 
 
 class _Server:
-    """One SGLang server: where it is, and its pool of keep-alive connections."""
+    """One server: where it is, and its pool of keep-alive connections."""
 
     def __init__(self, backend: Backend, url: str, settings: Settings, auth: bytes | None) -> None:
         parts = urlsplit(url)

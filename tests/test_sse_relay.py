@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from proxy.relay import PARTIAL_EVENT_LIMIT, SseRelay, usage_of
@@ -62,3 +63,40 @@ def test_usage_of() -> None:
     assert usage_of({"meta_info": {"prompt_tokens": 1, "completion_tokens": 2}}) == (1, 2)
     assert usage_of({"usage": None}) is None
     assert usage_of([1]) is None
+
+
+# llama-server: asked for usage, it moves `timings` from the finish chunk into the usage chunk.
+LL_FINISH = b'data: {"choices":[{"delta":{},"finish_reason":"length","index":0}],"id":"1"}\n\n'
+LL_USAGE = (
+    b'data: {"choices":[],"id":"1","timings":{"draft_n":12,"draft_n_accepted":9,"predicted_n":3},'
+    b'"usage":{"completion_tokens":3,"prompt_tokens":7,"total_tokens":10}}\n\n'
+)
+LL_STREAM = ROLE + TOKEN * 3 + LL_FINISH + LL_USAGE + DONE
+
+
+@pytest.mark.parametrize("size", [1, 5, 64, len(LL_STREAM) - len(DONE), len(LL_STREAM)])
+def test_strip_gives_fields_moved_into_the_usage_chunk_back_to_the_finish_chunk(size: int) -> None:
+    relay = SseRelay(strip_usage=True)
+    out = b"".join(relay.feed(c) for c in splits(LL_STREAM, size)) + relay.flush()
+    events = out.split(b"\n\n")
+    assert out.startswith(ROLE + TOKEN * 3) and out.endswith(DONE)
+    assert len(events) == 7  # role, 3 tokens, finish, [DONE], and the empty tail: no usage chunk
+    finish = orjson.loads(events[4].removeprefix(b"data: "))
+    assert finish["timings"] == {"draft_n": 12, "draft_n_accepted": 9, "predicted_n": 3}
+    assert finish["choices"][0]["finish_reason"] == "length" and "usage" not in finish
+    assert relay.usage() == (7, 3)
+
+
+def test_finish_chunk_is_held_only_until_the_next_bytes() -> None:
+    relay = SseRelay(strip_usage=True)
+    assert relay.feed(ROLE + LL_FINISH) == ROLE  # the usage chunk may follow
+    assert relay.feed(DONE) == LL_FINISH + DONE  # it did not: the finish chunk goes on unchanged
+    assert SseRelay(strip_usage=False).feed(LL_FINISH) == LL_FINISH  # nothing held when nothing is dropped
+
+
+def test_moved_fields_survive_when_the_finish_chunk_is_gone() -> None:
+    relay = SseRelay(strip_usage=True)
+    relay.feed(TOKEN)
+    out = relay.feed(LL_USAGE + DONE)
+    kept = orjson.loads(out.split(b"\n\n")[0].removeprefix(b"data: "))
+    assert kept == {"choices": [], "id": "1", "timings": {"draft_n": 12, "draft_n_accepted": 9, "predicted_n": 3}}

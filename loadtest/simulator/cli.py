@@ -109,6 +109,18 @@ def _common(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="refresh gauges on every scrape instead of SGLang's every-40-steps cadence",
     )
+    p.add_argument(
+        "--busy-health-s",
+        type=_non_negative,
+        default=0.0,
+        help="/health takes this long while requests are running (SGLang's runs a generation; a saturated "
+        "llama-server answers after its batch), unscaled",
+    )
+    p.add_argument(
+        "--no-metrics",
+        action="store_true",
+        help="no /metrics (404), as SGLang without --enable-metrics",
+    )
     p.add_argument("--created", type=int, default=None, help="fixed 'created' timestamp (for byte comparisons)")
     p.add_argument("--seed", type=int, default=None, help="seed of the fault-injection draws")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -158,6 +170,8 @@ def configs_from_args(argv: Sequence[str]) -> tuple[list[ServerConfig], bool]:
         default_max_tokens=args.default_max_tokens,
         metrics_prefix=args.metrics_prefix,
         live_gauges=args.live_gauges,
+        busy_health_s=args.busy_health_s,
+        metrics=not args.no_metrics,
         created=args.created,
         seed=args.seed,
     )

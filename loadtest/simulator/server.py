@@ -63,6 +63,9 @@ class ServerConfig:
     kv_capacity_tokens: int = 2_000_000
     metrics_prefix: str = "sglang:"
     live_gauges: bool = False
+    # How long /health takes while requests are running (real time: a probe's timeout is real too).
+    busy_health_s: float = 0.0
+    metrics: bool = True
     created: int | None = None
     seed: int | None = None
 
@@ -104,7 +107,8 @@ class SimServer:
         app.router.add_get("/get_server_info", self.server_info)
         app.router.add_get("/server_info", self.server_info)
         app.router.add_get("/get_load", self.get_load)
-        app.router.add_get("/metrics", self.metrics)
+        if self.config.metrics:
+            app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/chat/completions", self._generation("chat"))
         app.router.add_post("/v1/completions", self._generation("completion"))
         app.router.add_post("/generate", self._generation("generate"))
@@ -149,6 +153,8 @@ class SimServer:
     async def health(self, request: web.Request) -> web.Response:
         if time.monotonic() < self._ready_at:
             return web.Response(status=503)
+        if self.config.busy_health_s > 0 and self.engine.num_running + self.engine.num_queued > 0:
+            await asyncio.sleep(self.config.busy_health_s)
         return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:

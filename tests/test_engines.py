@@ -1,0 +1,120 @@
+"""Engine adapters: each engine's metric names read from text in that engine's own format."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.engines import (
+    ENGINES,
+    LLAMACPP,
+    SGLANG,
+    VLLM,
+    AcceptanceRate,
+    Engine,
+    describe_health,
+    detect,
+    parse_metrics,
+)
+
+# As SGLang writes it (--enable-metrics): labelled per rank, two tensor-parallel ranks here.
+SGLANG_TEXT = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="m",tp_rank="0"} 3.0
+sglang:num_running_reqs{engine_type="unified",model_name="m",tp_rank="1"} 3.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{engine_type="unified",model_name="m",tp_rank="0"} 1.0
+# HELP sglang:spec_accept_length The average acceptance length of speculative decoding.
+# TYPE sglang:spec_accept_length gauge
+sglang:spec_accept_length{engine_type="unified",model_name="m",tp_rank="0"} 2.75
+"""
+# vLLM V1 (prometheus_client): counters carry _total and _created samples, labelled per engine.
+VLLM_TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 4.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 100.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 180.0
+"""
+# llama-server --metrics: no labels, counters typed with their _total names.
+LLAMACPP_TEXT = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 120
+# HELP llamacpp:spec_decode_num_accepted_tokens_total Speculative: Total draft tokens accepted by the target model
+# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter
+llamacpp:spec_decode_num_accepted_tokens_total 30
+# HELP llamacpp:spec_decode_num_drafts_total Speculative: Total speculative decoding verification steps
+# TYPE llamacpp:spec_decode_num_drafts_total counter
+llamacpp:spec_decode_num_drafts_total 20
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+# HELP llamacpp:requests_deferred Number of requests deferred
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 5
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "engine", "load"),
+    [
+        (SGLANG_TEXT, SGLANG, 7),
+        (SGLANG_TEXT.replace("sglang:", "sglang_"), SGLANG, 7),
+        (VLLM_TEXT, VLLM, 6),
+        (LLAMACPP_TEXT, LLAMACPP, 7),
+    ],
+)
+def test_each_engine_is_detected_and_its_load_read(text: str, engine: Engine, load: int) -> None:
+    values = parse_metrics(text)
+    assert detect(values) is engine
+    assert ENGINES[engine.name].load(values) == load
+
+
+def test_acceptance_sources() -> None:
+    assert SGLANG.accept_gauge_value(parse_metrics(SGLANG_TEXT)) == 2.75
+    assert SGLANG.accept_gauge_value(parse_metrics(SGLANG_TEXT.replace("2.75", "0.0"))) is None  # no speculation
+    assert VLLM.accept_counters(parse_metrics(VLLM_TEXT)) == (180.0, 100.0)
+    assert LLAMACPP.accept_counters(parse_metrics(LLAMACPP_TEXT)) == (30.0, 20.0)
+    assert VLLM.accept_gauge_value(parse_metrics(VLLM_TEXT)) is None
+
+
+def test_other_engines_metrics_or_none_are_not_taken_for_load() -> None:
+    assert detect(parse_metrics("# TYPE up gauge\nup 1\n")) is None
+    assert detect({}) is None
+    values = parse_metrics(LLAMACPP_TEXT)
+    assert VLLM.load(values) is None
+    assert VLLM.missing(values) == ["vllm:num_requests_running", "vllm:num_requests_waiting"]
+    with pytest.raises(ValueError):
+        parse_metrics("this is { not prometheus")
+
+
+def test_acceptance_rate_from_counters() -> None:
+    rate = AcceptanceRate(window_s=10)
+    assert rate.update(0, 0, 0) is None  # nothing drafted yet
+    assert rate.update(2, 30, 20) == 2.5  # 1 + 30 / 20
+    assert rate.update(4, 30, 20) == 2.5  # idle: the last value stands
+    rate.update(14, 60, 40)
+    assert rate.update(16, 60, 60) == pytest.approx(1 + 30 / 40)  # the window dropped the first 20 drafts
+    assert rate.update(18, 5, 5) == 2.0  # counters went back (a restart): the lifetime mean of the new run
+    fresh = AcceptanceRate(window_s=10)
+    assert fresh.update(0, 50, 25) == 3.0  # a server that speculated before specgate came
+
+
+def test_health_descriptions() -> None:
+    assert describe_health(503, b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}') == (
+        "/health answered 503: Loading model"
+    )
+    assert describe_health(503, b"") == "/health answered 503"
+    assert describe_health(500, b"<html>") == "/health answered 500"
