@@ -269,7 +269,8 @@ class _Relay:
             try:
                 self.upstream = await gate.upstream.send(backend, call.target, call.body, call.headers)
                 first = await self.upstream.read_chunk()
-                gate.health.note_alive(backend)
+                if self.upstream.status < 500:  # a server that fails everything it gets is no proof of life
+                    gate.health.note_alive(backend)
                 return first, reason
             except UpstreamError as err:
                 gate.metrics.upstream_errors.labels(backend, err.kind).inc()
@@ -339,7 +340,7 @@ class _Relay:
                 t = loop.time()
                 if timed:
                     inter_chunk.observe(t - now)
-                if t - alive_at >= ALIVE_EVERY_S:
+                if t - alive_at >= ALIVE_EVERY_S and up.status < 500:
                     gate.health.note_alive(backend)
                     alive_at = t
                 now = t
