@@ -1,7 +1,8 @@
 """The GPU-node stack, checked without a Docker engine or a GPU: compose.yaml under the real compose
-parser, the Dockerfile under hadolint, Prometheus files under promtool, the image's install step,
-and a real Prometheus scraping a running proxy and simulators, where every dashboard and alert
-expression must return data."""
+parser (the SGLang `gpu`, vLLM `vllm` and simulated `sim` profiles), the Dockerfile under hadolint,
+Prometheus files under promtool, the image's install step, and a real Prometheus scraping a running
+proxy and simulators, where every dashboard and alert expression must return data (and the server
+panels also from vLLM's metric names)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,19 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loadtest.procs import Proc, free_port
 
@@ -43,18 +49,51 @@ def run(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subp
     return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=cwd, env={**clean, **(env or {})})
 
 
-def compose_config(*profiles: str) -> dict[str, Any]:
+def compose_config(*profiles: str, env: dict[str, str] | None = None, env_file: str | None = None) -> dict[str, Any]:
     flags = [f for p in profiles for f in ("--profile", p)]
-    proc = run(tool("docker-compose"), *flags, "config", "--format", "json")
+    if env_file is not None:
+        flags += ["--env-file", env_file]
+    proc = run(tool("docker-compose"), *flags, "config", "--format", "json", env=env)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("profiles", [(), ("sim",), ("gpu",)])
+def env_example() -> dict[str, str]:
+    lines = (ROOT / ".env.example").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
+def flag(cmd: list[str], name: str) -> str:
+    """The value of `--name=value` in a command; fails when absent."""
+    values = [a.split("=", 1)[1] for a in cmd if a.startswith(f"{name}=")]
+    assert len(values) == 1, (name, cmd)
+    return values[0]
+
+
+@pytest.mark.parametrize("profiles", [(), ("sim",), ("gpu",), ("vllm",)])
 def test_compose_is_valid(profiles: tuple[str, ...]) -> None:
     flags = [f for p in profiles for f in ("--profile", p)]
     proc = run(tool("docker-compose"), *flags, "config", "-q")
     assert proc.returncode == 0, proc.stderr
+
+
+VLLM_PAIR = {"vllm-speculative", "vllm-baseline"}
+SGLANG_PAIR = {"sglang-speculative", "sglang-baseline"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "compose_profiles", "servers"),
+    [
+        ((), "vllm", VLLM_PAIR),
+        ((), "gpu", SGLANG_PAIR),
+        (("vllm",), "gpu", VLLM_PAIR),  # .env.example says gpu; a --profile flag replaces it
+        (("gpu",), "vllm", SGLANG_PAIR),
+        (("sim",), "gpu", {"sglang-sim"}),
+    ],
+)
+def test_compose_profiles_env_and_flag(flags: tuple[str, ...], compose_profiles: str, servers: set[str]) -> None:
+    services = set(compose_config(*flags, env={"COMPOSE_PROFILES": compose_profiles})["services"])
+    assert services == servers | {"specgate", "prometheus", "grafana"}
 
 
 def test_compose_gpu_profile() -> None:
@@ -99,10 +138,77 @@ def test_compose_gpu_profile() -> None:
         line.split("`")[1] for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `SPECGATE_")
     }
     assert settings - {"SPECGATE_HOST", "SPECGATE_PORT"} <= set(gate["environment"])  # every setting passed
+    assert gate["environment"]["SPECGATE_ENGINE"] == "auto"  # tells SGLang and vLLM apart by /metrics
     assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", services["prometheus"]["image"])
     assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", services["grafana"]["image"])
     home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home == "/var/lib/grafana/dashboards/specgate.json"
+
+
+def test_compose_vllm_profile_is_the_same_pair_under_vllm() -> None:
+    services = compose_config("vllm")["services"]
+    assert set(services) == VLLM_PAIR | {"specgate", "prometheus", "grafana"}
+    sglang = compose_config("gpu")["services"]
+    model = flag(sglang["sglang-speculative"]["command"], "--model-path")
+    for name, role in (("vllm-speculative", "speculative"), ("vllm-baseline", "baseline")):
+        svc, twin = services[name], sglang[f"sglang-{role}"]
+        assert re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+(-cu\d+)?", svc["image"])  # pinned, not latest
+        assert svc["entrypoint"] == ["vllm", "serve"]
+        cmd = svc["command"]
+        # The same model, name and parallelism as the SGLang twin, so clients and results compare.
+        assert cmd[0] == model
+        assert flag(cmd, "--served-model-name") == flag(twin["command"], "--served-model-name")
+        assert flag(cmd, "--tensor-parallel-size") == flag(twin["command"], "--tp")
+        port = twin["ports"][0]["target"]
+        assert flag(cmd, "--host") == "0.0.0.0" and flag(cmd, "--port") == str(port)
+        assert "--enable-prefix-caching" in cmd  # as SGLang's radix cache: only speculation differs
+        assert 0 < float(flag(cmd, "--gpu-memory-utilization")) < 1
+        # Same hostname and ports as the twin: specgate and Prometheus need no change.
+        assert svc["networks"]["default"]["aliases"] == [f"sglang-{role}"]
+        assert svc["ports"] == twin["ports"]
+        assert svc["deploy"] == twin["deploy"]  # same GPU reservation, same GPU ids
+        assert svc["ipc"] == "host"
+        assert any(v["target"] == "/root/.cache/huggingface" for v in svc["volumes"])
+        assert "HF_TOKEN" in svc["environment"]
+        check = svc["healthcheck"]
+        assert f"localhost:{port}/health" in " ".join(check["test"])
+        assert _seconds(check["start_period"]) >= 600
+    spec, base = services["vllm-speculative"]["command"], services["vllm-baseline"]["command"]
+    config = json.loads(flag(spec, "--speculative-config"))
+    assert config["method"] == "eagle3"
+    assert isinstance(config["model"], str) and config["model"]
+    assert isinstance(config["num_speculative_tokens"], int) and config["num_speculative_tokens"] >= 1
+    assert not any(a.startswith("--speculative") for a in base)
+    # Fractions of total memory, per server: on the same GPUs both must fit at once.
+    devices = [services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n in VLLM_PAIR]
+    if set(devices[0]) & set(devices[1]):
+        assert sum(float(flag(c, "--gpu-memory-utilization")) for c in (spec, base)) < 1
+    # vLLM measures its memory at start by what became used: start the second once the first is up.
+    assert services["vllm-baseline"]["depends_on"]["vllm-speculative"]["condition"] == "service_healthy"
+    gate = services["specgate"]
+    assert gate["environment"]["SPECGATE_SPECULATIVE_URL"] == "http://sglang-speculative:30001"
+    assert gate["environment"]["SPECGATE_BASELINE_URL"] == "http://sglang-baseline:30002"
+    for dep in VLLM_PAIR:
+        assert gate["depends_on"][dep]["condition"] == "service_healthy"
+
+
+def test_gpu_and_vllm_profiles_are_one_or_the_other() -> None:
+    """Both pairs answer to the same names on the same host ports: Docker could not start both
+    (a port is bound once), so .env.example picks one, and --profile replaces it (tested above)."""
+    services = compose_config("gpu", "vllm")["services"]
+    published = Counter(p["published"] for n in SGLANG_PAIR | VLLM_PAIR for p in services[n]["ports"])
+    assert published == {"30001": 2, "30002": 2}
+    aliases = {a for n in VLLM_PAIR for a in services[n]["networks"]["default"]["aliases"]}
+    assert aliases == SGLANG_PAIR
+    assert len({"gpu", "vllm"} & set(env_example()["COMPOSE_PROFILES"].split(","))) == 1
+
+
+@pytest.mark.parametrize("profile", ["gpu", "vllm", "sim"])
+def test_env_example_holds_the_defaults(profile: str) -> None:
+    """.env.example says every value in it is also the default: the config is the same without it."""
+    assert compose_config(profile, env_file=".env.example") == compose_config(profile)
+    used = set(re.findall(r"\$\{(\w+)", (ROOT / "compose.yaml").read_text()))
+    assert set(env_example()) - {"COMPOSE_PROFILES"} <= used  # no misspelt or dead variable
 
 
 def test_compose_sim_profile_replaces_the_gpu_servers() -> None:
@@ -170,14 +276,18 @@ def test_dashboard_json_is_what_the_generator_makes() -> None:
         "Output tokens per second",
         "Backends up",
         "Speculative accept length",
-        "SGLang running and queued requests",
-        "SGLang KV cache usage",
+        "Server running and queued requests",
+        "Server KV cache usage",
+        "Engine signal readable",
+        "Accept length specgate reads",
     ):
         assert wanted in titles
     for panel in committed["panels"]:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "prometheus" and panel["description"]
             assert "unit" in panel["fieldConfig"]["defaults"] or panel["type"] == "stat"
+    exprs = {t["expr"] for p in committed["panels"] for t in p.get("targets", [])}
+    assert {"specgate_accept_length", "specgate_engine_signal_up"} <= exprs
 
 
 # ----- a real Prometheus against the running proxy and simulators -----
@@ -275,6 +385,86 @@ def test_every_dashboard_and_alert_expression_returns_data(stack: StartStack, pr
     assert not missing, "expressions that match nothing:\n" + "\n".join(missing)
     rules = httpx.get(prom + "/api/v1/rules").json()["data"]["groups"][0]["rules"]
     assert all(r["health"] == "ok" for r in rules), rules
+
+
+class FakeVllmMetrics:
+    """The part of a vLLM server's /metrics the server panels read, under vLLM's own names (its
+    counters gain `_total` when exposed); counters grow with time so rates have something to show."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def collect(self) -> Iterator[Metric]:
+        t = time.monotonic() - self.t0
+        labels, values = ["model_name", "engine"], ["llama-3.1-8b-instruct", "0"]
+        for name, value in (
+            ("vllm:num_requests_running", 3.0),
+            ("vllm:num_requests_waiting", 1.0),
+            ("vllm:kv_cache_usage_perc", 0.25),
+        ):
+            gauge = GaugeMetricFamily(name, name, labels=labels)
+            gauge.add_metric(values, value)
+            yield gauge
+        for name, per_s in (
+            ("vllm:generation_tokens", 300.0),
+            ("vllm:spec_decode_num_drafts", 100.0),
+            ("vllm:spec_decode_num_accepted_tokens", 150.0),
+        ):
+            counter = CounterMetricFamily(name, name, labels=labels)
+            counter.add_metric(values, per_s * t)
+            yield counter
+
+
+@pytest.fixture
+def fake_vllm() -> Iterator[str]:
+    registry = CollectorRegistry()
+    registry.register(FakeVllmMetrics())
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_server_panels_read_vllm_names_too(fake_vllm: str, prometheus: Any) -> None:
+    """Under the `vllm` profile the server panels must not go blank: each one that reads SGLang's
+    names returns data from a vLLM server's metrics alone."""
+    nobody = f"127.0.0.1:{free_port()}"  # no proxy here: its job must not add backend-less series
+    prom = prometheus(
+        {"specgate:8000": nobody, "sglang-speculative:30001": fake_vllm, "sglang-baseline:30002": fake_vllm}
+    )
+    server_exprs = [e for e in dashboard_exprs() if "sglang" in e]
+    assert len(server_exprs) >= 5
+    both = {"speculative", "baseline"}
+
+    def backends(expr: str) -> set[str | None]:
+        return {r["metric"].get("backend") for r in query(prom, expr)}
+
+    deadline = time.monotonic() + 40  # each target scraped twice (5 s apart) before rates exist
+    missing: list[str] = []
+    for expr in server_exprs:
+        concrete = expr.replace("$__rate_interval", "30s")
+        while backends(concrete) != both and time.monotonic() < deadline:
+            time.sleep(1)
+        if backends(concrete) != both:
+            missing.append(concrete)
+    assert not missing, "server panels blank under vLLM:\n" + "\n".join(missing)
+    accept = query(prom, next(e for e in server_exprs if "spec_accept_length" in e).replace("$__rate_interval", "30s"))
+    assert {round(float(r["value"][1]), 2) for r in accept} == {2.5}  # 1 + 150 / 100, bonus token included
 
 
 def _seconds(value: Any) -> float:

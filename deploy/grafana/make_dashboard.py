@@ -15,6 +15,10 @@ from typing import Any
 DS = {"type": "prometheus", "uid": "prometheus"}
 RATE = "$__rate_interval"
 SGLANG = "sglang[:_]"  # metric prefix up to SGLang 0.5.3 (`sglang:`) and from 0.5.4 (`sglang_`)
+# vLLM's names for what the server panels show (compose's `vllm` profile); each panel reads whichever
+# engine the servers run, so one dashboard serves both profiles.
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
 
 
 def target(expr: str, legend: str, ref: str) -> dict[str, Any]:
@@ -118,8 +122,16 @@ def quantiles(metric: str) -> list[tuple[str, str]]:
     return out
 
 
-def by_name(name: str, legend: str, agg: str = "sum by (backend)") -> tuple[str, str]:
-    return f'{agg} ({{__name__=~"{SGLANG}{name}"}})', legend
+def by_name(name: str, legend: str, agg: str = "sum by (backend)", vllm: str | None = None) -> tuple[str, str]:
+    """An SGLang gauge by either prefix, or vLLM's gauge of the same meaning where it has one."""
+    names = f"{SGLANG}{name}" + (f"|vllm:{vllm}" if vllm else "")
+    return f'{agg} ({{__name__=~"{names}"}})', legend
+
+
+def or_vllm(sglang: tuple[str, str], vllm_expr: str) -> tuple[str, str]:
+    """SGLang's gauge, else what vLLM's counters give (vLLM counts where SGLang keeps a gauge)."""
+    expr, legend = sglang
+    return f"{expr} or {vllm_expr}", legend
 
 
 def fixed_color(name: str, color: str, dashed: bool = False) -> dict[str, Any]:
@@ -183,7 +195,7 @@ def panels() -> list[dict[str, Any]]:
         ),
         stat(
             "Backends up",
-            "specgate's view of each SGLang server's health.",
+            "specgate's view of each server's health.",
             "specgate_backend_up",
             "{{backend}}",
             (16, 4, 8, 3),
@@ -279,35 +291,81 @@ def panels() -> list[dict[str, Any]]:
             unit="reqps",
             thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}],
         ),
-        row("SGLang servers", 44),
+        row("Inference servers (SGLang or vLLM, from their own /metrics)", 44),
         timeseries(
             "Speculative accept length",
-            "Tokens accepted per verification step (counts the bonus token; 1 means drafts are wasted).",
-            [by_name("spec_accept_length", "{{backend}}", "max by (backend)")],
+            "Tokens accepted per verification step (counts the bonus token; 1 means drafts are wasted). "
+            "SGLang's gauge, or 1 + accepted / drafts from vLLM's counters.",
+            [
+                or_vllm(
+                    by_name("spec_accept_length", "{{backend}}", "max by (backend)"),
+                    f"(1 + sum by (backend) (rate({VLLM_ACCEPTED}[{RATE}])) "
+                    f"/ sum by (backend) (rate({VLLM_DRAFTS}[{RATE}])))",
+                )
+            ],
             (0, 45, 6, 8),
             unit="none",
             thresholds=[{"color": "red", "value": None}, {"color": "green", "value": 2}],
         ),
         timeseries(
-            "SGLang running and queued requests",
-            "As the servers report them (refreshed every 40 decode steps, frozen when idle).",
-            [by_name("num_running_reqs", "{{backend}} running"), by_name("num_queue_reqs", "{{backend}} queued")],
+            "Server running and queued requests",
+            "As the servers report them (SGLang refreshes these every 40 decode steps and keeps them when "
+            "idle; vLLM's are live).",
+            [
+                by_name("num_running_reqs", "{{backend}} running", vllm="num_requests_running"),
+                by_name("num_queue_reqs", "{{backend}} queued", vllm="num_requests_waiting"),
+            ],
             (6, 45, 6, 8),
         ),
         timeseries(
-            "SGLang KV cache usage",
+            "Server KV cache usage",
             "Share of the KV cache in use; near 1 the server queues requests.",
-            [by_name("token_usage", "{{backend}}", "max by (backend)")],
+            [by_name("token_usage", "{{backend}}", "max by (backend)", vllm="kv_cache_usage_perc")],
             (12, 45, 6, 8),
             unit="percentunit",
             thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 0.9}],
         ),
         timeseries(
-            "SGLang generation throughput",
-            "Output tokens per second as each server reports it.",
-            [by_name("gen_throughput", "{{backend}}")],
+            "Server generation throughput",
+            "Output tokens per second as each server reports it (vLLM: the rate of its token counter).",
+            [
+                or_vllm(
+                    by_name("gen_throughput", "{{backend}}"),
+                    f"sum by (backend) (rate(vllm:generation_tokens_total[{RATE}]))",
+                )
+            ],
             (18, 45, 6, 8),
             unit="none",
+        ),
+        row("What specgate reads from each server", 53),
+        stat(
+            "Engine signal readable",
+            "Whether specgate could read the server's load (running + queued) from its /metrics at the last "
+            "poll. Unreadable: SPECGATE_LOAD_SIGNAL=engine or max counts that server by specgate's own "
+            "in-flight requests instead, and /routing says why.",
+            "specgate_engine_signal_up",
+            "{{backend}}",
+            (0, 54, 6, 8),
+            [
+                {
+                    "type": "value",
+                    "options": {
+                        "0": {"text": "UNREADABLE", "color": "orange"},
+                        "1": {"text": "READ", "color": "green"},
+                    },
+                }
+            ],
+            [{"color": "orange", "value": None}, {"color": "green", "value": 1}],
+        ),
+        timeseries(
+            "Accept length specgate reads",
+            "The live mean acceptance length specgate takes from each server (SGLang's gauge, or vLLM's "
+            "counters over a short window; bonus token included). A gap: no speculation there, no drafts "
+            "lately, or /metrics unreadable.",
+            [("specgate_accept_length", "{{backend}}")],
+            (6, 54, 18, 8),
+            unit="none",
+            thresholds=[{"color": "red", "value": None}, {"color": "green", "value": 2}],
         ),
     ]
 
@@ -319,7 +377,7 @@ def dashboard() -> dict[str, Any]:
     return {
         "uid": "specgate",
         "title": "specgate",
-        "tags": ["specgate", "sglang"],
+        "tags": ["specgate", "sglang", "vllm"],
         "timezone": "browser",
         "schemaVersion": 39,
         "version": 1,
