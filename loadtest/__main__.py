@@ -10,12 +10,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .calibrate import Crossover, Recommendation, find_crossover, recommend
+from .calibrate import Crossover, Recommendation, calibrate, crossovers
 from .client import Target
 from .procs import Proc, free_port, start
 from .prompts import source
-from .report import calibration_text, compare_table, level_table, plot_compare, write_json
-from .stats import LevelStats
+from .report import calibration_text, compare_table, level_table, level_warnings, plot_compare, write_json
+from .stats import DEFAULT_MIN_REQUESTS, LevelStats
 from .sweep import LevelPlan, TargetUnreachable, first_model, make_session, run_level
 
 DEFAULT_LEVELS = "1,2,5,10,30,70,100,250"
@@ -50,6 +50,13 @@ def _load_options(p: argparse.ArgumentParser, levels: str = DEFAULT_LEVELS) -> N
     p.add_argument("--api-key", default=None)
     p.add_argument(
         "--no-ignore-eos", action="store_true", help="do not send ignore_eos (for servers that reject SGLang's extras)"
+    )
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=DEFAULT_MIN_REQUESTS,
+        help=f"good requests a level needs, and at least half its streams, or it is marked inconclusive and "
+        f"nothing is concluded from it (default {DEFAULT_MIN_REQUESTS}; 0: no check)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--out", default=None, help="write every figure and the settings as JSON here")
@@ -160,28 +167,28 @@ async def sweep_targets(urls: Mapping[str, str], args: argparse.Namespace) -> di
                     desc=f"{name:>11} c={c:<4}", unit="req", file=sys.stderr, leave=False, disable=args.quiet or None
                 )
 
-                def progress(phase: str, done: int, errors: int, bar: Any = bar) -> None:
-                    bar.set_postfix_str(f"{phase}, {errors} errors", refresh=False)
+                def progress(phase: str, done: int, errors: int, client_errors: int, bar: Any = bar) -> None:
+                    bar.set_postfix_str(f"{phase}, {errors} errors, {client_errors} client errors", refresh=False)
                     bar.update(done - bar.n)
 
-                stats, _ = await run_level(session, target, c, plan, source(args.prompts, args.seed), progress)
+                stats, _ = await run_level(
+                    session, target, c, plan, source(args.prompts, args.seed), progress, args.min_requests
+                )
                 bar.close()
                 out[name].append(stats)
                 print(
-                    f"{name:>11} c={c:<4} {stats.output_tok_s:>10,.1f} tok/s  {stats.errors} errors",
+                    f"{name:>11} c={c:<4} {stats.output_tok_s:>10,.1f} tok/s  {stats.completed} ok, "
+                    f"{stats.errors} errors, {stats.client_errors} client errors",
                     file=sys.stderr,
                     flush=True,
                 )
+                for line in level_warnings([stats], name):
+                    print(line.lstrip("* "), file=sys.stderr, flush=True)
     return out
 
 
-def _crossovers(sweeps: Mapping[str, Sequence[LevelStats]], levels: Sequence[int]) -> tuple[Crossover, Crossover]:
-    spec, base = sweeps["speculative"], sweeps["baseline"]
-    tp = find_crossover("output_tok_s", levels, [s.output_tok_s for s in spec], [b.output_tok_s for b in base])
-    lat = find_crossover(
-        "mean_tpot_ms", levels, [s.mean_tpot_ms for s in spec], [b.mean_tpot_ms for b in base], higher_is_better=False
-    )
-    return tp, lat
+def _crossovers(sweeps: Mapping[str, Sequence[LevelStats]]) -> tuple[Crossover, Crossover]:
+    return crossovers(sweeps["speculative"], sweeps["baseline"])
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -199,7 +206,7 @@ async def cmd_sweep(args: argparse.Namespace) -> int:
 async def cmd_compare(args: argparse.Namespace) -> int:
     urls = {"speculative": args.speculative, "baseline": args.baseline, "specgate": args.proxy}
     sweeps = await sweep_targets(urls, args)
-    tp, lat = _crossovers(sweeps, args.concurrency)
+    tp, lat = _crossovers(sweeps)
     for name, rows in sweeps.items():
         print(level_table(name, rows) + "\n")
     print(compare_table(sweeps))
@@ -210,16 +217,13 @@ async def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recommendation(
-    sweeps: Mapping[str, Sequence[LevelStats]], levels: Sequence[int]
-) -> tuple[Crossover, Crossover, Recommendation]:
-    tp, lat = _crossovers(sweeps, levels)
-    return tp, lat, recommend(tp, lat, max(levels))
+def _recommendation(sweeps: Mapping[str, Sequence[LevelStats]]) -> tuple[Crossover, Crossover, Recommendation]:
+    return calibrate(sweeps["speculative"], sweeps["baseline"])
 
 
 async def cmd_calibrate(args: argparse.Namespace) -> int:
     sweeps = await sweep_targets({"speculative": args.speculative, "baseline": args.baseline}, args)
-    tp, lat, rec = _recommendation(sweeps, args.concurrency)
+    tp, lat, rec = _recommendation(sweeps)
     print(compare_table(sweeps) + "\n")
     print(calibration_text(tp, lat, rec))
     if args.out:
@@ -258,7 +262,7 @@ async def cmd_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         sweeps = await sweep_targets(urls, args)
-        tp, lat, rec = _recommendation(sweeps, args.concurrency)
+        tp, lat, rec = _recommendation(sweeps)
         env = {
             "SPECGATE_HOST": "127.0.0.1",
             "SPECGATE_PORT": str(proxy_port),

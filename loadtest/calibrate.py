@@ -1,4 +1,8 @@
-"""Where speculation stops paying, and the watermarks that follow from it. Pure functions."""
+"""Where speculation stops paying, and the watermarks that follow from it. Pure functions.
+
+Only conclusive levels count: one where either server had too few good requests (see
+stats.min_ok_requests) is left out as if it had not been measured, and the recommendation names it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from .stats import LevelStats
 
 Verdict = Literal["crosses", "never_pays", "always_pays", "no_data"]
 
@@ -48,6 +54,8 @@ class Recommendation:
     low: int
     verdict: Verdict
     explanation: str
+    # Levels left out because a server had too few good requests there.
+    inconclusive_levels: tuple[int, ...] = ()
 
     def env_lines(self) -> str:
         return f"SPECGATE_POLICY=threshold\nSPECGATE_HIGH_WATERMARK={self.high}\nSPECGATE_LOW_WATERMARK={self.low}\n"
@@ -58,11 +66,36 @@ def hysteresis_low(high: int) -> int:
     return max(0, high - max(1, math.ceil(high / 4)))
 
 
-def recommend(throughput: Crossover, latency: Crossover, max_level: int) -> Recommendation:
-    """Speculate only where it pays on both counts: below the earlier of the two crossovers."""
+def _levels_text(levels: Sequence[int]) -> str:
+    return ", ".join(str(c) for c in levels)
+
+
+def recommend(
+    throughput: Crossover, latency: Crossover, max_level: int, inconclusive: Sequence[int] = ()
+) -> Recommendation:
+    """Speculate only where it pays on both counts: below the earlier of the two crossovers.
+
+    `max_level` is the highest level the crossovers were found from; `inconclusive` the levels
+    they were not, for want of good requests.
+    """
+    left_out = tuple(inconclusive)
+    note = (
+        f" Left out for too few good requests: {_levels_text(left_out)} concurrent streams; measure them again "
+        "(a longer --duration-s, or see their errors) before trusting the watermarks near them."
+        if left_out
+        else ""
+    )
     verdicts = {throughput.verdict, latency.verdict}
     if "no_data" in verdicts:
-        return Recommendation(16, 8, "no_data", "Not enough successful requests to compare the servers.")
+        if left_out:
+            why = (
+                f"No level had enough good requests on both servers to conclude anything (too few at "
+                f"{_levels_text(left_out)} concurrent streams). Measure again with a longer --duration-s, or "
+                "look at the errors; specgate's default watermarks stay until then."
+            )
+        else:
+            why = "Not enough successful requests to compare the servers."
+        return Recommendation(16, 8, "no_data", why, left_out)
     if "never_pays" in verdicts:
         which = "throughput" if throughput.verdict == "never_pays" else "per-request latency (TPOT)"
         return Recommendation(
@@ -70,7 +103,8 @@ def recommend(throughput: Crossover, latency: Crossover, max_level: int) -> Reco
             0,
             "never_pays",
             f"Speculation never paid: the baseline was ahead on {which} from the lowest level measured. "
-            "Send everything to the baseline (a high watermark of 0 does that).",
+            "Send everything to the baseline (a high watermark of 0 does that)." + note,
+            left_out,
         )
     crossings = [c.at for c in (throughput, latency) if c.verdict == "crosses" and c.at is not None]
     if not crossings:
@@ -79,7 +113,8 @@ def recommend(throughput: Crossover, latency: Crossover, max_level: int) -> Reco
             hysteresis_low(max_level),
             "always_pays",
             f"Speculation paid at every level measured, up to {max_level} concurrent streams. Measure higher "
-            "levels before raising the high watermark further.",
+            "levels before raising the high watermark further." + note,
+            left_out,
         )
     at = min(crossings)
     high = max(1, math.floor(at))
@@ -88,5 +123,41 @@ def recommend(throughput: Crossover, latency: Crossover, max_level: int) -> Reco
         hysteresis_low(high),
         "crosses",
         f"Speculation stops paying at about {at:.1f} concurrent streams; new requests go to the baseline "
-        f"from {high} in flight and return to speculation at {hysteresis_low(high)}.",
+        f"from {high} in flight and return to speculation at {hysteresis_low(high)}." + note,
+        left_out,
     )
+
+
+def inconclusive_levels(*sweeps: Sequence[LevelStats]) -> tuple[int, ...]:
+    """Levels at which any of the sweeps (aligned level by level) had too few good requests."""
+    return tuple(rows[0].concurrency for rows in zip(*sweeps, strict=True) if not all(r.conclusive for r in rows))
+
+
+def crossovers(speculative: Sequence[LevelStats], baseline: Sequence[LevelStats]) -> tuple[Crossover, Crossover]:
+    """Throughput and TPOT crossovers from the levels both servers measured conclusively."""
+    levels = [s.concurrency for s in speculative]
+    keep = [s.conclusive and b.conclusive for s, b in zip(speculative, baseline, strict=True)]
+
+    def values(rows: Sequence[LevelStats], name: str) -> list[float]:
+        # NaN is find_crossover's "not measured".
+        return [float(getattr(r, name)) if k else math.nan for r, k in zip(rows, keep, strict=True)]
+
+    tp = find_crossover("output_tok_s", levels, values(speculative, "output_tok_s"), values(baseline, "output_tok_s"))
+    lat = find_crossover(
+        "mean_tpot_ms",
+        levels,
+        values(speculative, "mean_tpot_ms"),
+        values(baseline, "mean_tpot_ms"),
+        higher_is_better=False,
+    )
+    return tp, lat
+
+
+def calibrate(
+    speculative: Sequence[LevelStats], baseline: Sequence[LevelStats]
+) -> tuple[Crossover, Crossover, Recommendation]:
+    """The crossovers and the watermarks, from conclusive levels only."""
+    tp, lat = crossovers(speculative, baseline)
+    left_out = inconclusive_levels(speculative, baseline)
+    measured = [s.concurrency for s in speculative if s.concurrency not in left_out]
+    return tp, lat, recommend(tp, lat, max(measured, default=0), left_out)

@@ -2,6 +2,14 @@
 
 TTFT is the time to the first chunk with text; ITL the gaps between chunks with text; output
 tokens come from `usage` (the request asks for it), falling back to the count of text chunks.
+
+A failure is the server's when the server answered: an HTTP error status, an error event in the
+stream, a body cut short or never ending in [DONE], a read timeout. A failure before any status
+line (the connection refused, reset or closed while the request was being sent or its answer
+awaited) is the client's: it is retried on a new connection, and when the retries fail too it is
+recorded as a client error, never as the server's. That is what happens when a server closes
+each connection after its response (llama.cpp's llama-server does, despite keep-alive) and the
+pool hands the closed connection to the next request.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     backend: str | None = None
+    # The failure happened before the server answered (see the module docstring).
+    client_error: bool = False
+    # Tries this result took; a value above 1 means it needed a new connection.
+    attempts: int = 1
 
     @property
     def latency(self) -> float:
@@ -75,12 +87,43 @@ class Target:
         return body
 
 
-async def stream_request(session: aiohttp.ClientSession, target: Target, prompt: Prompt) -> RequestResult:
+# Retries of a request that failed before the server answered, each on a new connection. Two: the
+# first retry already gets a connection nobody used, so a second failure is no stale-pool accident.
+CLIENT_RETRIES = 2
+
+
+async def stream_request(
+    session: aiohttp.ClientSession, target: Target, prompt: Prompt, retries: int = CLIENT_RETRIES
+) -> RequestResult:
+    """One request; a client-side failure is retried `retries` times, each on a connection of its own.
+
+    Timing is that of the attempt that produced the result: a failed attempt's time is spent on a
+    connection the server had already given up (or never took), not on the server's work, so
+    counting it would charge the client's pool to the server's TTFT and latency.
+    """
+    result = await _attempt(session, target, prompt)
+    attempts = 1
+    while result.client_error and attempts <= retries:
+        # A session that pools nothing: the pool is what handed out the dead connection. The POST
+        # is resent even though the server may have read it: a load test only loses some work.
+        fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), timeout=session.timeout)
+        async with fresh:
+            result = await _attempt(fresh, target, prompt)
+        attempts += 1
+    result.attempts = attempts
+    if result.client_error and attempts > 1:
+        result.error = f"{result.error} ({attempts} tries)"
+    return result
+
+
+async def _attempt(session: aiohttp.ClientSession, target: Target, prompt: Prompt) -> RequestResult:
     result = RequestResult(started=time.monotonic())
     text_chunks = 0
     done = False
+    answered = False
     try:
         async with session.post(target.endpoint(), json=target.body(prompt), headers=target.headers()) as resp:
+            answered = True
             result.backend = resp.headers.get("x-specgate-backend")
             if resp.status != 200:
                 body = (await resp.read())[:300].decode("utf-8", "replace")
@@ -110,6 +153,11 @@ async def stream_request(session: aiohttp.ClientSession, target: Target, prompt:
                     result.output_tokens = int(usage.get("completion_tokens") or 0)
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]
+        # A timeout is the server being slow with a request it had; a malformed status line is an
+        # answer, if a bad one (ClientResponseError, not a connection error).
+        result.client_error = (
+            not answered and isinstance(exc, aiohttp.ClientConnectionError) and not isinstance(exc, TimeoutError)
+        )
         return result
     finally:
         result.finished = time.monotonic()

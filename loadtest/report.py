@@ -18,25 +18,59 @@ def _f(value: float, digits: int = 1) -> str:
 
 
 def level_table(title: str, rows: Sequence[LevelStats]) -> str:
+    """One target's levels; an inconclusive level is starred, and a note under the table says why."""
     head = (
         f"{'conc':>5} {'out tok/s':>10} {'req/s':>7} {'TTFT mean':>9} {'med':>7} {'p99':>7} "
         f"{'ITL mean':>8} {'med':>6} {'p95':>6} {'p99':>6} {'TPOT':>6} {'E2E mean':>9} {'med':>8} "
-        f"{'err':>4}  backends"
+        f"{'err':>4} {'cerr':>4}  backends"
     )
     lines = [title, head, "-" * len(head)]
     for r in rows:
         share = ", ".join(f"{b} {v:.0%}" for b, v in r.backend_share.items())
         lines.append(
-            f"{r.concurrency:>5} {_f(r.output_tok_s):>10} {_f(r.request_per_s, 2):>7} {_f(r.mean_ttft_ms):>9} "
+            f"{_conc(r):>5} {_f(r.output_tok_s):>10} {_f(r.request_per_s, 2):>7} {_f(r.mean_ttft_ms):>9} "
             f"{_f(r.median_ttft_ms):>7} {_f(r.p99_ttft_ms):>7} {_f(r.mean_itl_ms):>8} {_f(r.median_itl_ms):>6} "
             f"{_f(r.p95_itl_ms):>6} {_f(r.p99_itl_ms):>6} {_f(r.mean_tpot_ms):>6} {_f(r.mean_e2e_ms):>9} "
-            f"{_f(r.median_e2e_ms):>8} {r.errors:>4}  {share}"
+            f"{_f(r.median_e2e_ms):>8} {r.errors:>4} {r.client_errors:>4}  {share}"
         )
-    lines.append("(times in ms; out tok/s from usage over the measurement window)")
+    lines.append("(times in ms; out tok/s from usage over the measurement window; err: the server's errors, "
+                 "cerr: the client's, requests that failed before the server answered)")  # fmt: skip
+    lines += level_warnings(rows)
     return "\n".join(lines)
 
 
+def _conc(r: LevelStats) -> str:
+    return str(r.concurrency) if r.conclusive else f"{r.concurrency}*"
+
+
+def level_warnings(rows: Sequence[LevelStats], name: str = "") -> list[str]:
+    """A line per inconclusive level, per level with client errors, and per level that retried."""
+    who = f"{name} " if name else ""
+    out = []
+    for r in rows:
+        if not r.conclusive:
+            why = (
+                f"{r.completed} good requests, {r.min_ok} needed (--min-requests, and at least half the streams)"
+                if r.completed < r.min_ok
+                else f"{r.client_errors} of its requests failed on the client's side, so the server was not "
+                f"under the load of {r.concurrency} streams"
+            )
+            out.append(f"* warning: {who}c={r.concurrency} is inconclusive: {why}; nothing is concluded from it")
+        if r.client_errors:
+            out.append(
+                f"  warning: {who}c={r.concurrency}: {r.client_errors} client errors (no answer from the server, "
+                f"even on a new connection), not counted as the server's: {'; '.join(r.client_error_samples)}"
+            )
+        if r.retried:
+            out.append(
+                f"  note: {who}c={r.concurrency}: {r.retried} requests answered only when resent on a new connection "
+                "(the target closes connections the client pooled); each timed from the try that was answered"
+            )
+    return out
+
+
 def compare_table(sweeps: Mapping[str, Sequence[LevelStats]]) -> str:
+    """Throughput side by side; a figure from an inconclusive level is starred and so is its ratio."""
     spec, base = sweeps["speculative"], sweeps["baseline"]
     proxy = sweeps.get("specgate")
     head = f"{'conc':>5} {'speculative':>12} {'baseline':>10}"
@@ -44,14 +78,25 @@ def compare_table(sweeps: Mapping[str, Sequence[LevelStats]]) -> str:
         head += f" {'specgate':>10} {'vs better':>9} {'spec share':>10}"
     lines = ["output tok/s by concurrency", head, "-" * len(head)]
     for i, (s, b) in enumerate(zip(spec, base, strict=True)):
-        line = f"{s.concurrency:>5} {_f(s.output_tok_s):>12} {_f(b.output_tok_s):>10}"
+        line = f"{s.concurrency:>5} {_star(s.output_tok_s, s):>12} {_star(b.output_tok_s, b):>10}"
         if proxy is not None:
             p = proxy[i]
             better = max(s.output_tok_s, b.output_tok_s)
             ratio = p.output_tok_s / better if better > 0 else math.nan
-            line += f" {_f(p.output_tok_s):>10} {_f(ratio, 3):>9} {p.backend_share.get('speculative', 0.0):>10.0%}"
+            all_conclusive = s.conclusive and b.conclusive and p.conclusive
+            line += (
+                f" {_star(p.output_tok_s, p):>10} {_f(ratio, 3) + ('' if all_conclusive else '*'):>9}"
+                f" {p.backend_share.get('speculative', 0.0):>10.0%}"
+            )
         lines.append(line)
+    for name, rows in sweeps.items():
+        # Only what explains the stars: the per-target tables and the progress lines say the rest.
+        lines += [w for w in level_warnings(rows, name) if w.startswith("*")]
     return "\n".join(lines)
+
+
+def _star(value: float, r: LevelStats) -> str:
+    return _f(value) if r.conclusive else _f(value) + "*"
 
 
 def calibration_text(throughput: Crossover, latency: Crossover, rec: Recommendation) -> str:
@@ -64,11 +109,15 @@ def calibration_text(throughput: Crossover, latency: Crossover, rec: Recommendat
             "no_data": "no data",
         }[c.verdict]
 
-    return (
+    text = (
         f"throughput (output tok/s):  {describe(throughput)}\n"
-        f"per-request latency (TPOT): {describe(latency)}\n\n"
-        f"{rec.explanation}\n\nPaste into specgate's environment:\n\n{rec.env_lines()}"
+        f"per-request latency (TPOT): {describe(latency)}\n\n{rec.explanation}\n\n"
     )
+    if rec.verdict == "no_data":
+        # Nothing was measured to recommend from: printing watermarks to paste would pass off
+        # specgate's defaults as a finding.
+        return text + "Nothing to paste: no watermarks follow from these measurements.\n"
+    return text + f"Paste into specgate's environment:\n\n{rec.env_lines()}"
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -115,6 +164,11 @@ def plot_compare(path: str | Path, sweeps: Mapping[str, Sequence[LevelStats]], c
                 label=name,
                 linewidth=2.5 if name == "specgate" else 1.5,
             )
+        # Inconclusive levels get an open ring: drawn, but not to be read as a finding.
+        shaky = [r for rows in sweeps.values() for r in rows if not r.conclusive]
+        if shaky:
+            ax.plot([r.concurrency for r in shaky], [getattr(r, field) for r in shaky], "o", markersize=12,
+                    markerfacecolor="none", color="tab:red", label="inconclusive level")  # fmt: skip
         if crossover.verdict == "crosses" and crossover.at is not None:
             ax.axvline(crossover.at, color="tab:red", linestyle=":", label=f"crossover ~{crossover.at:.0f}")
         ax.set_xscale("log")

@@ -1,4 +1,10 @@
-"""Pure summaries of request results, under the names SGLang's bench_serving prints."""
+"""Pure summaries of request results, under the names SGLang's bench_serving prints.
+
+`errors` are the server's failures; `client_errors` the requests that failed before the server
+answered (see client.py), which say nothing about the server. A level with fewer good requests
+than `min_ok`, or with more client errors than CLIENT_ERROR_SHARE of its requests, is
+inconclusive: its figures are printed, marked, and concluded from by no one.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +29,27 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
+
+
+# Good requests a level needs, unless --min-requests says otherwise.
+DEFAULT_MIN_REQUESTS = 10
+# Past this share of a level's requests failing on the client's side, the server was not under
+# the load the level names (the failed streams sat idle), so its throughput is not the server's.
+CLIENT_ERROR_SHARE = 0.05
+
+
+def min_ok_requests(concurrency: int, min_requests: int = DEFAULT_MIN_REQUESTS) -> int:
+    """Good requests a level needs before anything is concluded from it; 0 when min_requests <= 0.
+
+    `min_requests`, and at least half the streams: fewer good requests started inside the window
+    than that means the window was shorter than most streams' requests (or most failed), so the
+    latencies come from the few streams that happened to start one, and say little of the rest.
+    Half rather than all, so that a level whose requests take about the window's length, or that
+    lost a few to errors, still counts.
+    """
+    if min_requests <= 0:
+        return 0
+    return max(min_requests, math.ceil(concurrency / 2))
 
 
 def tokens_in_window(r: RequestResult, t0: float, t1: float) -> float:
@@ -53,14 +80,32 @@ class LevelStats:
     median_e2e_ms: float
     backend_share: dict[str, float] = field(default_factory=dict)
     error_samples: tuple[str, ...] = ()
+    # Failures before the server answered, after retries on new connections: not in `errors`.
+    client_errors: int = 0
+    client_error_samples: tuple[str, ...] = ()
+    # Requests measured that the server answered only when resent on a new connection: the first
+    # try got no answer, as when the target closes connections the client had pooled.
+    retried: int = 0
+    # The good requests this level needed (min_ok_requests); fewer, or too many client errors
+    # (CLIENT_ERROR_SHARE), make it inconclusive. 0: the check was off.
+    min_ok: int = 0
+    conclusive: bool = True
 
 
-def summarize(concurrency: int, results: Sequence[RequestResult], t0: float, t1: float) -> LevelStats:
+def summarize(
+    concurrency: int,
+    results: Sequence[RequestResult],
+    t0: float,
+    t1: float,
+    min_requests: int = DEFAULT_MIN_REQUESTS,
+) -> LevelStats:
     """Throughput over the window [t0, t1]; latencies of the requests that started inside it."""
     window = max(t1 - t0, 1e-9)
     measured = [r for r in results if t0 <= r.started < t1]
     ok = [r for r in measured if r.ok]
-    errors = [r for r in measured if not r.ok]
+    errors = [r for r in measured if not r.ok and not r.client_error]
+    client_errors = [r for r in measured if not r.ok and r.client_error]
+    min_ok = min_ok_requests(concurrency, min_requests)
     tokens = sum(tokens_in_window(r, t0, t1) for r in results)
     finished_inside = sum(1 for r in results if r.ok and t0 <= r.finished <= t1)
     ttfts = [r.ttft * 1000 for r in ok if r.ttft is not None]
@@ -87,5 +132,14 @@ def summarize(concurrency: int, results: Sequence[RequestResult], t0: float, t1:
         mean_e2e_ms=mean(e2e),
         median_e2e_ms=percentile(e2e, 50),
         backend_share=share,
-        error_samples=tuple(sorted({e.error or "?" for e in errors}))[:5],
+        error_samples=_samples(errors),
+        client_errors=len(client_errors),
+        client_error_samples=_samples(client_errors),
+        retried=sum(1 for r in measured if r.attempts > 1 and not r.client_error),
+        min_ok=min_ok,
+        conclusive=len(ok) >= min_ok and not (min_ok and len(client_errors) > CLIENT_ERROR_SHARE * len(measured)),
     )
+
+
+def _samples(failed: Sequence[RequestResult]) -> tuple[str, ...]:
+    return tuple(sorted({r.error or "?" for r in failed}))[:5]

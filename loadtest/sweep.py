@@ -19,7 +19,7 @@ import aiohttp
 
 from .client import RequestResult, Target, stream_request
 from .prompts import Prompt
-from .stats import LevelStats, summarize
+from .stats import DEFAULT_MIN_REQUESTS, LevelStats, summarize
 
 # A worker whose request failed waits this long before the next, so a dead target is no busy loop.
 ERROR_BACKOFF_S = 0.05
@@ -38,7 +38,7 @@ class LevelPlan:
     max_wait_s: float = 600.0
 
 
-Progress = Callable[[str, int, int], None]  # (phase, completed, errors)
+Progress = Callable[[str, int, int, int], None]  # (phase, completed, errors, client_errors)
 
 
 def make_session() -> aiohttp.ClientSession:
@@ -71,20 +71,22 @@ async def run_level(
     plan: LevelPlan,
     prompts: Iterator[Prompt],
     progress: Progress | None = None,
+    min_requests: int = DEFAULT_MIN_REQUESTS,
 ) -> tuple[LevelStats, list[RequestResult]]:
     results: list[RequestResult] = []
     first_done = 0
     errors = 0
+    client_errors = 0
     stop = asyncio.Event()
     window: list[float] = []  # [t0] once measuring, [t0, t1] once done
     start = time.monotonic()
 
     def report(phase: str) -> None:
         if progress is not None:
-            progress(phase, len(results), errors)
+            progress(phase, len(results), errors, client_errors)
 
     async def worker() -> None:
-        nonlocal first_done, errors
+        nonlocal first_done, errors, client_errors
         counted_first = False
         while not stop.is_set():
             r = await stream_request(session, target, next(prompts))
@@ -93,7 +95,10 @@ async def run_level(
                 counted_first = True
                 first_done += 1
             if not r.ok:
-                errors += 1
+                if r.client_error:
+                    client_errors += 1
+                else:
+                    errors += 1
                 await asyncio.sleep(ERROR_BACKOFF_S)
             report("drain" if stop.is_set() else ("measure" if window else "warm-up"))
 
@@ -122,4 +127,4 @@ async def run_level(
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     report("done")
-    return summarize(concurrency, results, window[0], window[1]), results
+    return summarize(concurrency, results, window[0], window[1], min_requests), results

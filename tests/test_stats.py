@@ -7,7 +7,7 @@ import math
 import pytest
 
 from loadtest.client import RequestResult
-from loadtest.stats import percentile, summarize, tokens_in_window
+from loadtest.stats import DEFAULT_MIN_REQUESTS, min_ok_requests, percentile, summarize, tokens_in_window
 
 
 def result(started: float, chunk_times: list[float], tokens: int, backend: str = "speculative",
@@ -50,3 +50,49 @@ def test_summarize_known_results() -> None:
     assert s.mean_tpot_ms == pytest.approx(((1.0 - 0.2) / 4 + (0.5 - 0.1) / 5) / 2 * 1000)
     assert s.backend_share == {"baseline": pytest.approx(2 / 3), "speculative": pytest.approx(1 / 3)}
     assert s.error_samples == ("HTTP 500",)
+
+
+def test_client_errors_are_counted_apart_from_the_servers() -> None:
+    resent = result(1.1, [1.2, 1.3], tokens=2)
+    resent.attempts = 2
+    refused = RequestResult(started=1.5, finished=1.5, error="ClientOSError: reset (3 tries)", client_error=True,
+                            attempts=3)  # fmt: skip
+    rs = [result(1.0, [1.1, 1.2], tokens=2), resent, result(1.4, [], tokens=0, ok=False), refused]
+    s = summarize(1, rs, t0=1.0, t1=3.0, min_requests=1)
+    assert (s.completed, s.errors, s.client_errors) == (2, 1, 1)
+    assert s.error_samples == ("HTTP 500",)
+    assert s.client_error_samples == ("ClientOSError: reset (3 tries)",)
+    assert s.retried == 1  # answered after a resend; the refused one never was
+    assert not s.conclusive  # one request in four failed on the client's side
+
+
+def test_min_ok_requests_asks_for_half_the_streams_and_at_least_min_requests() -> None:
+    assert min_ok_requests(1) == DEFAULT_MIN_REQUESTS == 10
+    assert min_ok_requests(30) == 15 and min_ok_requests(31) == 16 and min_ok_requests(250) == 125
+    assert min_ok_requests(1, min_requests=3) == 3 and min_ok_requests(30, min_requests=3) == 15
+    assert min_ok_requests(250, min_requests=0) == 0  # the check turned off
+
+
+def test_a_level_with_too_few_good_requests_is_inconclusive() -> None:
+    good = [result(1.0 + i / 10, [1.05 + i / 10], tokens=1) for i in range(9)]
+    refused = [RequestResult(started=2.0, finished=2.0, error="reset", client_error=True) for _ in range(50)]
+    s = summarize(2, good + refused, t0=1.0, t1=3.0)
+    assert (s.completed, s.min_ok, s.conclusive) == (9, 10, False)  # client errors are no good requests
+    ten = summarize(2, [*good, result(1.95, [1.99], tokens=1)], t0=1.0, t1=3.0)
+    assert (ten.completed, ten.conclusive) == (10, True)
+    assert summarize(2, good, t0=1.0, t1=3.0, min_requests=0).conclusive
+
+
+def test_a_level_with_many_client_errors_is_inconclusive_whatever_its_good_requests() -> None:
+    # Streams that failed on the client's side sat idle: the server carried less than the level's load.
+    good = [result(1.0 + i / 100, [1.5 + i / 100], tokens=1) for i in range(40)]
+
+    def refused(n: int) -> list[RequestResult]:
+        return [RequestResult(started=2.0, finished=2.0, error="reset", client_error=True) for _ in range(n)]
+
+    assert summarize(4, good + refused(2), t0=1.0, t1=3.0).conclusive  # 2 of 42: under CLIENT_ERROR_SHARE
+    three = summarize(4, good + refused(3), t0=1.0, t1=3.0)
+    assert (three.completed, three.min_ok, three.conclusive) == (40, 10, False)  # 3 of 43
+    # Server errors are a finding about the server, not a reason to doubt the measurement.
+    failed = [result(2.0, [], tokens=0, ok=False) for _ in range(30)]
+    assert summarize(4, good + failed, t0=1.0, t1=3.0).conclusive
