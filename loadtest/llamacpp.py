@@ -207,8 +207,12 @@ def pair(
     timeout_s: float = 120.0,
 ) -> Iterator[Pair]:
     """A speculative and a baseline llama-server with the same slots and context per slot (the same
-    settings but speculation), both stopped on exit. `threads` defaults to every core for each: like
-    two servers on one GPU, the one under load may use all of it."""
+    settings but speculation), both stopped on exit.
+
+    `threads` (each server's) defaults to half the cores. Not all of them: ggml's threads wait for
+    each other at every step, so two busy servers whose threads outnumber the cores stall each other
+    (4 streams, 32 tokens, on 2 cores: 6-17 s with 2 threads each, 2-3 s with 1)."""
+    threads = threads or max(1, (os.cpu_count() or 2) // 2)
     model = model_path()
     with ExitStack() as stack:
         servers: list[LlamaServer] = []
