@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,10 @@ from .stats import DEFAULT_MIN_REQUESTS, LevelStats
 from .sweep import LevelPlan, TargetUnreachable, first_model, make_session, run_level
 
 DEFAULT_LEVELS = "1,2,5,10,30,70,100,250"
+# The demo's levels and windows: simulated pair (crossover ~20 streams), and the real CPU pair,
+# whose servers have 4 slots each and cross over at a few streams.
+DEMO_LEVELS, DEMO_DURATION_S = "1,5,10,30,70", 6.0
+REAL_DEMO_LEVELS, REAL_DEMO_DURATION_S = "1,2,3,4,6,8", 15.0
 
 
 def _levels(raw: str) -> list[int]:
@@ -86,8 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="1 keeps TTFT real-time, so the proxy's own latency is not magnified",
     )
     demo.add_argument("--out-dir", default="demo-results")
-    _load_options(demo, levels="1,5,10,30,70")
-    demo.set_defaults(duration_s=3.0, max_tokens=64)
+    demo.add_argument(
+        "--real",
+        action="store_true",
+        help="a real llama-server pair on the CPU (Gemma 3 270M; n-gram speculation on one) instead of the "
+        "simulators (install: scripts/bootstrap real)",
+    )
+    demo.add_argument("--slots", type=int, default=4, help="--real: parallel slots of each llama-server")
+    _load_options(demo, levels=DEMO_LEVELS)
+    # Resolved in main(): the real pair needs other levels and longer windows than the simulators.
+    demo.set_defaults(concurrency=None, duration_s=None, max_tokens=64)
     chaos = sub.add_parser("chaos", help="soak specgate and simulators while servers die, stall and fail")
     chaos.add_argument("--phase-s", type=float, default=20.0, help="length of each of the six phases")
     chaos.add_argument("--concurrency", type=int, default=12)
@@ -235,32 +248,12 @@ async def cmd_calibrate(args: argparse.Namespace) -> int:
 
 async def cmd_demo(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
-    spec_port, base_port, proxy_port = free_port(), free_port(), free_port()
+    proxy_port = free_port()
     procs: list[Proc] = []
     t_start = time.monotonic()
-    try:
-        sim_args = [
-            "-m",
-            "loadtest.simulator",
-            "pair",
-            "--profile",
-            args.profile,
-            "--shared-gpu",
-            "--time-scale",
-            str(args.time_scale),
-            "--speculative-port",
-            str(spec_port),
-            "--baseline-port",
-            str(base_port),
-            "--log-level",
-            "warning",
-        ]
-        procs.append(start("simulators", sim_args, ready_url=f"http://127.0.0.1:{base_port}/health"))
-        urls = {"speculative": f"http://127.0.0.1:{spec_port}", "baseline": f"http://127.0.0.1:{base_port}"}
-        print(
-            f"simulated pair up ({args.profile} profile, shared GPU, time scale {args.time_scale:g}); calibrating...",
-            file=sys.stderr,
-        )
+    with contextlib.ExitStack() as servers:
+        servers.callback(_stop_all, procs)
+        urls = _real_pair(servers, args) if args.real else _simulated_pair(procs, args)
         sweeps = await sweep_targets(urls, args)
         tp, lat, rec = _recommendation(sweeps)
         env = {
@@ -276,9 +269,6 @@ async def cmd_demo(args: argparse.Namespace) -> int:
         procs.append(start("specgate", ["-m", "proxy"], ready_url=proxy_url + "/ready", env=env))
         print(f"specgate up with HIGH={rec.high} LOW={rec.low}; sweeping it...", file=sys.stderr)
         sweeps.update(await sweep_targets({"specgate": proxy_url}, args))
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
     print(calibration_text(tp, lat, rec))
     print(compare_table(sweeps))
     first = {name: rows[0] for name, rows in sweeps.items()}
@@ -298,6 +288,49 @@ async def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stop_all(procs: list[Proc]) -> None:
+    for proc in reversed(procs):
+        proc.stop()
+
+
+def _simulated_pair(procs: list[Proc], args: argparse.Namespace) -> dict[str, str]:
+    spec_port, base_port = free_port(), free_port()
+    sim_args = [
+        "-m",
+        "loadtest.simulator",
+        "pair",
+        "--profile",
+        args.profile,
+        "--shared-gpu",
+        "--time-scale",
+        str(args.time_scale),
+        "--speculative-port",
+        str(spec_port),
+        "--baseline-port",
+        str(base_port),
+        "--log-level",
+        "warning",
+    ]
+    procs.append(start("simulators", sim_args, ready_url=f"http://127.0.0.1:{base_port}/health"))
+    print(
+        f"simulated pair up ({args.profile} profile, shared GPU, time scale {args.time_scale:g}); calibrating...",
+        file=sys.stderr,
+    )
+    return {"speculative": f"http://127.0.0.1:{spec_port}", "baseline": f"http://127.0.0.1:{base_port}"}
+
+
+def _real_pair(servers: contextlib.ExitStack, args: argparse.Namespace) -> dict[str, str]:
+    from .llamacpp import pair  # needs scripts/bootstrap real
+
+    p = servers.enter_context(pair(slots=args.slots))
+    print(
+        f"real llama-server pair up (Gemma 3 270M on the CPU, {args.slots} slots each, n-gram speculation on "
+        "the speculative one, the cores shared); calibrating...",
+        file=sys.stderr,
+    )
+    return {"speculative": p.speculative.url, "baseline": p.baseline.url}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "chaos":
@@ -305,6 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "overhead":
         return cmd_overhead(args)
     if args.command == "demo":
+        if args.concurrency is None:
+            args.concurrency = _levels(REAL_DEMO_LEVELS if args.real else DEMO_LEVELS)
+        if args.duration_s is None and args.requests is None:
+            args.duration_s = REAL_DEMO_DURATION_S if args.real else DEMO_DURATION_S
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     command = {"sweep": cmd_sweep, "compare": cmd_compare, "calibrate": cmd_calibrate, "demo": cmd_demo}
     try:
