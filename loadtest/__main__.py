@@ -23,7 +23,7 @@ DEFAULT_LEVELS = "1,2,5,10,30,70,100,250"
 # The demo's levels and windows: simulated pair (crossover ~20 streams), and the real CPU pair,
 # whose servers have 4 slots each and cross over at a few streams.
 DEMO_LEVELS, DEMO_DURATION_S = "1,5,10,30,70", 6.0
-REAL_DEMO_LEVELS, REAL_DEMO_DURATION_S = "1,2,3,4,6,8", 15.0
+REAL_DEMO_LEVELS, REAL_DEMO_DURATION_S, REAL_DEMO_MAX_TOKENS = "1,2,4,6,8", 20.0, 48
 
 
 def _levels(raw: str) -> list[int]:
@@ -49,7 +49,12 @@ def _load_options(p: argparse.ArgumentParser, levels: str = DEFAULT_LEVELS) -> N
     )
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
-    p.add_argument("--prompts", default="diverse", help="diverse, fixed, or a JSONL file of prompts/messages")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="diverse (default; --real demo: short), short (diverse at ~20 tokens, for CPU servers), fixed, or a "
+        "JSONL file of prompts/messages",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the diverse prompts")
     p.add_argument("--model", default=None, help="model name (default: the first of the target's /v1/models)")
     p.add_argument("--api-key", default=None)
@@ -100,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--slots", type=int, default=4, help="--real: parallel slots of each llama-server")
     _load_options(demo, levels=DEMO_LEVELS)
     # Resolved in main(): the real pair needs other levels and longer windows than the simulators.
-    demo.set_defaults(concurrency=None, duration_s=None, max_tokens=64)
+    demo.set_defaults(concurrency=None, duration_s=None, max_tokens=None)
     chaos = sub.add_parser("chaos", help="soak specgate and simulators while servers die, stall and fail")
     chaos.add_argument("--phase-s", type=float, default=20.0, help="length of each of the six phases")
     chaos.add_argument("--concurrency", type=int, default=12)
@@ -337,7 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_chaos(args)
     if args.command == "overhead":
         return cmd_overhead(args)
+    if getattr(args, "prompts", "") is None:
+        args.prompts = "short" if getattr(args, "real", False) else "diverse"
     if args.command == "demo":
+        if args.max_tokens is None:
+            args.max_tokens = REAL_DEMO_MAX_TOKENS if args.real else 64
         if args.concurrency is None:
             args.concurrency = _levels(REAL_DEMO_LEVELS if args.real else DEMO_LEVELS)
         if args.duration_s is None and args.requests is None:

@@ -67,14 +67,17 @@ def _from_text(text: str) -> Prompt:
     return Prompt(({"role": "user", "content": text},), text)
 
 
-def diverse(seed: int = 0) -> Iterator[Prompt]:
-    """Endless, deterministic, varied prompts: topics, tasks and lengths from ~20 to ~600 tokens."""
+def diverse(seed: int = 0, *, long: bool = True) -> Iterator[Prompt]:
+    """Endless, deterministic, varied prompts: topics, tasks and lengths from ~20 to ~600 tokens
+    (with `long=False`, the same topics and tasks at ~20 tokens)."""
     rng = random.Random(seed)
     while True:
         text = rng.choice(_TASKS).format(t=rng.choice(_TOPICS))
         # Lengths spread over a log scale, as real prompts are.
         repeats = int(2 ** rng.uniform(0, 5)) - 1
-        yield _from_text(text + " " + _FILLER * repeats if repeats else text)
+        if long and repeats:
+            text += " " + _FILLER * repeats
+        yield _from_text(text)
 
 
 def fixed() -> Iterator[Prompt]:
@@ -111,6 +114,9 @@ def from_jsonl(path: str) -> list[Prompt]:
 def source(spec: str, seed: int = 0) -> Iterator[Prompt]:
     if spec == "diverse":
         return diverse(seed)
+    if spec == "short":
+        # For servers on a CPU, where prefilling ~600 tokens takes seconds and would hide decoding.
+        return diverse(seed, long=False)
     if spec == "fixed":
         return fixed()
     items = from_jsonl(spec)

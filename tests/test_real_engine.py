@@ -9,16 +9,20 @@ that command; SPECGATE_SKIP_REAL=1 skips them instead.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from loadtest.llamacpp import LlamaNotInstalled, Pair, model_path, pair, server_binary
@@ -220,6 +224,62 @@ def test_heavy_load_switches_to_the_baseline_and_back(switching: Gateway) -> Non
     assert (r.headers["x-specgate-backend"], r.headers["x-specgate-reason"]) == ("speculative", "light_load")
 
 
-# Still to come here (issue #12): the engine load signal (SPECGATE_LOAD_SIGNAL=engine) and the live
-# acceptance (specgate_accept_length) read from these servers, and `python -m loadtest calibrate`
-# against this pair with no client errors. They reuse the `llama` fixture above.
+# Repeats itself, so n-gram drafting finds matches and the speculative server really drafts.
+REPETITIVE = "one two three four five six. one two three four five six. one two three four five six. one two"
+
+
+def test_engine_load_and_acceptance_are_read_from_llama_server(llama: Pair) -> None:
+    gw = start_gateway(llama, SPECGATE_LOAD_SIGNAL="engine", SPECGATE_HIGH_WATERMARK="1000")
+    try:
+        wait_for(lambda: all(b["engine_signal_up"] for b in gw.routing()["backends"].values()))
+        r = gw.routing()
+        assert (r["load_signal"], r["load_signal_in_effect"], r["load_signal_why"]) == ("engine", "engine", None)
+        assert {b["engine"] for b in r["backends"].values()} == {"llamacpp"}
+        # Another replica's traffic, straight to the server: only the engine's own count sees it.
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream(
+                "POST",
+                llama.speculative.url + "/v1/completions",
+                json={"prompt": "Once upon a time", "max_tokens": 1500, "stream": True, "ignore_eos": True},
+            ) as stream,
+        ):
+            next(stream.iter_lines())
+            wait_for(lambda: gw.routing()["backends"]["speculative"]["engine_load"] == 1)
+            assert gw.routing()["load"] == 1 and gw.routing()["inflight"] == 0
+        wait_for(lambda: gw.routing()["load"] == 0)
+        drafts_before = scrape(llama.speculative.url)["llamacpp:spec_decode_num_drafts_total"]
+        answer = client(gw.url).completions.create(model="m", prompt=REPETITIVE, max_tokens=48, temperature=0)
+        assert answer.choices[0].text
+        after = scrape(llama.speculative.url)
+        assert after["llamacpp:spec_decode_num_drafts_total"] > drafts_before, "the server drafted nothing"
+        wait_for(lambda: (gw.routing()["backends"]["speculative"]["spec_accept_length"] or 0) > 1)
+        shown = gw.routing()["backends"]
+        # 1 + accepted / drafts over the window: at most the server's own draft length plus the bonus.
+        assert 1 < shown["speculative"]["spec_accept_length"] <= 17
+        assert shown["baseline"]["spec_accept_length"] is None  # it does not speculate
+        text = httpx.get(gw.url + "/metrics", timeout=5).text
+        assert f'specgate_accept_length{{backend="speculative"}} {shown["speculative"]["spec_accept_length"]}' in text
+        assert 'specgate_accept_length{backend="baseline"} NaN' in text
+        assert 'specgate_engine_signal_up{backend="baseline"} 1.0' in text
+    finally:
+        gw.proc.stop()
+
+
+def test_calibrate_against_the_real_pair_counts_no_client_errors(llama: Pair, tmp_path: Path) -> None:
+    # llama-server closes the connection after every streamed response: the load tester must
+    # resend what its pool wrote into a closed connection, and charge the server with nothing.
+    out = tmp_path / "calibrate.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest", "calibrate", "--speculative", llama.speculative.url,
+         "--baseline", llama.baseline.url, "--concurrency", "1,4", "--duration-s", "5", "--max-tokens", "24",
+         "--prompts", "short", "--min-requests", "4", "--quiet", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    sweeps = orjson.loads(out.read_bytes())["sweeps"]
+    levels = [level for name in ("speculative", "baseline") for level in sweeps[name]]
+    assert len(levels) == 4
+    assert [(lv["errors"], lv["client_errors"]) for lv in levels] == [(0, 0)] * 4, levels
+    assert all(lv["completed"] >= 4 and lv["conclusive"] for lv in levels), levels
+    assert "SPECGATE_HIGH_WATERMARK=" in done.stdout
