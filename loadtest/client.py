@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,8 @@ class Target:
     api_key: str | None = None
     max_tokens: int = 512
     ignore_eos: bool = True
+    # Fields added to every request body (engine-specific ones such as llama-server's cache_prompt).
+    extra_body: Mapping[str, Any] = field(default_factory=dict)
 
     def endpoint(self) -> str:
         return self.url.rstrip("/") + ("/v1/chat/completions" if self.chat else "/v1/completions")
@@ -84,6 +87,7 @@ class Target:
         }
         if self.ignore_eos:
             body["ignore_eos"] = True
+        body.update(self.extra_body)
         return body
 
 

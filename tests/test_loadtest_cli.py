@@ -63,3 +63,17 @@ def test_calibrate_says_when_speculation_never_pays(simulator: StartSim, tmp_pat
     assert data["recommendation"]["verdict"] == "never_pays"
     assert "SPECGATE_HIGH_WATERMARK=0" in stdout
     assert "never paid" in stdout
+
+
+def test_extra_body_reaches_the_server(simulator: StartSim, tmp_path: Path) -> None:
+    sim = simulator("baseline", "--time-scale", "20")
+    # The simulator refuses n != 1 with a 400: every request carries the extra field.
+    out = tmp_path / "r.json"
+    loadtest("sweep", "--url", sim.url, "--concurrency", "1", *QUICK, "--extra-body", '{"n": 2}', "--out", str(out))
+    (level,) = json.loads(out.read_text())["levels"]
+    assert level["completed"] == 0 and level["errors"] > 0
+    assert all("HTTP 400" in e and "n=1" in e for e in level["error_samples"]), level["error_samples"]
+    ok = loadtest("sweep", "--url", sim.url, "--concurrency", "1", *QUICK, "--extra-body", '{"n": 1}')
+    assert ok.returncode == 0 and "0 errors" in ok.stderr, ok.stderr
+    bad = loadtest("sweep", "--url", sim.url, *QUICK, "--extra-body", "[1]")
+    assert bad.returncode == 2 and "not a JSON object" in bad.stderr
