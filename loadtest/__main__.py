@@ -24,7 +24,7 @@ from .sweep import LevelPlan, TargetUnreachable, first_model, make_session, run_
 DEFAULT_LEVELS = "1,2,5,10,30,70,100,250"
 # The demo's levels and windows: simulated pair (crossover ~20 streams), and the real CPU pair,
 # whose servers have 4 slots each and cross over at a few streams.
-DEMO_LEVELS, DEMO_DURATION_S = "1,5,10,30,70", 6.0
+DEMO_LEVELS, DEMO_DURATION_S = "1,5,10,30,70", 8.0
 REAL_DEMO_LEVELS, REAL_DEMO_DURATION_S, REAL_DEMO_MAX_TOKENS = "1,2,4,6,8", 20.0, 32
 
 
