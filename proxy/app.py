@@ -8,7 +8,6 @@ import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -22,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from . import ingress
 from .config import Settings
 from .errors import ApiError
+from .gate import Gate
 from .health import HealthMonitor
 from .metrics import Metrics, code_class
 from .policy import BACKENDS, PolicyConfig
@@ -29,15 +29,6 @@ from .routing import Router
 from .upstream import Upstream
 
 log = logging.getLogger("specgate")
-
-
-@dataclass
-class Gate:
-    settings: Settings
-    metrics: Metrics
-    upstream: Upstream
-    health: HealthMonitor
-    router: Router
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

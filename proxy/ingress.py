@@ -11,18 +11,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from starlette.types import Receive, Scope, Send
 
 from .config import Settings
 from .errors import ApiError
+from .gate import Gate
 from .metrics import Endpoint, code_class
 from .relay import ProxyCall, RelayResponse
-
-if TYPE_CHECKING:
-    from .app import Gate
 
 _EXACT: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",

@@ -18,20 +18,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
-from .egress import send_head_with_body
 from .errors import ApiError, sse_error
+from .gate import Gate
 from .inflight import Lease
 from .metrics import Endpoint, code_class
 from .policy import Backend, Reason, other
 from .upstream import UpstreamError, UpstreamResponse
-
-if TYPE_CHECKING:
-    from .app import Gate
 
 log = logging.getLogger("specgate.relay")
 
@@ -305,7 +302,7 @@ class _Relay:
         if sse is not None and call.strip_usage:
             headers = [(k, v) for k, v in headers if k != b"content-length"]
         headers += self._own_headers(backend, reason)
-        # Sent with the first body bytes, in one write (egress.py).
+        # Sent just before the first body bytes: until then a failure can still be answered cleanly.
         self._head = {"type": "http.response.start", "status": up.status, "headers": headers}
         loop = asyncio.get_running_loop()
         timed = call.stream and up.status == 200
@@ -380,10 +377,9 @@ class _Relay:
     async def _body(self, data: bytes, *, more: bool) -> None:
         body: Message = {"type": "http.response.body", "body": data, "more_body": more}
         head, self._head = self._head, None
-        if head is None:
-            await self._send(body)
-        else:
-            await send_head_with_body(self._send, head, body)
+        if head is not None:
+            await self._send(head)
+        await self._send(body)
 
     def _own_headers(self, backend: Backend | None, reason: Reason) -> list[tuple[bytes, bytes]]:
         out = [(b"x-request-id", self.call.request_id.encode("latin-1")), (b"x-specgate-reason", reason.encode())]

@@ -1,0 +1,24 @@
+"""What a request reaches at run time: every resource the app's lifespan made, in one container.
+
+A module of its own so that the app factory (app.py) and the hot path (ingress.py, relay.py) all
+import it from here, and none of them imports another to name it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import Settings
+from .health import HealthMonitor
+from .metrics import Metrics
+from .routing import Router
+from .upstream import Upstream
+
+
+@dataclass
+class Gate:
+    settings: Settings
+    metrics: Metrics
+    upstream: Upstream
+    health: HealthMonitor
+    router: Router
