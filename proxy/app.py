@@ -25,7 +25,7 @@ from .gate import Gate
 from .health import HealthMonitor
 from .metrics import Metrics, code_class
 from .policy import BACKENDS, PolicyConfig
-from .routing import Router
+from .routing import AdaptiveConfig, Router
 from .upstream import Upstream
 
 log = logging.getLogger("specgate")
@@ -43,14 +43,29 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
         metrics = Metrics()
         upstream = Upstream(settings)  # connections open on first use
         health = HealthMonitor(settings, upstream, metrics)
+        calibration = settings.load_calibration()
+        high, low = settings.watermarks(calibration)
+        probe_max_load = settings.adaptive_max_watermark
+        if calibration is not None:
+            probe_max_load = min(probe_max_load, calibration.levels[-1])
         cfg = PolicyConfig(
             settings.policy,
-            settings.high_watermark,
-            settings.low_watermark,
+            high,
+            low,
             settings.spillover_limit,
             settings.load_signal,
+            min_dwell_s=settings.adaptive_min_dwell_s if settings.policy == "adaptive" else 0.0,
+            probe_s=settings.adaptive_probe_s,
+            probe_max_s=settings.adaptive_probe_max_s,
+            probe_max_load=probe_max_load,
         )
-        router = Router(cfg, health, metrics)
+        adaptive = AdaptiveConfig(
+            min_watermark=settings.adaptive_min_watermark,
+            max_watermark=settings.adaptive_max_watermark,
+            max_step_per_s=settings.adaptive_max_step_per_s,
+            half_life_s=settings.adaptive_half_life_s,
+        )
+        router = Router(cfg, health, metrics, adaptive, calibration)
         health.on_change = router.refresh
         app.state.gate = Gate(settings, metrics, upstream, health, router)
         await health.poll_once()  # so /ready and routing are right from the first request
@@ -62,11 +77,14 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
         gc.freeze()
         gc.set_threshold(20_000, 50, 100)
         log.info(
-            "specgate ready: speculative=%s baseline=%s policy=%s signal=%s",
-            settings.speculative_url,
-            settings.baseline_url,
+            "specgate ready: speculative=%s baseline=%s policy=%s signal=%s watermarks=%d/%d%s",
+            _redact(settings.speculative_url),
+            _redact(settings.baseline_url),
             settings.policy,
             settings.load_signal,
+            router.cfg.high_watermark,
+            router.cfg.low_watermark,
+            f" calibration={settings.calibration}" if calibration is not None else "",
         )
         try:
             yield
@@ -146,9 +164,11 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
                 "engine_setting": s.engine,
                 "load": r.load,
                 "inflight": r.tracker.total,
-                "watermarks": {"high": s.high_watermark, "low": s.low_watermark},
+                "watermarks": {"high": r.cfg.high_watermark, "low": r.cfg.low_watermark},
+                "calibration": s.calibration,
                 "spillover_limit": s.spillover_limit,
                 "backends": backends,
+                **({"adaptive": r.adaptive.describe(r.now())} if r.adaptive is not None else {}),
             }
         )
 

@@ -7,9 +7,11 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .calibration import Calibration, CalibrationError
+from .calibration import load as load_calibration
 from .engines import EngineSetting
 
-PolicyName = Literal["threshold", "spillover"]
+PolicyName = Literal["threshold", "spillover", "adaptive"]
 LoadSignal = Literal["local", "engine", "max"]
 
 
@@ -31,6 +33,20 @@ class Settings(BaseSettings):
     # spillover: the speculative server takes new requests while it has fewer than this in flight.
     spillover_limit: int = Field(8, ge=1)
     load_signal: LoadSignal = "local"
+    # A file from `python -m loadtest calibrate --save`: its watermarks (threshold, unless the
+    # watermarks are set too) or its curves (adaptive).
+    calibration: str | None = None
+    # adaptive: the watermarks stay in [min, max], move at most max_step_per_s streams a second,
+    # and a mode lasts at least min_dwell_s. Observed speeds halve in weight every half_life_s.
+    adaptive_min_watermark: int = Field(0, ge=0)
+    adaptive_max_watermark: int = Field(256, ge=1)
+    adaptive_max_step_per_s: float = Field(4.0, gt=0)
+    adaptive_min_dwell_s: float = Field(10.0, ge=0)
+    adaptive_half_life_s: float = Field(60.0, gt=0)
+    # While everything goes to the baseline, one request goes to the idle speculative server after
+    # probe_s (doubling per probe, up to probe_max_s) to re-measure its acceptance. 0: never.
+    adaptive_probe_s: float = Field(15.0, ge=0)
+    adaptive_probe_max_s: float = Field(60.0, ge=0)
     # Engine gauges frozen this long are taken as an idle server (SGLang keeps them when idle).
     engine_stale_s: float = Field(10.0, gt=0)
     # Which engine's metrics to read: detected from each server's /metrics names, or fixed.
@@ -64,8 +80,34 @@ class Settings(BaseSettings):
             raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
         return value.rstrip("/")
 
+    @field_validator("calibration")
+    @classmethod
+    def _check_calibration(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        try:
+            load_calibration(value)
+        except CalibrationError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    def load_calibration(self) -> Calibration | None:
+        return load_calibration(self.calibration) if self.calibration else None
+
+    def watermarks(self, calibration: Calibration | None) -> tuple[int, int]:
+        """(high, low) for the threshold rule: the calibration's, unless either is set here."""
+        explicit = {"high_watermark", "low_watermark"} & self.model_fields_set
+        if calibration is None or explicit:
+            return self.high_watermark, self.low_watermark
+        return calibration.high_watermark, calibration.low_watermark
+
     @model_validator(mode="after")
     def _check_watermarks(self) -> Settings:
+        if self.adaptive_min_watermark > self.adaptive_max_watermark:
+            raise ValueError(
+                f"SPECGATE_ADAPTIVE_MIN_WATERMARK ({self.adaptive_min_watermark}) must be <= "
+                f"SPECGATE_ADAPTIVE_MAX_WATERMARK ({self.adaptive_max_watermark})"
+            )
         if self.low_watermark > self.high_watermark:
             raise ValueError(
                 f"SPECGATE_LOW_WATERMARK ({self.low_watermark}) must be <= "

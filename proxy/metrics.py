@@ -53,7 +53,16 @@ class Metrics:
         )
         self.mode_switches = Counter("specgate_mode_switches", "Routing mode switches.", ["to"], registry=r)
         self.watermark = Gauge(
-            "specgate_watermark", "Configured watermarks and spillover limit.", ["level"], registry=r
+            "specgate_watermark",
+            "Watermarks in effect (live under the adaptive policy) and the spillover limit.",
+            ["level"],
+            registry=r,
+        )
+        self.crossover_estimate = Gauge(
+            "specgate_crossover_estimate",
+            "Adaptive policy: concurrent streams where speculation is believed to stop paying now "
+            "(0: it pays at no load; NaN: not known or another policy).",
+            registry=r,
         )
         self.backend_up = Gauge("specgate_backend_up", "1 when the backend is healthy.", ["backend"], registry=r)
         self.engine_load = Gauge(
@@ -144,6 +153,7 @@ class Metrics:
                 for code in CODE_CLASSES:
                     self.requests.labels(label, ep, code)
         self.mode.set(1)
+        self.crossover_estimate.set(math.nan)
 
     def set_watermarks(self, high: int, low: int, spillover: int) -> None:
         self.watermark.labels("high").set(high)

@@ -11,6 +11,15 @@ spillover (the speculative server as a bounded first choice):
 
     backend = speculative if S < limit else baseline
 
+adaptive (threshold whose watermarks move with the live workload, see adaptive.py): the
+threshold rule with the live watermarks, plus
+
+    a switch waits until the mode has lasted min_dwell_s      (reason dwell_hold)
+    in baseline mode, one request goes to an idle speculative server after probe_s, doubling
+    per probe up to probe_max_s until the mode changes        (reason probe)
+
+so that the speculative server's acceptance on today's traffic stays known while it gets none.
+
 where L is the load (in-flight requests over both servers, by the configured signal) and S the
 speculative server's own load, both measured before the new request is admitted. A backend that is
 down is never chosen: its share goes to the other (`only_healthy`); with both down there is no
@@ -26,13 +35,15 @@ from typing import Literal
 Backend = Literal["speculative", "baseline"]
 BACKENDS: tuple[Backend, ...] = ("speculative", "baseline")
 Mode = Backend
-PolicyName = Literal["threshold", "spillover"]
+PolicyName = Literal["threshold", "spillover", "adaptive"]
 LoadSignal = Literal["local", "engine", "max"]
 Reason = Literal[
     "light_load",  # speculative: the load is below the high watermark / spillover limit
     "heavy_load",  # baseline: the load reached the high watermark
     "hysteresis_hold",  # baseline: the load fell, but not yet to the low watermark
     "spillover",  # baseline: the speculative server holds its limit
+    "dwell_hold",  # adaptive: the watermarks call for a switch, but the mode is younger than min_dwell_s
+    "probe",  # adaptive: one request to the idle speculative server, to re-measure its acceptance
     "only_healthy",  # the policy's choice is down; the other server takes it
     "failover",  # a retry on the other server after the first failed before any byte
     "no_healthy_backend",
@@ -42,6 +53,8 @@ REASONS: tuple[Reason, ...] = (
     "heavy_load",
     "hysteresis_hold",
     "spillover",
+    "dwell_hold",
+    "probe",
     "only_healthy",
     "failover",
     "no_healthy_backend",
@@ -59,6 +72,12 @@ class PolicyConfig:
     low_watermark: int = 8
     spillover_limit: int = 8
     load_signal: LoadSignal = "local"
+    # adaptive only: the watermarks above are the live ones (the Router replaces them).
+    min_dwell_s: float = 0.0
+    probe_s: float = 0.0  # 0: never probe
+    probe_max_s: float = 0.0
+    # No probes at or above this load: beyond it the watermarks cannot reach.
+    probe_max_load: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,11 +87,18 @@ class LoadSnapshot:
     inflight: Mapping[Backend, int]
     engine: Mapping[Backend, int | None]
     healthy: Mapping[Backend, bool]
+    # adaptive only: the clock, and since when the speculative server had nothing in flight from
+    # this gateway (None: it has some now).
+    now: float = 0.0
+    speculative_idle_since: float | None = None
 
 
 @dataclass(frozen=True)
 class PolicyState:
     mode: Mode = "speculative"
+    # When the mode began, and the probes sent since (adaptive only).
+    since: float = float("-inf")
+    probes: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,6 +135,26 @@ def next_mode(load: int, state: PolicyState, cfg: PolicyConfig) -> PolicyState:
     return state
 
 
+def dwell_mode(load: int, state: PolicyState, cfg: PolicyConfig, now: float) -> tuple[PolicyState, bool]:
+    """The adaptive policy's hysteresis: next_mode, but no switch before the mode is min_dwell_s
+    old. Returns the state and whether a switch was held back."""
+    nxt = next_mode(load, state, cfg)
+    if nxt.mode == state.mode:
+        return state, False
+    if now - state.since < cfg.min_dwell_s:
+        return state, True
+    return PolicyState(nxt.mode, since=now), False
+
+
+def probe_due(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig, load: int) -> bool:
+    """Whether the next request should go to the idle speculative server to re-measure acceptance."""
+    idle = snapshot.speculative_idle_since
+    if cfg.probe_s <= 0 or state.mode != "baseline" or idle is None or load >= cfg.probe_max_load:
+        return False
+    wait = min(cfg.probe_s * 2**state.probes, max(cfg.probe_s, cfg.probe_max_s))
+    return snapshot.now - max(idle, state.since) >= wait and snapshot.healthy.get("speculative", False)
+
+
 def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:
     load = total_load(snapshot, cfg.load_signal)
     reason: Reason
@@ -119,6 +165,18 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
             reason = "light_load"
         else:
             reason = "heavy_load" if load >= cfg.high_watermark else "hysteresis_hold"
+    elif cfg.policy == "adaptive":
+        state, held = dwell_mode(load, state, cfg, snapshot.now)
+        choice = state.mode
+        if held:
+            reason = "dwell_hold"
+        elif choice == "speculative":
+            reason = "light_load"
+        else:
+            reason = "heavy_load" if load >= cfg.high_watermark else "hysteresis_hold"
+        if probe_due(snapshot, state, cfg, load):
+            state = PolicyState(state.mode, state.since, state.probes + 1)
+            return Decision("speculative", "probe", state, load)
     else:
         spec_load = backend_load(snapshot, "speculative", cfg.load_signal)
         choice = "speculative" if spec_load < cfg.spillover_limit else "baseline"

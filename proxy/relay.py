@@ -34,6 +34,8 @@ log = logging.getLogger("specgate.relay")
 
 # Bytes of a non-streamed JSON body kept to read its `usage`; larger bodies are relayed unread.
 USAGE_BODY_LIMIT = 4 * 1024 * 1024
+# Streams shorter than this say too little of a server's decode speed to learn from.
+MIN_LEARN_TOKENS = 8
 # A partial SSE event held back (only when a usage chunk must be dropped) is released past this.
 PARTIAL_EVENT_LIMIT = 256 * 1024
 _USAGE_MARK = b'"completion_tokens"'
@@ -308,7 +310,10 @@ class _Relay:
         timed = call.stream and up.status == 200
         keep_body = not is_sse and up.status == 200 and "json" in up.content_type
         inter_chunk = gate.metrics.child(gate.metrics.inter_chunk, backend)
-        now = loop.time()
+        now = first_at = loop.time()
+        # The adaptive policy learns each server's per-stream speed at the load the stream ran at.
+        learn = timed and gate.router.adaptive is not None
+        start_load = gate.router.backend_load(backend) if learn else 0
         if timed and first:
             gate.metrics.child(gate.metrics.ttft, backend).observe(now - call.started)
         alive_at = now
@@ -363,6 +368,9 @@ class _Relay:
         if usage is not None:
             gate.metrics.child(gate.metrics.prompt_tokens, backend).inc(usage[0])
             gate.metrics.child(gate.metrics.output_tokens, backend).inc(usage[1])
+            if learn and usage[1] >= MIN_LEARN_TOKENS and now > first_at:
+                load = (start_load + gate.router.backend_load(backend)) / 2
+                gate.router.observe(backend, load, (usage[1] - 1) / (now - first_at))
         await self._last(out + tail if tail else out)
 
     async def _last(self, data: bytes) -> None:

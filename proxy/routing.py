@@ -1,10 +1,23 @@
 """The router: the one owner of the policy's state. It snapshots load and health, asks the pure
-policy, admits the request (a lease), and records every decision and mode switch."""
+policy, admits the request (a lease), and records every decision and mode switch.
+
+Under the adaptive policy it also owns what the policy believes: the speed model (adaptive.py)
+fed by relayed streams and the speculative server's live acceptance, and the live watermarks,
+re-estimated at most every UPDATE_EVERY_S and moved at a bounded rate.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+from .adaptive import Estimate, Prior, SpeedModel, WatermarkState, estimate, step_watermark, watermarks
+from .calibration import Calibration
 from .health import HealthMonitor
 from .inflight import InflightTracker, Lease
 from .metrics import Metrics
@@ -16,30 +29,131 @@ from .policy import (
     PolicyState,
     backend_load,
     decide,
+    dwell_mode,
     next_mode,
     total_load,
 )
 
 log = logging.getLogger("specgate.routing")
 
+# The adaptive estimate is recomputed at most this often (health polls and finished streams ask).
+UPDATE_EVERY_S = 0.25
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    min_watermark: int = 0
+    max_watermark: int = 256
+    max_step_per_s: float = 4.0
+    half_life_s: float = 60.0
+
+
+class Adaptive:
+    """What the adaptive policy believes, and the live watermarks that follow from it."""
+
+    def __init__(self, cfg: AdaptiveConfig, calibration: Calibration | None, static_high: int, now: float) -> None:
+        self.cfg = cfg
+        self.calibration = calibration
+        self.model = SpeedModel(Prior.of(calibration) if calibration else None, cfg.half_life_s)
+        self.static_high = static_high
+        self.estimate: Estimate = estimate(self.model, None, now)
+        start = self.estimate.high if self.estimate.high is not None else static_high
+        self.wm = WatermarkState(self._clamp(start), now)
+        self.updated_at = now
+
+    def _clamp(self, high: int) -> float:
+        return float(min(max(high, self.cfg.min_watermark), self.cfg.max_watermark))
+
+    def update(self, accept_live: float | None, now: float) -> bool:
+        """Re-estimate and move the watermark; True when the integer watermarks changed."""
+        before = watermarks(self.wm)
+        self.estimate = estimate(self.model, accept_live, now)
+        target = self.estimate.high if self.estimate.high is not None else self.static_high
+        self.wm = step_watermark(
+            self.wm, target, now, self.cfg.max_step_per_s, self.cfg.min_watermark, self.cfg.max_watermark
+        )
+        self.updated_at = now
+        return watermarks(self.wm) != before
+
+    def describe(self, now: float) -> dict[str, Any]:
+        e = self.estimate
+
+        def rounded(values: tuple[float, ...]) -> list[float | None]:
+            return [None if math.isnan(v) else round(v, 2) for v in values]
+
+        prior = self.model.prior
+        high, low = watermarks(self.wm)
+        return {
+            "calibrated": prior is not None,
+            "accept_length_live": e.accept_live,
+            "accept_length_calibrated": list(prior.accept) if prior is not None else None,
+            "crossover_estimate": e.crossover,
+            "throughput_verdict": e.throughput.verdict,
+            "latency_verdict": e.latency.verdict,
+            "target_high_watermark": e.high if e.high is not None else self.static_high,
+            "high_watermark_exact": round(self.wm.high, 3),
+            "watermarks": {"high": high, "low": low},
+            "why": e.why,
+            "curves": {
+                "levels": list(e.levels),
+                "speculative_tok_s": rounded(e.speculative_tok_s),
+                "baseline_tok_s": rounded(e.baseline_tok_s),
+            },
+            "observations": self.model.observations,
+            "observed": self.model.describe(now),
+            "settings": dataclasses.asdict(self.cfg),
+        }
+
 
 class Router:
-    def __init__(self, cfg: PolicyConfig, health: HealthMonitor, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        health: HealthMonitor,
+        metrics: Metrics,
+        adaptive: AdaptiveConfig | None = None,
+        calibration: Calibration | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.static_cfg = cfg
         self.cfg = cfg
         self._health = health
         self._metrics = metrics
-        self.state = PolicyState()
+        self._clock = clock
+        self.state = PolicyState(since=clock())
         self.tracker = InflightTracker(on_change=self._inflight_changed)
-        metrics.set_watermarks(cfg.high_watermark, cfg.low_watermark, cfg.spillover_limit)
+        self._spec_idle_since: float | None = clock()
+        self.adaptive: Adaptive | None = None
+        if cfg.policy == "adaptive":
+            self.adaptive = Adaptive(adaptive or AdaptiveConfig(), calibration, cfg.high_watermark, clock())
+            high, low = watermarks(self.adaptive.wm)
+            self.cfg = dataclasses.replace(cfg, high_watermark=high, low_watermark=low)
+            metrics.crossover_estimate.set(_nan(self.adaptive.estimate.crossover))
+        metrics.set_watermarks(self.cfg.high_watermark, self.cfg.low_watermark, cfg.spillover_limit)
         metrics.set_mode(self.state.mode)
         self.refresh()
 
+    def now(self) -> float:
+        return self._clock()
+
     def snapshot(self) -> LoadSnapshot:
-        return LoadSnapshot(self.tracker.snapshot(), self._health.engine_loads(), self._health.healthy_map())
+        return LoadSnapshot(
+            self.tracker.snapshot(),
+            self._health.engine_loads(),
+            self._health.healthy_map(),
+            self._clock(),
+            self._spec_idle_since,
+        )
 
     @property
     def load(self) -> int:
         return total_load(self.snapshot(), self.cfg.load_signal)
+
+    def backend_load(self, backend: Backend) -> int:
+        """The load on one server by the configured signal (what its curve is indexed by)."""
+        if self.cfg.load_signal == "local":
+            return self.tracker.count(backend)
+        return backend_load(self.snapshot(), backend, self.cfg.load_signal)
 
     def decide(self) -> Decision:
         decision = decide(self.snapshot(), self.state, self.cfg)
@@ -58,6 +172,16 @@ class Router:
         lease.release()
         return new
 
+    def observe(self, backend: Backend, load: float, tok_s: float) -> None:
+        """A finished stream's decode speed (tokens/s per stream) at `load` streams on its server."""
+        a = self.adaptive
+        if a is None:
+            return
+        now = self._clock()
+        accept = self._health.backends["speculative"].spec_accept_length if backend == "speculative" else None
+        a.model.observe(backend, load, tok_s, accept, now)
+        self._update(now)
+
     def refresh(self) -> None:
         """Re-apply the hysteresis after load or health changed, so the mode gauge tells the truth."""
         if self.cfg.load_signal == "local":
@@ -70,11 +194,28 @@ class Router:
         self._metrics.load.set(load)
         if self.cfg.policy == "threshold":
             self._set_state(next_mode(load, self.state, self.cfg))
+        elif self.cfg.policy == "adaptive":
+            now = self._clock()
+            self._update(now)
+            self._set_state(dwell_mode(load, self.state, self.cfg, now)[0])
         else:
             self._set_state(PolicyState("speculative" if spec_load < self.cfg.spillover_limit else "baseline"))
 
+    def _update(self, now: float) -> None:
+        a = self.adaptive
+        if a is None or now - a.updated_at < UPDATE_EVERY_S:
+            return
+        if a.update(self._health.backends["speculative"].spec_accept_length, now):
+            high, low = watermarks(a.wm)
+            log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
+            self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)
+            self._metrics.set_watermarks(high, low, self.cfg.spillover_limit)
+        self._metrics.crossover_estimate.set(_nan(a.estimate.crossover))
+
     def _inflight_changed(self, backend: Backend, count: int) -> None:
         self._metrics.child(self._metrics.inflight, backend).set(count)
+        if backend == "speculative":
+            self._spec_idle_since = self._clock() if count == 0 else None
         self.refresh()
 
     def _set_state(self, state: PolicyState) -> None:
@@ -83,3 +224,7 @@ class Router:
             self._metrics.mode_switches.labels(state.mode).inc()
             self._metrics.set_mode(state.mode)
         self.state = state
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else value

@@ -1,0 +1,291 @@
+"""Where speculation stops paying, re-estimated from what specgate sees live. Pure arithmetic; the
+clock is passed in.
+
+The model. Each server has a curve of total output tok/s against concurrent streams on it; its
+per-stream decode speed at c streams is tok_s(c) / c. The speculative server's curve is kept
+per unit of acceptance: at a fixed number of draft steps a speculative decode step costs about
+the same whatever is accepted, so its speed is proportional to the acceptance length A (bonus
+token included). So
+
+    speculative_tok_s(c) = c * v_spec(c) * A_live       v_spec: per-stream speed per unit of A
+    baseline_tok_s(c)    = c * v_base(c)
+
+where the v's start from the calibration file (v_spec = tok_s / c / A_calibrated at each level)
+and are corrected by the per-stream decode speeds specgate measures on relayed streams, at the
+loads traffic actually visits. The crossover is the first level where the speculative curve no
+longer beats the baseline (and, as `loadtest calibrate` does, where its TPOT no longer beats the
+baseline's, when the file has TPOT curves); the high watermark is its floor, the low one a band
+of a quarter below (calibrate's rule). At the calibrated acceptance and with no observations this
+gives exactly the calibration's recommendation.
+
+Observations are robust and forgetful: each is a log ratio to the current estimate at the
+nearest level, clipped (a few outliers move it little), averaged with weights that halve every
+`half_life_s` (old traffic fades), shrunk toward the calibration by a prior of PRIOR_WEIGHT
+observations, and the resulting correction is bounded to [1/MAX_CORRECTION, MAX_CORRECTION].
+Without a calibration file there is no prior: levels are fixed buckets, estimates are what was
+observed, and the crossover is known only where both servers were seen at neighbouring levels;
+until then the static watermarks stay.
+
+The watermark then moves toward the estimate at a bounded rate and stays in a clamped range.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .calibration import Calibration
+from .policy import BACKENDS, Backend
+
+# Without a calibration, observations go to the nearest of these levels (streams on one server).
+BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
+PRIOR_WEIGHT = 3.0  # the calibration counts as this many observations
+MAX_CORRECTION = 2.0  # observed speed vs calibration, bounded to [1/2, 2]
+CLIP_LOG = 0.35  # one observation moves a level's estimate by at most ~40% of the way
+MIN_WEIGHT_NO_PRIOR = 3.0  # without a calibration, a level counts after this many observations
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Linear between points, flat outside them (NaN points are not skipped: callers avoid them)."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, x)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def hysteresis_low(high: int) -> int:
+    """A band of a quarter of the high watermark (at least one request), as `calibrate` uses."""
+    return max(0, high - max(1, math.ceil(high / 4)))
+
+
+@dataclass(frozen=True)
+class Crossing:
+    verdict: str  # crosses | never_pays | always_pays | no_data
+    at: float | None = None
+
+
+def crossing(
+    levels: Sequence[float], spec: Sequence[float], base: Sequence[float], higher_is_better: bool = True
+) -> Crossing:
+    """The first level where speculation no longer beats the baseline, interpolated linearly."""
+    points = [(c, s, b) for c, s, b in zip(levels, spec, base, strict=True) if not (math.isnan(s) or math.isnan(b))]
+    if not points:
+        return Crossing("no_data")
+    sign = 1.0 if higher_is_better else -1.0
+    adv = [(c, sign * (s - b)) for c, s, b in points]
+    if adv[0][1] <= 0:
+        return Crossing("never_pays", 0.0)
+    for (c0, a0), (c1, a1) in itertools.pairwise(adv):
+        if a1 <= 0:
+            return Crossing("crosses", c0 + (c1 - c0) * a0 / (a0 - a1))
+    return Crossing("always_pays", adv[-1][0])
+
+
+def high_for(c: Crossing) -> int | None:
+    """The high watermark a crossing calls for; None when nothing can be concluded."""
+    if c.verdict == "no_data" or c.at is None:
+        return None
+    if c.verdict == "never_pays":
+        return 0
+    if c.verdict == "always_pays":
+        return int(c.at)
+    return max(1, math.floor(c.at))
+
+
+@dataclass(frozen=True)
+class Prior:
+    """The calibration as the model uses it: per-stream speeds per level (speculative per unit of
+    acceptance), and TPOT in ms (NaN where not measured)."""
+
+    levels: tuple[int, ...]
+    v_spec: tuple[float, ...]
+    v_base: tuple[float, ...]
+    tpot_spec: tuple[float, ...]
+    tpot_base: tuple[float, ...]
+    accept: tuple[float, ...]  # acceptance at each level (1.0 where the file has none)
+
+    @classmethod
+    def of(cls, cal: Calibration) -> Prior:
+        accept = tuple(cal.accept_at(i) or 1.0 for i in range(len(cal.levels)))
+        return cls(
+            levels=cal.levels,
+            v_spec=tuple(s / c / a for s, c, a in zip(cal.speculative.output_tok_s, cal.levels, accept, strict=True)),
+            v_base=tuple(b / c for b, c in zip(cal.baseline.output_tok_s, cal.levels, strict=True)),
+            tpot_spec=cal.speculative.mean_tpot_ms,
+            tpot_base=cal.baseline.mean_tpot_ms,
+            accept=accept,
+        )
+
+
+@dataclass
+class _Cell:
+    """Observations at one level of one server: a decayed weighted mean of log values."""
+
+    mean: float = 0.0
+    weight: float = 0.0
+    at: float = 0.0
+
+    def decayed(self, now: float, half_life_s: float) -> float:
+        return self.weight * math.exp(-math.log(2.0) * max(0.0, now - self.at) / half_life_s)
+
+
+@dataclass
+class SpeedModel:
+    """Per-stream decode speeds learnt from relayed streams, on top of an optional prior."""
+
+    prior: Prior | None
+    half_life_s: float = 60.0
+    cells: dict[Backend, dict[int, _Cell]] = field(default_factory=dict)
+    observations: int = 0
+
+    def __post_init__(self) -> None:
+        self.cells = {b: {} for b in BACKENDS}
+
+    @property
+    def levels(self) -> tuple[int, ...]:
+        return self.prior.levels if self.prior is not None else BUCKETS
+
+    def _prior_v(self, backend: Backend, c: float) -> float | None:
+        p = self.prior
+        if p is None:
+            return None
+        return interpolate(p.levels, p.v_spec if backend == "speculative" else p.v_base, c)
+
+    def _nearest(self, c: float) -> int:
+        # On a log scale: speed changes with the ratio of loads, not their difference.
+        return min(self.levels, key=lambda lv: abs(math.log(lv) - math.log(max(c, 1.0))))
+
+    def observe(self, backend: Backend, load: float, tok_s: float, accept: float | None, now: float) -> None:
+        """One stream's decode speed (tokens/s after its first) while `load` streams ran on the
+        server; `accept` the speculative server's acceptance then (None: unknown)."""
+        if not (tok_s > 0 and math.isfinite(tok_s) and load >= 1):
+            return
+        v = tok_s / (accept or 1.0) if backend == "speculative" else tok_s
+        prior = self._prior_v(backend, load)
+        x = math.log(v / prior) if prior is not None else math.log(v)
+        level = self._nearest(load)
+        cell = self.cells[backend].setdefault(level, _Cell(at=now))
+        w = cell.decayed(now, self.half_life_s)
+        if w >= 1.0 or prior is not None:
+            centre = cell.mean if w > 0 else 0.0
+            x = min(max(x, centre - CLIP_LOG), centre + CLIP_LOG)
+        cell.mean = (cell.mean * w + x) / (w + 1.0)
+        cell.weight, cell.at = w + 1.0, now
+        self.observations += 1
+
+    def correction(self, backend: Backend, level: int, now: float) -> tuple[float, float]:
+        """(log correction vs the prior, decayed weight) at a level; (0, 0) when unseen."""
+        cell = self.cells[backend].get(level)
+        if cell is None:
+            return 0.0, 0.0
+        w = cell.decayed(now, self.half_life_s)
+        shrunk = cell.mean * w / (w + PRIOR_WEIGHT)
+        bound = math.log(MAX_CORRECTION)
+        return min(max(shrunk, -bound), bound), w
+
+    def v(self, backend: Backend, i: int, now: float) -> float:
+        """Per-stream speed at the i-th level (speculative: per unit of acceptance); NaN if unknown."""
+        level = self.levels[i]
+        if self.prior is not None:
+            base = self.prior.v_spec[i] if backend == "speculative" else self.prior.v_base[i]
+            return base * math.exp(self.correction(backend, level, now)[0])
+        cell = self.cells[backend].get(level)
+        if cell is None or cell.decayed(now, self.half_life_s) < MIN_WEIGHT_NO_PRIOR:
+            return math.nan
+        return math.exp(cell.mean)
+
+    def describe(self, now: float) -> dict[str, dict[str, dict[str, float]]]:
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for b in BACKENDS:
+            out[b] = {}
+            for level, cell in sorted(self.cells[b].items()):
+                w = cell.decayed(now, self.half_life_s)
+                if w < 0.05:
+                    continue
+                if self.prior is not None:
+                    ratio = math.exp(self.correction(b, level, now)[0])
+                    out[b][str(level)] = {"speed_ratio": round(ratio, 4), "weight": round(w, 2)}
+                else:
+                    out[b][str(level)] = {"tok_s_per_stream": round(math.exp(cell.mean), 3), "weight": round(w, 2)}
+        return out
+
+
+@dataclass(frozen=True)
+class Estimate:
+    levels: tuple[int, ...]
+    speculative_tok_s: tuple[float, ...]
+    baseline_tok_s: tuple[float, ...]
+    accept_live: float | None
+    accept_used: float | None
+    throughput: Crossing
+    latency: Crossing
+    crossover: float | None  # streams; None when nothing can be concluded
+    high: int | None  # the high watermark the estimate calls for
+    why: str
+
+
+def estimate(model: SpeedModel, accept_live: float | None, now: float) -> Estimate:
+    """The two curves as believed now, their crossover, and the high watermark it calls for."""
+    prior = model.prior
+    levels = model.levels
+    if accept_live is not None:
+        accept: list[float] = [accept_live] * len(levels)
+    elif prior is not None:
+        accept = list(prior.accept)  # no live reading: as calibrated
+    else:
+        accept = [1.0] * len(levels)
+    spec = tuple(c * model.v("speculative", i, now) * accept[i] for i, c in enumerate(levels))
+    base = tuple(c * model.v("baseline", i, now) for i, c in enumerate(levels))
+    tp = crossing(levels, spec, base)
+    lat = Crossing("no_data")
+    if prior is not None:
+        # TPOT scales inversely with speed: by the same acceptance and corrections as the curves.
+        tpot_spec = tuple(
+            t * prior.v_spec[i] * prior.accept[i] / (spec[i] / levels[i]) for i, t in enumerate(prior.tpot_spec)
+        )
+        tpot_base = tuple(t * prior.v_base[i] / (base[i] / levels[i]) for i, t in enumerate(prior.tpot_base))
+        lat = crossing(levels, tpot_spec, tpot_base, higher_is_better=False)
+    highs = [h for h in (high_for(tp), high_for(lat)) if h is not None]
+    crossings = [c.at for c in (tp, lat) if c.verdict != "no_data" and c.at is not None]
+    high = min(highs) if highs else None
+    crossover = min(crossings) if crossings else None
+    a = f"acceptance {accept_live:.2f} live" if accept_live is not None else "no live acceptance"
+    if prior is not None and prior.accept:
+        a += f" (calibrated {sum(prior.accept) / len(prior.accept):.2f})"
+    if high is None:
+        why = f"not enough observations of both servers at neighbouring loads yet; static watermarks ({a})"
+    elif high == 0:
+        why = f"speculation pays at no load measured ({a})"
+    elif tp.verdict == "always_pays" and lat.verdict in ("always_pays", "no_data"):
+        why = f"speculation pays up to the highest level known, {high} streams ({a})"
+    else:
+        why = f"speculation stops paying at about {crossover:.1f} streams ({a})"
+    return Estimate(levels, spec, base, accept_live, accept[0] if accept else None, tp, lat, crossover, high, why)
+
+
+@dataclass(frozen=True)
+class WatermarkState:
+    """The live high watermark as a real number (moved at a bounded rate) and when it last moved."""
+
+    high: float
+    at: float
+
+
+def step_watermark(
+    state: WatermarkState, target: int, now: float, max_step_per_s: float, lo: int, hi: int
+) -> WatermarkState:
+    """Move toward `target` by at most max_step_per_s per second since the last step, within [lo, hi]."""
+    room = max_step_per_s * max(0.0, now - state.at)
+    high = state.high + min(max(target - state.high, -room), room)
+    return WatermarkState(min(max(high, float(lo)), float(hi)), now)
+
+
+def watermarks(state: WatermarkState) -> tuple[int, int]:
+    high = round(state.high)
+    return high, hysteresis_low(high)
