@@ -95,7 +95,7 @@ def high_for(c: Crossing) -> int | None:
         return 0
     if c.verdict == "always_pays":
         return int(c.at)
-    return max(1, math.floor(c.at))
+    return max(1, math.floor(c.at + 1e-9))  # 1e-9: curves rebuilt from per-stream speeds round off
 
 
 @dataclass(frozen=True)

@@ -51,29 +51,38 @@ class AdaptiveConfig:
 class Adaptive:
     """What the adaptive policy believes, and the live watermarks that follow from it."""
 
-    def __init__(self, cfg: AdaptiveConfig, calibration: Calibration | None, static_high: int, now: float) -> None:
+    def __init__(
+        self, cfg: AdaptiveConfig, calibration: Calibration | None, static: tuple[int, int], now: float
+    ) -> None:
         self.cfg = cfg
         self.calibration = calibration
         self.model = SpeedModel(Prior.of(calibration) if calibration else None, cfg.half_life_s)
-        self.static_high = static_high
+        self.static_high, self.static_low = static
         self.estimate: Estimate = estimate(self.model, None, now)
-        start = self.estimate.high if self.estimate.high is not None else static_high
+        start = self.estimate.high if self.estimate.high is not None else self.static_high
         self.wm = WatermarkState(self._clamp(start), now)
         self.updated_at = now
 
     def _clamp(self, high: int) -> float:
         return float(min(max(high, self.cfg.min_watermark), self.cfg.max_watermark))
 
+    def watermarks(self) -> tuple[int, int]:
+        """(high, low) in effect: the configured pair until an estimate moves the high one."""
+        high, low = watermarks(self.wm)
+        if self.estimate.high is None and high == self.static_high:
+            return high, min(self.static_low, high)
+        return high, low
+
     def update(self, accept_live: float | None, now: float) -> bool:
-        """Re-estimate and move the watermark; True when the integer watermarks changed."""
-        before = watermarks(self.wm)
+        """Re-estimate and move the watermark; True when the watermarks in effect changed."""
+        before = self.watermarks()
         self.estimate = estimate(self.model, accept_live, now)
         target = self.estimate.high if self.estimate.high is not None else self.static_high
         self.wm = step_watermark(
             self.wm, target, now, self.cfg.max_step_per_s, self.cfg.min_watermark, self.cfg.max_watermark
         )
         self.updated_at = now
-        return watermarks(self.wm) != before
+        return self.watermarks() != before
 
     def describe(self, now: float) -> dict[str, Any]:
         e = self.estimate
@@ -82,7 +91,7 @@ class Adaptive:
             return [None if math.isnan(v) else round(v, 2) for v in values]
 
         prior = self.model.prior
-        high, low = watermarks(self.wm)
+        high, low = self.watermarks()
         return {
             "calibrated": prior is not None,
             "accept_length_live": e.accept_live,
@@ -125,8 +134,9 @@ class Router:
         self._spec_idle_since: float | None = clock()
         self.adaptive: Adaptive | None = None
         if cfg.policy == "adaptive":
-            self.adaptive = Adaptive(adaptive or AdaptiveConfig(), calibration, cfg.high_watermark, clock())
-            high, low = watermarks(self.adaptive.wm)
+            static = (cfg.high_watermark, cfg.low_watermark)
+            self.adaptive = Adaptive(adaptive or AdaptiveConfig(), calibration, static, clock())
+            high, low = self.adaptive.watermarks()
             self.cfg = dataclasses.replace(cfg, high_watermark=high, low_watermark=low)
             metrics.crossover_estimate.set(_nan(self.adaptive.estimate.crossover))
         metrics.set_watermarks(self.cfg.high_watermark, self.cfg.low_watermark, cfg.spillover_limit)
@@ -206,7 +216,7 @@ class Router:
         if a is None or now - a.updated_at < UPDATE_EVERY_S:
             return
         if a.update(self._health.backends["speculative"].spec_accept_length, now):
-            high, low = watermarks(a.wm)
+            high, low = a.watermarks()
             log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
             self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)
             self._metrics.set_watermarks(high, low, self.cfg.spillover_limit)

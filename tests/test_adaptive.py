@@ -1,0 +1,263 @@
+"""The adaptive policy's arithmetic on known inputs: curves, acceptance scaling, observations,
+the watermark's rate and clamp, dwell and probes, and the Router that ties them together."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from loadtest.calibrate import find_crossover, recommend
+from proxy.adaptive import (
+    MAX_CORRECTION,
+    Prior,
+    SpeedModel,
+    WatermarkState,
+    crossing,
+    estimate,
+    hysteresis_low,
+    step_watermark,
+    watermarks,
+)
+from proxy.calibration import Calibration, Curve
+from proxy.config import Settings
+from proxy.health import HealthMonitor
+from proxy.metrics import Metrics
+from proxy.policy import LoadSnapshot, PolicyConfig, PolicyState, decide, dwell_mode
+from proxy.routing import AdaptiveConfig, Router
+from proxy.upstream import Upstream
+
+LEVELS = (1, 2, 5, 10, 20, 30, 50, 70)
+# The shipped `crossover` profile: equal at 20 streams, speculation ahead below, behind above.
+SPEC = (180.0, 330.0, 700.0, 1100.0, 1500.0, 1650.0, 1750.0, 1800.0)
+BASE = (100.0, 195.0, 470.0, 880.0, 1500.0, 1950.0, 2500.0, 2800.0)
+NAN8 = (math.nan,) * 8
+
+
+def calibration(accept: float | None = 3.0, tpot: bool = False) -> Calibration:
+    def tpots(tok_s: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(1000.0 * c / t for c, t in zip(LEVELS, tok_s, strict=True)) if tpot else NAN8
+
+    return Calibration(
+        levels=LEVELS,
+        speculative=Curve(SPEC, tpots(SPEC), (accept,) * 8 if accept else ()),
+        baseline=Curve(BASE, tpots(BASE)),
+        accept_length=accept,
+        high_watermark=19,
+        low_watermark=14,
+        verdict="crosses",
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "base", "higher"),
+    [
+        (SPEC, BASE, True),
+        (BASE, SPEC, True),  # never pays
+        (tuple(s * 3 for s in SPEC), BASE, True),  # always pays
+        ((10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0), (12.0, 18.0, 25.0, 40.0, 55.0, 60.0, 90.0, 95.0), False),
+    ],
+)
+def test_crossing_agrees_with_calibrate(spec: tuple[float, ...], base: tuple[float, ...], higher: bool) -> None:
+    ours = crossing(LEVELS, spec, base, higher)
+    theirs = find_crossover("m", LEVELS, spec, base, higher)
+    assert ours.verdict == theirs.verdict
+    if theirs.verdict == "crosses":
+        assert ours.at == pytest.approx(theirs.at)
+
+
+def test_at_calibrated_acceptance_the_estimate_is_the_calibrations_recommendation() -> None:
+    for tpot in (False, True):
+        model = SpeedModel(Prior.of(calibration(tpot=tpot)))
+        est = estimate(model, 3.0, now=0.0)
+        tp = find_crossover("output_tok_s", LEVELS, SPEC, BASE)
+        rec = recommend(tp, tp, max(LEVELS))
+        assert est.throughput.verdict == "crosses" and est.crossover == pytest.approx(20.0)
+        assert est.high == rec.high == 20
+        assert est.speculative_tok_s == pytest.approx(SPEC) and est.baseline_tok_s == pytest.approx(BASE)
+    # No live reading at all: as calibrated.
+    assert estimate(SpeedModel(Prior.of(calibration())), None, 0.0).high == 20
+
+
+def test_live_acceptance_scales_the_speculative_curve() -> None:
+    model = SpeedModel(Prior.of(calibration(accept=3.0)))
+    # Acceptance 4 of 3: the speculative curve x4/3. At 30: 2200 > 1950; at 50: 2333 < 2500.
+    up = estimate(model, 4.0, 0.0)
+    assert up.speculative_tok_s[5] == pytest.approx(1650 * 4 / 3)
+    expected = 30 + 20 * (2200 - 1950) / ((2200 - 1950) - (1750 * 4 / 3 - 2500))
+    assert up.crossover == pytest.approx(expected) and up.high == math.floor(expected)
+    # Acceptance 1.2: 180 * 0.4 = 72 < 100 at one stream: speculation never pays.
+    down = estimate(model, 1.2, 0.0)
+    assert down.throughput.verdict == "never_pays" and down.high == 0
+    assert "pays at no load" in down.why
+
+
+def test_tpot_curves_scale_with_the_same_acceptance() -> None:
+    model = SpeedModel(Prior.of(calibration(tpot=True)))
+    e = estimate(model, 4.0, 0.0)
+    # TPOT here is c / tok_s, so it crosses between the same levels (30 and 50), interpolated in
+    # TPOT rather than tok/s; the watermark follows the earlier of the two, as calibrate's does.
+    assert e.latency.verdict == "crosses" and e.latency.at is not None and e.throughput.at is not None
+    assert 30 < e.latency.at < e.throughput.at < 50
+    assert e.high == math.floor(e.latency.at) and e.crossover == e.latency.at
+
+
+def test_observations_correct_the_level_they_were_made_at_and_no_other() -> None:
+    model = SpeedModel(Prior.of(calibration()), half_life_s=60.0)
+    # The baseline streams at 30 run at 80% of the calibrated per-stream speed (1950 / 30 = 65).
+    for i in range(40):
+        model.observe("baseline", 30, 0.8 * 65.0, None, now=float(i))
+    e = estimate(model, 3.0, now=40.0)
+    assert e.baseline_tok_s[5] == pytest.approx(0.8 * 1950, rel=0.03)
+    assert e.baseline_tok_s[4] == pytest.approx(1500) and e.baseline_tok_s[6] == pytest.approx(2500)
+
+
+def test_an_outlier_moves_little_and_corrections_are_bounded() -> None:
+    model = SpeedModel(Prior.of(calibration()))
+    model.observe("baseline", 10, 88.0, None, now=0.0)  # exactly as calibrated
+    model.observe("baseline", 10, 88.0 * 100, None, now=0.0)  # a 100x outlier
+    ratio = math.exp(model.correction("baseline", 10, 0.0)[0])
+    assert 1.0 < ratio < 1.2
+    for i in range(500):
+        model.observe("baseline", 10, 88.0 * 100, None, now=float(i))
+    assert math.exp(model.correction("baseline", 10, 500.0)[0]) == pytest.approx(MAX_CORRECTION)
+
+
+def test_observations_fade_back_to_the_calibration() -> None:
+    model = SpeedModel(Prior.of(calibration()), half_life_s=10.0)
+    for i in range(30):
+        model.observe("baseline", 10, 44.0, None, now=float(i))
+    fresh = math.exp(model.correction("baseline", 10, 30.0)[0])
+    old = math.exp(model.correction("baseline", 10, 130.0)[0])
+    assert fresh < 0.6 and 0.95 < old <= 1.0
+
+
+def test_speculative_observations_are_per_unit_of_acceptance() -> None:
+    model = SpeedModel(Prior.of(calibration(accept=3.0)))
+    # Seen at acceptance 1.5, running at half the calibrated speed: exactly what acceptance explains.
+    for i in range(20):
+        model.observe("speculative", 10, 110.0 / 2, 1.5, now=float(i))
+    assert model.correction("speculative", 10, 20.0)[0] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_without_calibration_nothing_is_concluded_until_both_servers_are_seen() -> None:
+    model = SpeedModel(None)
+    assert estimate(model, 2.0, 0.0).high is None
+    for i in range(5):
+        for load, spec_v, base_v in ((4, 60.0, 50.0), (8, 40.0, 45.0)):
+            model.observe("speculative", load, spec_v * 2.0, 2.0, now=float(i))
+            model.observe("baseline", load, base_v, None, now=float(i))
+    e = estimate(model, 2.0, 5.0)
+    # 4 streams: 4*60*2=480 vs 200; 8 streams: 8*40*2=640 vs 360: pays wherever seen.
+    assert e.throughput.verdict == "always_pays" and e.high == 8
+    e = estimate(model, 0.5, 5.0)  # acceptance fell to a quarter: 120 vs 200 at 4 streams
+    assert e.high == 0
+
+
+def test_watermark_moves_at_a_bounded_rate_inside_its_range() -> None:
+    s = WatermarkState(20.0, 0.0)
+    s = step_watermark(s, 0, 1.0, max_step_per_s=4.0, lo=2, hi=40)
+    assert s.high == pytest.approx(16.0)
+    s = step_watermark(s, 0, 10.0, 4.0, 2, 40)
+    assert s.high == 2.0  # clamped at the floor
+    s = step_watermark(s, 100, 100.0, 4.0, 2, 40)
+    assert s.high == 40.0
+    assert watermarks(WatermarkState(19.6, 0)) == (20, hysteresis_low(20)) == (20, 15)
+
+
+ADAPTIVE = PolicyConfig("adaptive", 10, 7, min_dwell_s=5.0, probe_s=4.0, probe_max_s=10.0, probe_max_load=50)
+
+
+def snap(spec: int, base: int, now: float, idle_since: float | None, spec_up: bool = True) -> LoadSnapshot:
+    return LoadSnapshot(
+        {"speculative": spec, "baseline": base}, {}, {"speculative": spec_up, "baseline": True}, now, idle_since
+    )
+
+
+def test_dwell_holds_a_switch_until_the_mode_is_old_enough() -> None:
+    state = PolicyState("speculative", since=0.0)
+    d = decide(snap(12, 0, 3.0, None), state, ADAPTIVE)
+    assert (d.backend, d.reason, d.state.mode) == ("speculative", "dwell_hold", "speculative")
+    d = decide(snap(12, 0, 5.0, None), state, ADAPTIVE)
+    assert (d.backend, d.reason, d.state.mode, d.state.since) == ("baseline", "heavy_load", "baseline", 5.0)
+    # And back: the load fell to low, but the baseline mode is 1 s old.
+    held, was_held = dwell_mode(3, d.state, ADAPTIVE, 6.0)
+    assert held.mode == "baseline" and was_held
+    assert dwell_mode(3, d.state, ADAPTIVE, 10.0)[0].mode == "speculative"
+    # The threshold policy has no dwell: exactly as before.
+    t = decide(snap(12, 0, 0.1, None), PolicyState("speculative", since=0.0), PolicyConfig("threshold", 10, 7))
+    assert (t.backend, t.reason) == ("baseline", "heavy_load")
+
+
+def test_probes_go_to_the_idle_speculative_server_at_doubling_intervals() -> None:
+    state = PolicyState("baseline", since=0.0)
+    assert decide(snap(0, 12, 3.9, 0.0), state, ADAPTIVE).reason == "heavy_load"
+    d = decide(snap(0, 12, 4.0, 0.0), state, ADAPTIVE)
+    assert (d.backend, d.reason, d.state.mode, d.state.probes) == ("speculative", "probe", "baseline", 1)
+    # The probe ran and ended at 6: the next waits 8 s from then, the one after 10 (the cap).
+    assert decide(snap(0, 12, 13.9, 6.0), d.state, ADAPTIVE).reason == "heavy_load"
+    d2 = decide(snap(0, 12, 14.0, 6.0), d.state, ADAPTIVE)
+    assert d2.reason == "probe" and d2.state.probes == 2
+    assert decide(snap(0, 12, 25.9, 16.0), d2.state, ADAPTIVE).reason == "heavy_load"
+    assert decide(snap(0, 12, 26.0, 16.0), d2.state, ADAPTIVE).reason == "probe"
+    # No probe while the speculative server has requests, is down, or past probe_max_load.
+    assert decide(snap(1, 12, 100.0, None), state, ADAPTIVE).reason == "heavy_load"
+    assert decide(snap(0, 12, 100.0, 0.0, spec_up=False), state, ADAPTIVE).reason == "heavy_load"
+    assert decide(snap(0, 50, 100.0, 0.0), state, ADAPTIVE).reason == "heavy_load"
+    # A new mode starts the count again.
+    assert PolicyState("speculative", since=1.0).probes == 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def router(cal: Calibration | None, clock: Clock, **cfg: float) -> tuple[Router, HealthMonitor, Metrics]:
+    settings = Settings(_env_file=None)
+    metrics = Metrics()
+    health = HealthMonitor(settings, Upstream(settings), metrics)
+    for b in health.backends.values():
+        b.healthy = True
+    health.backends["speculative"].spec_accept_length = 3.0
+    policy = PolicyConfig("adaptive", 16, 8, min_dwell_s=2.0, probe_s=0.0, probe_max_load=70)
+    return Router(policy, health, metrics, AdaptiveConfig(**cfg), cal, clock=clock), health, metrics  # type: ignore[arg-type]
+
+
+def gauge(metrics: Metrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    assert value is not None
+    return value
+
+
+def test_router_follows_live_acceptance_at_a_bounded_rate() -> None:
+    clock = Clock()
+    r, health, metrics = router(calibration(), clock, max_step_per_s=2.0, min_watermark=0, max_watermark=60)
+    assert (r.cfg.high_watermark, r.cfg.low_watermark) == (20, 15)  # the calibration's, from the start
+    assert gauge(metrics, "specgate_crossover_estimate") == pytest.approx(20.0)
+    health.backends["speculative"].spec_accept_length = 1.2  # diverse traffic: never pays
+    highs = []
+    for _ in range(12):
+        clock.t += 1.0
+        r.refresh()
+        highs.append(r.cfg.high_watermark)
+    assert highs[:3] == [18, 16, 14] and highs[-1] == 0  # 2 streams a second, down to 0
+    assert gauge(metrics, "specgate_watermark", level="high") == 0
+    assert gauge(metrics, "specgate_crossover_estimate") == 0
+    # Everything now goes to the baseline; the mode changed once.
+    assert r.decide().backend == "baseline"
+    assert gauge(metrics, "specgate_mode_switches_total", to="baseline") == 1
+    info = r.adaptive.describe(clock.t) if r.adaptive else {}
+    assert info["accept_length_live"] == 1.2 and info["watermarks"] == {"high": 0, "low": 0}
+
+
+def test_router_without_calibration_keeps_the_static_watermarks_until_it_knows() -> None:
+    clock = Clock()
+    r, _, _ = router(None, clock)
+    clock.t += 5
+    r.refresh()
+    assert (r.cfg.high_watermark, r.cfg.low_watermark) == (16, 8)
+    assert r.adaptive is not None and "static watermarks" in r.adaptive.estimate.why

@@ -1,0 +1,84 @@
+"""The adaptive policy end to end: specgate under uvicorn with a calibration file, in front of two
+simulator processes, its beliefs read back from /routing and /metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import orjson
+
+from .conftest import Stack, StartStack
+from .helpers import scrape
+from .test_proxy import wait_for
+
+# The shipped `crossover` profile's curves at its acceptance (3): speculation pays below 20 streams.
+CALIBRATION = {
+    "format": "specgate-calibration/1",
+    "levels": [1, 2, 5, 10, 20, 30, 50, 70],
+    "speculative": {"output_tok_s": [180, 330, 700, 1100, 1500, 1650, 1750, 1800]},
+    "baseline": {"output_tok_s": [100, 195, 470, 880, 1500, 1950, 2500, 2800]},
+    "accept_length": 3.0,
+    "recommendation": {"high_watermark": 20, "low_watermark": 15, "verdict": "crosses"},
+}
+FAST = {
+    "SPECGATE_POLICY": "adaptive",
+    "SPECGATE_ADAPTIVE_MAX_STEP_PER_S": "1000",
+    "SPECGATE_ADAPTIVE_MIN_DWELL_S": "0",
+    "SPECGATE_ADAPTIVE_PROBE_S": "0",
+}
+
+
+def routing(s: Stack) -> dict:  # type: ignore[type-arg]
+    return httpx.get(s.url + "/routing").json()  # type: ignore[no-any-return]
+
+
+def calibration_file(tmp_path: Path) -> str:
+    path = tmp_path / "calibration.json"
+    path.write_bytes(orjson.dumps(CALIBRATION))
+    return str(path)
+
+
+def stream_some(s: Stack, n: int, max_tokens: int = 64) -> None:
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    for _ in range(n):
+        for _chunk in c.completions.create(model="m", prompt="hello", max_tokens=max_tokens, stream=True):
+            pass
+
+
+def test_starts_from_the_calibration_and_learns_from_streams(stack: StartStack, tmp_path: Path) -> None:
+    s = stack(("--time-scale", "20", "--profile", "crossover"), SPECGATE_CALIBRATION=calibration_file(tmp_path), **FAST)
+    r = routing(s)
+    assert r["policy"] == "adaptive" and r["watermarks"] == {"high": 20, "low": 15}
+    a = r["adaptive"]
+    assert a["calibrated"] and a["curves"]["levels"] == CALIBRATION["levels"]
+    stream_some(s, 4)
+    wait_for(lambda: routing(s)["adaptive"]["observations"] >= 4)
+    observed = routing(s)["adaptive"]["observed"]["speculative"]
+    assert observed["1"]["weight"] > 0 and observed["1"]["speed_ratio"] > 0
+    m = scrape(s.url)
+    assert m["specgate_crossover_estimate"] > 0
+    assert m["specgate_routing_decisions_total"] >= 4
+
+
+def test_a_fall_in_live_acceptance_moves_traffic_to_the_baseline(stack: StartStack, tmp_path: Path) -> None:
+    # The speculative server accepts 1.2 tokens a step where the calibration saw 3: its curve is
+    # 0.4x, below the baseline's at every load, so the watermark falls to 0.
+    s = stack(
+        ("--time-scale", "20", "--profile", "crossover"),
+        spec_args=("--accept-length", "1.2"),
+        SPECGATE_CALIBRATION=calibration_file(tmp_path),
+        **FAST,
+    )
+    first = httpx.post(s.url + "/v1/completions", json={"prompt": "p", "max_tokens": 4}, timeout=30)
+    assert first.headers["x-specgate-backend"] == "speculative"
+    # Enough decode steps for SGLang's gauge to refresh (every 40), then a health poll to read it.
+    stream_some(s, 2, max_tokens=200)
+    wait_for(lambda: routing(s)["watermarks"]["high"] == 0, timeout_s=10)
+    r = routing(s)
+    assert abs(r["adaptive"]["accept_length_live"] - 1.2) < 0.05
+    assert r["adaptive"]["crossover_estimate"] == 0 and "pays at no load" in r["adaptive"]["why"]
+    after = httpx.post(s.url + "/v1/completions", json={"prompt": "p", "max_tokens": 4}, timeout=30)
+    assert (after.headers["x-specgate-backend"], after.headers["x-specgate-reason"]) == ("baseline", "heavy_load")
+    assert scrape(s.url)["specgate_watermark"] == 0 + 0 + 8  # high, low, and the spillover limit
