@@ -168,11 +168,14 @@ def panels() -> list[dict[str, Any]]:
         timeseries(
             "Routing mode, load and watermarks",
             "The load specgate compares with the watermarks, and the mode new requests get. Above the high "
-            "watermark new requests go to the baseline; they return to speculation at the low one.",
+            "watermark new requests go to the baseline; they return to speculation at the low one. Under "
+            "SPECGATE_POLICY=adaptive the watermarks move with the live workload, toward the crossover "
+            "estimate: the load where specgate now believes speculation stops paying (0: at no load).",
             [
                 ("specgate_load", "load"),
                 ('specgate_watermark{level="high"}', "high watermark"),
                 ('specgate_watermark{level="low"}', "low watermark"),
+                ("specgate_crossover_estimate", "crossover estimate"),
                 ("specgate_routing_mode", "mode (1 speculative, 0 baseline)"),
             ],
             (0, 1, 16, 9),
@@ -181,6 +184,7 @@ def panels() -> list[dict[str, Any]]:
                 fixed_color("load", "green"),
                 fixed_color("high watermark", "red", dashed=True),
                 fixed_color("low watermark", "orange", dashed=True),
+                fixed_color("crossover estimate", "blue", dashed=True),
                 mode_axis,
             ],
         ),
