@@ -80,20 +80,29 @@ def crossing(
     sign = 1.0 if higher_is_better else -1.0
     adv = [(c, sign * (s - b)) for c, s, b in points]
     if adv[0][1] <= 0:
-        return Crossing("never_pays", 0.0)
+        return Crossing("never_pays", adv[0][0])
     for (c0, a0), (c1, a1) in itertools.pairwise(adv):
         if a1 <= 0:
             return Crossing("crosses", c0 + (c1 - c0) * a0 / (a0 - a1))
     return Crossing("always_pays", adv[-1][0])
 
 
-def high_for(c: Crossing) -> int | None:
-    """The high watermark a crossing calls for; None when nothing can be concluded."""
+def high_for(c: Crossing, levels: Sequence[int] = ()) -> int | None:
+    """The high watermark a crossing calls for; None when nothing can be concluded.
+
+    With `levels` (learning without a calibration, where a crossing's ends are only the lowest and
+    highest levels both servers were seen at), a loss at the lowest seen level c0 says nothing
+    below it: the watermark goes to the level under c0, not to 0. A win at the highest seen level
+    lets it go one level further, so that the baseline gets seen higher up."""
     if c.verdict == "no_data" or c.at is None:
         return None
     if c.verdict == "never_pays":
+        if levels and c.at > levels[0]:
+            return max(lv for lv in levels if lv < c.at)
         return 0
     if c.verdict == "always_pays":
+        if levels:
+            return min((lv for lv in levels if lv > c.at), default=int(c.at))
         return int(c.at)
     return max(1, math.floor(c.at + 1e-9))  # 1e-9: curves rebuilt from per-stream speeds round off
 
@@ -251,8 +260,13 @@ def estimate(model: SpeedModel, accept_live: float | None, now: float) -> Estima
         )
         tpot_base = tuple(t * prior.v_base[i] / (base[i] / levels[i]) for i, t in enumerate(prior.tpot_base))
         lat = crossing(levels, tpot_spec, tpot_base, higher_is_better=False)
-    highs = [h for h in (high_for(tp), high_for(lat)) if h is not None]
-    crossings = [c.at for c in (tp, lat) if c.verdict != "no_data" and c.at is not None]
+    open_ends = () if prior is not None else levels
+    highs = [h for h in (high_for(tp, open_ends), high_for(lat, open_ends)) if h is not None]
+    crossings = [
+        c.at if c.verdict == "crosses" else float(h)
+        for c in (tp, lat)
+        if c.at is not None and (h := high_for(c, open_ends)) is not None
+    ]
     high = min(highs) if highs else None
     crossover = min(crossings) if crossings else None
     a = f"acceptance {accept_live:.2f} live" if accept_live is not None else "no live acceptance"

@@ -129,7 +129,7 @@ class Router:
         self._health = health
         self._metrics = metrics
         self._clock = clock
-        self.state = PolicyState(since=clock())
+        self.state = PolicyState()  # no dwell before the first switch
         self.tracker = InflightTracker(on_change=self._inflight_changed)
         self._spec_idle_since: float | None = clock()
         self.adaptive: Adaptive | None = None

@@ -148,10 +148,13 @@ def test_without_calibration_nothing_is_concluded_until_both_servers_are_seen() 
             model.observe("speculative", load, spec_v * 2.0, 2.0, now=float(i))
             model.observe("baseline", load, base_v, None, now=float(i))
     e = estimate(model, 2.0, 5.0)
-    # 4 streams: 4*60*2=480 vs 200; 8 streams: 8*40*2=640 vs 360: pays wherever seen.
-    assert e.throughput.verdict == "always_pays" and e.high == 8
-    e = estimate(model, 0.5, 5.0)  # acceptance fell to a quarter: 120 vs 200 at 4 streams
-    assert e.high == 0
+    # 4 streams: 4*60*2=480 vs 200; 8 streams: 8*40*2=640 vs 360: pays wherever seen, so the
+    # watermark may go one level past the highest seen (10), to see the baseline there.
+    assert e.throughput.verdict == "always_pays" and e.high == 10
+    # Acceptance fell to a quarter: 120 vs 200 at 4 streams, the lowest seen. Below 4 nothing is
+    # known: the watermark goes to the level under it, not to 0.
+    e = estimate(model, 0.5, 5.0)
+    assert e.throughput.verdict == "never_pays" and e.high == 3 and e.crossover == 3
 
 
 def test_watermark_moves_at_a_bounded_rate_inside_its_range() -> None:
