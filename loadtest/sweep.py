@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -39,6 +40,9 @@ class LevelPlan:
 
 
 Progress = Callable[[str, int, int, int], None]  # (phase, completed, errors, client_errors)
+# Runs beside the load from the window's start; the event is set at the window's end, and the level
+# waits for it to return after the drain (e.g. a sampler of the server's /metrics).
+DuringWindow = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 
 
 def make_session() -> aiohttp.ClientSession:
@@ -72,12 +76,14 @@ async def run_level(
     prompts: Iterator[Prompt],
     progress: Progress | None = None,
     min_requests: int = DEFAULT_MIN_REQUESTS,
+    during_window: DuringWindow | None = None,
 ) -> tuple[LevelStats, list[RequestResult]]:
     results: list[RequestResult] = []
     first_done = 0
     errors = 0
     client_errors = 0
     stop = asyncio.Event()
+    beside: list[asyncio.Task[None]] = []
     window: list[float] = []  # [t0] once measuring, [t0, t1] once done
     start = time.monotonic()
 
@@ -109,6 +115,8 @@ async def run_level(
             await asyncio.sleep(0.01)
         t0 = time.monotonic()
         window.append(t0)
+        if during_window is not None:
+            beside.append(asyncio.create_task(during_window(stop)))
         if plan.requests is not None:
             while time.monotonic() < t0 + plan.max_wait_s:
                 done = sum(1 for r in results if r.started >= t0)
@@ -126,5 +134,7 @@ async def run_level(
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
+    for task in beside:
+        await task
     report("done")
     return summarize(concurrency, results, window[0], window[1], min_requests), results
