@@ -5,15 +5,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
+import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from .calibrate import Crossover, Recommendation, calibrate, crossovers
+from proxy.calibration import parse, to_json
+
+from .acceptance import AcceptanceMeter, redact
+from .calibrate import Crossover, Recommendation, calibrate, calibration_file, crossovers
 from .client import Target
 from .procs import Proc, free_port, start
 from .prompts import source
@@ -107,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--speculative", required=True, metavar="URL")
     calibrate.add_argument("--baseline", required=True, metavar="URL")
     _load_options(calibrate)
+    calibrate.add_argument(
+        "--save",
+        default=None,
+        metavar="FILE",
+        help="write the calibration specgate loads (SPECGATE_CALIBRATION): both servers' curves, the acceptance "
+        "length the speculative server's /metrics reported, the settings and the recommendation",
+    )
     demo = sub.add_parser("demo", help="no GPU needed: simulated pair + specgate, calibrate, compare, plot")
     demo.add_argument("--profile", default="crossover")
     demo.add_argument(
@@ -192,7 +205,13 @@ async def _target(url: str, args: argparse.Namespace) -> Target:
     )
 
 
-async def sweep_targets(urls: Mapping[str, str], args: argparse.Namespace) -> dict[str, list[LevelStats]]:
+# Per target: runs beside each of its levels' measurement window, given the level and the window's end.
+LevelSampler = Callable[[int, asyncio.Event], Coroutine[Any, Any, None]]
+
+
+async def sweep_targets(
+    urls: Mapping[str, str], args: argparse.Namespace, samplers: Mapping[str, LevelSampler] | None = None
+) -> dict[str, list[LevelStats]]:
     """Every target at each level in turn (levels outer), so machine drift hits all of them alike."""
     targets = {name: await _target(url, args) for name, url in urls.items()}
     plan = _plan(args)
@@ -210,8 +229,10 @@ async def sweep_targets(urls: Mapping[str, str], args: argparse.Namespace) -> di
                     bar.set_postfix_str(f"{phase}, {errors} errors, {client_errors} client errors", refresh=False)
                     bar.update(done - bar.n)
 
+                sampler = (samplers or {}).get(name)
+                beside = None if sampler is None else functools.partial(sampler, c)
                 stats, _ = await run_level(
-                    session, target, c, plan, source(args.prompts, args.seed), progress, args.min_requests
+                    session, target, c, plan, source(args.prompts, args.seed), progress, args.min_requests, beside
                 )
                 bar.close()
                 out[name].append(stats)
@@ -261,7 +282,23 @@ def _recommendation(sweeps: Mapping[str, Sequence[LevelStats]]) -> tuple[Crossov
 
 
 async def cmd_calibrate(args: argparse.Namespace) -> int:
-    sweeps = await sweep_targets({"speculative": args.speculative, "baseline": args.baseline}, args)
+    urls = {"speculative": args.speculative, "baseline": args.baseline}
+    meter: AcceptanceMeter | None = None
+    models: dict[str, str] = {}
+    if args.save:
+        if not Path(args.save).parent.is_dir():
+            raise ValueError(f"--save {args.save}: no such directory")
+        models = {name: args.model or await first_model(url, args.api_key) for name, url in urls.items()}
+        meter = AcceptanceMeter(args.speculative, args.api_key)
+        await meter.open()
+        if meter.reason:
+            _not_measured(meter.reason)
+    try:
+        samplers = {"speculative": meter.during_window} if meter is not None and meter.engine else None
+        sweeps = await sweep_targets(urls, args, samplers)
+    finally:
+        if meter is not None:
+            await meter.close()
     tp, lat, rec = _recommendation(sweeps)
     print(compare_table(sweeps) + "\n")
     print(calibration_text(tp, lat, rec))
@@ -269,6 +306,66 @@ async def cmd_calibrate(args: argparse.Namespace) -> int:
         write_json(
             args.out, {"settings": _settings(args), "sweeps": sweeps, "crossover": [tp, lat], "recommendation": rec}
         )
+    if meter is not None:
+        if meter.engine is not None:
+            meter.finish()
+            if meter.reason:
+                _not_measured(meter.reason)
+        return _save(args.save, sweeps, rec, meter, _calibration_settings(args, models, meter))
+    return 0
+
+
+def _not_measured(reason: str) -> None:
+    print(f"acceptance length not measured (null in the file): {reason}", file=sys.stderr, flush=True)
+
+
+def _calibration_settings(
+    args: argparse.Namespace, models: Mapping[str, str], meter: AcceptanceMeter
+) -> dict[str, Any]:
+    """What the sweep was, for the file: no API key, no credentials in URLs."""
+    return {
+        "speculative": redact(args.speculative),
+        "baseline": redact(args.baseline),
+        "models": dict(models),
+        "endpoint": args.endpoint,
+        "prompts": args.prompts,
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
+        "ignore_eos": not args.no_ignore_eos,
+        "extra_body": args.extra_body or {},
+        "levels": list(args.concurrency),
+        "duration_s": None if args.requests else args.duration_s,
+        "requests": args.requests,
+        "warmup_s": args.warmup_s,
+        "min_requests": args.min_requests,
+        "acceptance": meter.source,
+    }
+
+
+def _save(
+    path: str,
+    sweeps: Mapping[str, Sequence[LevelStats]],
+    rec: Recommendation,
+    meter: AcceptanceMeter,
+    settings: Mapping[str, Any],
+) -> int:
+    created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    try:
+        cal = calibration_file(sweeps["speculative"], sweeps["baseline"], rec, meter.by_level, settings, created)
+    except ValueError as exc:
+        print(f"loadtest: {path} not written: {exc}", file=sys.stderr)
+        return 1
+    data = to_json(cal)
+    parse(data)  # what specgate will accept, or a bug here
+    tmp = f"{path}.tmp"
+    Path(tmp).write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
+    os.replace(tmp, path)
+    accept = "not measured" if cal.accept_length is None else f"{cal.accept_length:.2f}"
+    print(f"\ncalibration saved: {path} (levels {', '.join(map(str, cal.levels))}; acceptance length {accept})")
+    print(
+        f"use it: SPECGATE_CALIBRATION={path} (with SPECGATE_POLICY=threshold it applies the recommended "
+        "watermarks; with SPECGATE_POLICY=adaptive the curves)"
+    )
     return 0
 
 

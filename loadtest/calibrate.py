@@ -2,15 +2,18 @@
 
 Only conclusive levels count: one where either server had too few good requests (see
 stats.min_ok_requests) is left out as if it had not been measured, and the recommendation names it.
+`calibration_file` makes what `calibrate --save` writes (format: proxy/calibration.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from proxy.calibration import Calibration, Curve
 
 from .stats import LevelStats
 
@@ -161,3 +164,48 @@ def calibrate(
     left_out = inconclusive_levels(speculative, baseline)
     measured = [s.concurrency for s in speculative if s.concurrency not in left_out]
     return tp, lat, recommend(tp, lat, max(measured, default=0), left_out)
+
+
+def calibration_file(
+    speculative: Sequence[LevelStats],
+    baseline: Sequence[LevelStats],
+    rec: Recommendation,
+    accept_by_level: Mapping[int, float | None],
+    settings: Mapping[str, Any],
+    created: str,
+) -> Calibration:
+    """The reusable calibration: both servers' curves over the levels both measured conclusively (a
+    level without a positive throughput on either is left out too), the speculative server's
+    acceptance at each (NaN where it reported none) and their mean, and the recommendation as made.
+    Raises ValueError when no level is left: there are no curves to write."""
+
+    def usable(r: LevelStats) -> bool:
+        return r.conclusive and math.isfinite(r.output_tok_s) and round(r.output_tok_s, 2) > 0
+
+    keep = [(s, b) for s, b in zip(speculative, baseline, strict=True) if usable(s) and usable(b)]
+    if not keep:
+        raise ValueError("no level was conclusive on both servers: no curves to save")
+    levels = tuple(s.concurrency for s, _ in keep)
+
+    # Rounded well below what a level can measure, so the file reads easily.
+    def curve(rows: Sequence[LevelStats], accept: tuple[float, ...] = ()) -> Curve:
+        tok_s = tuple(round(r.output_tok_s, 2) for r in rows)
+        tpot = tuple(round(r.mean_tpot_ms, 4) if math.isfinite(r.mean_tpot_ms) else math.nan for r in rows)
+        return Curve(tok_s, tuple(t if t > 0 else math.nan for t in tpot), accept)
+
+    raw = [accept_by_level.get(c) for c in levels]
+    accept = tuple(math.nan if a is None else round(a, 3) for a in raw)
+    measured = [a for a in accept if not math.isnan(a)]
+    return Calibration(
+        levels=levels,
+        speculative=curve([s for s, _ in keep], accept),
+        baseline=curve([b for _, b in keep]),
+        accept_length=round(math.fsum(measured) / len(measured), 3) if measured else None,
+        high_watermark=rec.high,
+        low_watermark=rec.low,
+        verdict=rec.verdict,
+        explanation=rec.explanation,
+        inconclusive_levels=tuple(s.concurrency for s in speculative if s.concurrency not in levels),
+        settings=dict(settings),
+        created=created,
+    )
