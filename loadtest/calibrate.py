@@ -7,17 +7,15 @@ stats.min_ok_requests) is left out as if it had not been measured, and the recom
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from proxy.adaptive import Verdict, crossing, hysteresis_low
 from proxy.calibration import Calibration, Curve
 
 from .stats import LevelStats
-
-Verdict = Literal["crosses", "never_pays", "always_pays", "no_data"]
 
 
 @dataclass(frozen=True)
@@ -35,20 +33,10 @@ def find_crossover(
     baseline: Sequence[float],
     higher_is_better: bool = True,
 ) -> Crossover:
-    """The first level where speculation no longer beats the baseline, interpolated linearly."""
-    points = [
-        (c, s, b) for c, s, b in zip(levels, speculative, baseline, strict=True) if not (math.isnan(s) or math.isnan(b))
-    ]
-    if not points:
-        return Crossover(metric, "no_data")
-    sign = 1.0 if higher_is_better else -1.0
-    adv = [(c, sign * (s - b)) for c, s, b in points]
-    if adv[0][1] <= 0:
-        return Crossover(metric, "never_pays")
-    for (c0, a0), (c1, a1) in itertools.pairwise(adv):
-        if a1 <= 0:
-            return Crossover(metric, "crosses", c0 + (c1 - c0) * a0 / (a0 - a1))
-    return Crossover(metric, "always_pays")
+    """The first level where speculation no longer beats the baseline, interpolated linearly
+    (the arithmetic specgate's adaptive policy uses too)."""
+    c = crossing(levels, speculative, baseline, higher_is_better)
+    return Crossover(metric, c.verdict, c.at if c.verdict == "crosses" else None)
 
 
 @dataclass(frozen=True)
@@ -62,11 +50,6 @@ class Recommendation:
 
     def env_lines(self) -> str:
         return f"SPECGATE_POLICY=threshold\nSPECGATE_HIGH_WATERMARK={self.high}\nSPECGATE_LOW_WATERMARK={self.low}\n"
-
-
-def hysteresis_low(high: int) -> int:
-    """A band of a quarter of the high watermark (at least one request) keeps the mode from flapping."""
-    return max(0, high - max(1, math.ceil(high / 4)))
 
 
 def _levels_text(levels: Sequence[int]) -> str:

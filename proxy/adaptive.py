@@ -36,6 +36,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .calibration import Calibration
 from .policy import BACKENDS, Backend
@@ -64,9 +65,12 @@ def hysteresis_low(high: int) -> int:
     return max(0, high - max(1, math.ceil(high / 4)))
 
 
+Verdict = Literal["crosses", "never_pays", "always_pays", "no_data"]
+
+
 @dataclass(frozen=True)
 class Crossing:
-    verdict: str  # crosses | never_pays | always_pays | no_data
+    verdict: Verdict
     at: float | None = None
 
 

@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from loadtest.calibrate import Crossover, calibrate, find_crossover, hysteresis_low, inconclusive_levels, recommend
+from loadtest.calibrate import Crossover, calibrate, find_crossover, inconclusive_levels, recommend
 from loadtest.report import calibration_text
 from loadtest.stats import LevelStats
+from proxy.adaptive import hysteresis_low
 
 LEVELS = [1, 2, 5, 10, 30, 70]
 
