@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import sys
 from collections.abc import Sequence
@@ -17,6 +18,13 @@ from .server import ServerConfig, SimServer
 _EPILOG = """\
 Durations and rates follow --time-scale: with --time-scale 10 every delay is ten times shorter
 and every throughput ten times higher than the profile says.
+
+Acceptance: a speculative decode step takes the time the profile gives at the profile's
+acceptance length A (its '# accept_length:' line, else 3), and each request advances by its own
+acceptance length that step, so throughput is the profile's times the running requests' mean
+acceptance over A. Each request accepts --accept-length (default A), or, with
+--accept-from-prompt, 1 + (M - 1) * r, where r in [0, 1] is how repetitive its prompt is (the
+share of its word 4-grams seen earlier in it) and M the --max-accept-length.
 """
 
 
@@ -38,6 +46,13 @@ def _non_negative(raw: str) -> float:
     value = float(raw)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{raw} must be >= 0")
+    return value
+
+
+def _accept_length(raw: str) -> float:
+    value = float(raw)
+    if not 1 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{raw} must be >= 1 (an acceptance length counts the bonus token)")
     return value
 
 
@@ -77,11 +92,26 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="refuse connections this long before listening (weights loading)",
     )
-    p.add_argument(
+    accept = p.add_mutually_exclusive_group()
+    accept.add_argument(
         "--accept-length",
-        type=_positive,
+        type=_accept_length,
         default=None,
-        help="tokens per chunk on the speculative role (default: the profile's, else 3)",
+        help="tokens every request accepts per speculative step (one chunk); throughput scales by it over the "
+        "profile's acceptance (default: the profile's accept_length, else 3, so the profile's speed)",
+    )
+    accept.add_argument(
+        "--accept-from-prompt",
+        action="store_true",
+        help="each request accepts 1 + (max - 1) * r per step, r in [0, 1] how repetitive its prompt is: "
+        "varied prompts near 1, prompts that repeat themselves near --max-accept-length",
+    )
+    p.add_argument(
+        "--max-accept-length",
+        type=_accept_length,
+        default=None,
+        help="acceptance of a perfectly repetitive prompt under --accept-from-prompt (default: the profile's "
+        "max_accept_length, else its accept_length + 1)",
     )
     p.add_argument("--fail-rate", type=_probability, default=0.0, help="share of requests answered 500")
     p.add_argument(
@@ -163,6 +193,8 @@ def configs_from_args(argv: Sequence[str]) -> tuple[list[ServerConfig], bool]:
         warmup_s=args.warmup_s,
         load_s=args.load_s,
         accept_length=args.accept_length,
+        accept_from_prompt=args.accept_from_prompt,
+        max_accept_length=args.max_accept_length,
         fail_rate=args.fail_rate,
         stall_rate=args.stall_rate,
         ttft_base_ms=args.ttft_base_ms,

@@ -1,20 +1,27 @@
 """The simulated SGLang scheduler: admission, prefill, batched decode steps, aborts.
 
-Speed model. With `c` sequences decoding, one decode step gives every sequence `k` tokens
-(k = 1 on the baseline role, the accept length on the speculative one) and lasts
+Speed model. With `c` sequences decoding, one decode step lasts
 
-    step_s = k * c / T(c)
+    step_s = A_p * c / T(c)
 
-so the server emits T(c) tokens/s in total and each stream advances at T(c) / c, re-evaluated at
-every step as sequences join and leave. Steps are scheduled against absolute deadlines, so timer
-jitter shifts single steps but not the long-run rate. A `SharedGpu` serialises the steps of
-several engines: while two engines both have work, each step of one waits for the other's.
+where T(c) is the profile's throughput and A_p the acceptance length it was measured at (1 on the
+baseline role). In that step every sequence i advances by its own acceptance length a_i (1 on the
+baseline role; a fractional a_i is carried over from step to step, at least one token a step), so
+the server emits T(c) * mean(a_i) / A_p tokens/s: at a fixed number of draft steps a speculative
+step costs the same whatever is accepted, and throughput follows the batch's mean acceptance.
+With every a_i = A_p that is T(c), each stream advancing at T(c) / c, re-evaluated at every step
+as sequences join and leave. Steps are scheduled against absolute deadlines, so timer jitter
+shifts single steps but not the long-run rate. A `SharedGpu` serialises the steps of several
+engines: while two engines both have work, each step of one waits for the other's.
 
 Time-to-first-token = `ttft_base_s + prompt_tokens / prefill_tok_s`, plus the time spent queued
 while `max_running` sequences are already admitted. Prefill does not hold up decode steps.
 
 Gauges follow SGLang: they refresh on each prefill and every 40 decode steps, and keep their
-last value when the server goes idle (unless `live_gauges`).
+last value when the server goes idle (unless `live_gauges`). `spec_accept_length` is the mean
+acceptance of the sequence-steps since the last refresh (tokens a sequence accepted in a step,
+bonus token included, before a step is cut short by max_tokens); `avg_accept_length()` (what
+/get_server_info reports) is the same mean since start, as SGLang's cumulative one.
 """
 
 from __future__ import annotations
@@ -105,6 +112,8 @@ class Sequence:
     rid: str
     prompt_tokens: int
     max_new_tokens: int
+    # Tokens this sequence accepts per decode step (bonus included); None: the engine's default.
+    accept_length: float | None = None
     # Stop producing (but hold the connection) once this many tokens were emitted; None = never.
     stall_at: int | None = None
     arrived: float = 0.0
@@ -113,6 +122,8 @@ class Sequence:
     last_token_at: float = 0.0
     # Token counts of steps not yet taken by the handler: one chunk each.
     pending: list[int] = field(default_factory=list)
+    # The fraction of a token accepted but not yet emitted, so a fractional rate averages out.
+    accept_carry: float = 0.0
     _waiter: asyncio.Future[None] | None = None
     _timer: asyncio.TimerHandle | None = None
 
@@ -155,10 +166,10 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_requests_total: int = 0
     num_aborted_requests_total: int = 0
-    # Decode steps and sequence-steps, for the measured accept length.
+    # Decode steps, sequence-steps and the tokens accepted in them, for the measured accept length.
     decode_steps: int = 0
     decode_seq_steps: int = 0
-    decode_tokens: int = 0
+    decode_accepted: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
@@ -170,7 +181,8 @@ class Engine:
         self,
         *,
         throughput: Callable[[int], float],
-        tokens_per_step: float,
+        step_accept_length: float,
+        accept_length: float,
         max_running: int,
         ttft_base_s: float,
         prefill_tok_s: float,
@@ -179,8 +191,12 @@ class Engine:
         gpu: SharedGpu | None = None,
         live_gauges: bool = False,
     ) -> None:
+        """`throughput(c)`: total tok/s at `c` sequences when each accepts `step_accept_length` tokens
+        a step (the profile's acceptance; 1 without speculation). `accept_length`: what a sequence
+        that sets none accepts, and what `avg_accept_length` reports before the first decode step."""
         self._throughput = throughput
-        self._tokens_per_step = tokens_per_step
+        self._step_accept_length = step_accept_length
+        self._accept_length = accept_length
         self._max_running = max_running
         self._ttft_base_s = ttft_base_s
         self._prefill_tok_s = prefill_tok_s
@@ -194,13 +210,12 @@ class Engine:
         self._stalled: set[Sequence] = set()
         self._wake_loop: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
-        self._step_carry = 0.0
         self.stats = EngineStats()
         self._reported = GaugeSnapshot()
         self._log_at = 0.0
         self._log_tokens = 0
         self._log_seq_steps = 0
-        self._log_step_tokens = 0
+        self._log_accepted = 0
 
     # ----- lifecycle -----
     def start(self) -> None:
@@ -260,8 +275,9 @@ class Engine:
         return self._reported
 
     def avg_accept_length(self) -> float:
+        """Mean acceptance since start, as SGLang's /get_server_info reports it."""
         s = self.stats
-        return s.decode_tokens / s.decode_seq_steps if s.decode_seq_steps else self._tokens_per_step
+        return s.decode_accepted / s.decode_seq_steps if s.decode_seq_steps else self._accept_length
 
     def kv_tokens(self) -> int:
         seqs = [*self._prefill, *self._running, *self._stalled]
@@ -326,12 +342,6 @@ class Engine:
         seq.state = SeqState.STALLED
         self._stalled.add(seq)
 
-    def _next_step_tokens(self) -> int:
-        self._step_carry += self._tokens_per_step
-        k = max(1, int(self._step_carry))
-        self._step_carry = max(0.0, self._step_carry - k)
-        return k
-
     async def _decode_loop(self) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time()
@@ -343,23 +353,27 @@ class Engine:
                 continue
             batch = list(self._running)
             c = len(batch)
-            k = self._next_step_tokens()
-            duration = k * c / self._throughput(c)
+            duration = self._step_accept_length * c / self._throughput(c)
             earliest = max(deadline, loop.time() - MAX_LAG_S)
             deadline = self._gpu.book(earliest, duration) if self._gpu else earliest + duration
             # Always yield, even when late, so handlers get to write what the last step produced.
             await asyncio.sleep(max(0.0, deadline - loop.time()))
             now = loop.time()
-            produced = 0
+            accepted = 0
             stepped = 0
+            default_accept = self._accept_length
             for seq in batch:
                 if seq.state is not SeqState.RUNNING:
                     continue
+                # Its own acceptance this step, the fraction carried over; at least one token.
+                carry = seq.accept_carry + (default_accept if seq.accept_length is None else seq.accept_length)
+                k = max(1, int(carry))
+                seq.accept_carry = max(0.0, carry - k)
                 n = min(k, seq.max_new_tokens - seq.generated)
                 if seq.stall_at is not None:
                     n = min(n, seq.stall_at - seq.generated)
                 self._emit(seq, n, now)
-                produced += n
+                accepted += k
                 stepped += 1
                 if seq.generated >= seq.max_new_tokens:
                     self._finish(seq, now)
@@ -368,7 +382,7 @@ class Engine:
             s = self.stats
             s.decode_steps += 1
             s.decode_seq_steps += stepped
-            s.decode_tokens += produced
+            s.decode_accepted += accepted
             if s.decode_steps % DECODE_LOG_INTERVAL == 0:
                 self._refresh_gauges(now, decode=True)
 
@@ -383,11 +397,11 @@ class Engine:
                 gen_throughput = (s.generation_tokens_total - self._log_tokens) / elapsed
             seq_steps = s.decode_seq_steps - self._log_seq_steps
             if self._speculative and seq_steps:
-                accept = (s.decode_tokens - self._log_step_tokens) / seq_steps
+                accept = (s.decode_accepted - self._log_accepted) / seq_steps
             self._log_at = now
             self._log_tokens = s.generation_tokens_total
             self._log_seq_steps = s.decode_seq_steps
-            self._log_step_tokens = s.decode_tokens
+            self._log_accepted = s.decode_accepted
         self._reported = GaugeSnapshot(
             num_running_reqs=self.num_running,
             num_queue_reqs=self.num_queued,

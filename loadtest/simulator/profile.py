@@ -1,8 +1,10 @@
 """Measured throughput curves: total output tok/s of each server against concurrent streams.
 
 A profile is a CSV with `#` comment lines and the columns
-`concurrency,speculative_tok_s,baseline_tok_s`. An optional comment line
-`# accept_length: A` sets the speculative role's tokens per chunk.
+`concurrency,speculative_tok_s,baseline_tok_s`. Optional comment lines:
+`# accept_length: A`, the acceptance length the speculative curve was measured at (default 3);
+`# max_accept_length: M`, the most a request accepts, which a perfectly repetitive prompt reaches
+under `--accept-from-prompt` (default A + 1).
 """
 
 from __future__ import annotations
@@ -31,6 +33,16 @@ class Profile:
     speculative_tok_s: tuple[float, ...]
     baseline_tok_s: tuple[float, ...]
     accept_length: float | None = None
+    max_accept_length: float | None = None
+
+    @property
+    def speculative_accept_length(self) -> float:
+        """The acceptance length the speculative curve holds at."""
+        return self.accept_length or DEFAULT_ACCEPT_LENGTH
+
+    @property
+    def speculative_max_accept_length(self) -> float:
+        return self.max_accept_length or self.speculative_accept_length + 1.0
 
     def throughput(self, role: Role, c: float) -> float:
         """Total tok/s at `c` streams: linear between points, flat outside them."""
@@ -69,6 +81,7 @@ def load_profile(name_or_path: str) -> Profile:
 
 def parse_profile(text: str, name: str) -> Profile:
     accept_length: float | None = None
+    max_accept_length: float | None = None
     rows: list[str] = []
     for line in text.splitlines():
         stripped = line.strip()
@@ -76,6 +89,8 @@ def parse_profile(text: str, name: str) -> Profile:
             key, _, value = stripped.lstrip("#").partition(":")
             if key.strip() == "accept_length":
                 accept_length = _number(value, "accept_length", minimum=1.0)
+            elif key.strip() == "max_accept_length":
+                max_accept_length = _number(value, "max_accept_length", minimum=1.0)
             continue
         if stripped:
             rows.append(stripped)
@@ -102,6 +117,7 @@ def parse_profile(text: str, name: str) -> Profile:
         speculative_tok_s=tuple(p[1] for p in points),
         baseline_tok_s=tuple(p[2] for p in points),
         accept_length=accept_length,
+        max_accept_length=max_accept_length,
     )
 
 

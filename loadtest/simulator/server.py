@@ -19,9 +19,10 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..prompts import repetitiveness
 from .engine import Engine, Sequence, SharedGpu
 from .metrics import build_registry
-from .profile import DEFAULT_ACCEPT_LENGTH, Profile, Role
+from .profile import Profile, Role
 from .wire import (
     GenRequest,
     Kind,
@@ -53,7 +54,12 @@ class ServerConfig:
     max_running_requests: int = 256
     warmup_s: float = 0.0
     load_s: float = 0.0
+    # Every request's acceptance length (speculative role); None: the profile's.
     accept_length: float | None = None
+    # Derive each request's acceptance from how repetitive its prompt is, up to max_accept_length
+    # (None: the profile's).
+    accept_from_prompt: bool = False
+    max_accept_length: float | None = None
     fail_rate: float = 0.0
     stall_rate: float = 0.0
     ttft_base_ms: float = 20.0
@@ -70,10 +76,26 @@ class ServerConfig:
     seed: int | None = None
 
     @property
-    def tokens_per_step(self) -> float:
+    def step_accept_length(self) -> float:
+        """The acceptance at which a decode step takes the time the profile gives."""
+        return 1.0 if self.role == "baseline" else self.profile.speculative_accept_length
+
+    @property
+    def default_accept_length(self) -> float:
         if self.role == "baseline":
             return 1.0
-        return self.accept_length or self.profile.accept_length or DEFAULT_ACCEPT_LENGTH
+        return self.accept_length or self.profile.speculative_accept_length
+
+    @property
+    def max_accept(self) -> float:
+        return self.max_accept_length or self.profile.speculative_max_accept_length
+
+    def accept_for(self, prompt_text: str) -> float | None:
+        """A request's acceptance length; None: the default. With accept_from_prompt,
+        1 + (max - 1) * r, r the prompt's `repetitiveness`."""
+        if self.role == "baseline" or not self.accept_from_prompt:
+            return None
+        return 1.0 + (self.max_accept - 1.0) * repetitiveness(prompt_text)
 
 
 class SimServer:
@@ -83,7 +105,8 @@ class SimServer:
         profile, role = config.profile, config.role
         self.engine = Engine(
             throughput=lambda c: profile.throughput(role, c) * scale,
-            tokens_per_step=config.tokens_per_step,
+            step_accept_length=config.step_accept_length,
+            accept_length=config.default_accept_length,
             max_running=config.max_running_requests,
             ttft_base_s=config.ttft_base_ms / 1000 / scale,
             prefill_tok_s=config.prefill_tok_s * scale,
@@ -125,12 +148,19 @@ class SimServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.host, cfg.port, backlog=4096, reuse_address=True)
         await site.start()
+        if cfg.role == "baseline":
+            accept = "no speculation"
+        elif cfg.accept_from_prompt:
+            accept = f"acceptance from prompts, 1 to {cfg.max_accept:g}, profile at {cfg.step_accept_length:g}"
+        else:
+            accept = f"acceptance {cfg.default_accept_length:g}, profile at {cfg.step_accept_length:g}"
         log.info(
-            "simulated SGLang %s on http://%s:%d (profile %s, time scale %g)",
+            "simulated SGLang %s on http://%s:%d (profile %s, %s, time scale %g)",
             cfg.role,
             cfg.host,
             cfg.port,
             cfg.profile.name,
+            accept,
             cfg.time_scale,
         )
 
@@ -222,7 +252,11 @@ class SimServer:
         if cfg.stall_rate and self._rng.random() < cfg.stall_rate:
             stall_at = self._rng.randrange(0, req.max_new_tokens)
         seq = Sequence(
-            rid=req.rid, prompt_tokens=req.prompt_tokens, max_new_tokens=req.max_new_tokens, stall_at=stall_at
+            rid=req.rid,
+            prompt_tokens=req.prompt_tokens,
+            max_new_tokens=req.max_new_tokens,
+            accept_length=cfg.accept_for(req.prompt_text),
+            stall_at=stall_at,
         )
         created = cfg.created if cfg.created is not None else int(time.time())
         self.engine.submit(seq)

@@ -66,6 +66,9 @@ class GenRequest:
     max_new_tokens: int
     # True when the client set no length: the simulated model then stops on EOS ("stop").
     natural_stop: bool
+    # The prompt as text: chat message contents joined by newlines, the completion prompt or
+    # /generate's `text`; "" for token ids.
+    prompt_text: str = ""
 
 
 def parse_request(kind: Kind, body: Any, served_model: str, default_max_tokens: int) -> GenRequest:
@@ -113,7 +116,25 @@ def parse_request(kind: Kind, body: Any, served_model: str, default_max_tokens: 
         prompt_tokens=prompt_tokens,
         max_new_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         natural_stop=max_tokens is None,
+        prompt_text=_prompt_text(kind, body),
     )
+
+
+def _prompt_text(kind: Kind, body: dict[str, Any]) -> str:
+    """The prompt's text, from a body `parse_request` already validated."""
+    if kind == "chat":
+        parts: list[str] = []
+        for message in body["messages"]:
+            content = message.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return "\n".join(parts)
+    prompt = body.get("prompt") if kind == "completion" else body.get("text")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else ""
 
 
 def _opt_bool(obj: dict[str, Any], key: str, name: str | None = None) -> bool:
