@@ -1,5 +1,6 @@
 """The GPU-node stack, checked without a Docker engine or a GPU: compose.yaml under the real compose
-parser (the SGLang `gpu`, vLLM `vllm` and simulated `sim` profiles), the Dockerfile under hadolint,
+parser (the SGLang `gpu`, vLLM `vllm`, simulated `sim` and `adaptive` profiles, the GPU memory
+arithmetic of .env.example against the rendered flags, the start-up window), the Dockerfile under hadolint,
 Prometheus files under promtool, the image's install step, and a real Prometheus scraping a running
 proxy and simulators, where every dashboard and alert expression must return data (and the server
 panels also from vLLM's metric names)."""
@@ -70,7 +71,7 @@ def flag(cmd: list[str], name: str) -> str:
     return values[0]
 
 
-@pytest.mark.parametrize("profiles", [(), ("sim",), ("gpu",), ("vllm",)])
+@pytest.mark.parametrize("profiles", [(), ("sim",), ("gpu",), ("vllm",), ("adaptive",), ("gpu", "adaptive")])
 def test_compose_is_valid(profiles: tuple[str, ...]) -> None:
     flags = [f for p in profiles for f in ("--profile", p)]
     proc = run(tool("docker-compose"), *flags, "config", "-q")
@@ -104,10 +105,13 @@ def test_compose_gpu_profile() -> None:
         assert svc["image"].startswith("lmsysorg/sglang:v")  # a pinned release, not latest
         cmd = svc["command"]
         assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
-        for flag in ("--enable-metrics", "--host=0.0.0.0", f"--port={port}"):
-            assert flag in cmd
+        for arg in ("--enable-metrics", "--host=0.0.0.0", f"--port={port}"):
+            assert arg in cmd
         assert any(a.startswith("--served-model-name=") for a in cmd)
-        assert any(a.startswith("--mem-fraction-static=") for a in cmd)
+        # --tp-size is the flag (--tp worked only as an argparse prefix of it).
+        assert int(flag(cmd, "--tp-size")) >= 1 and not any(a.startswith("--tp=") for a in cmd)
+        assert int(flag(cmd, "--max-total-tokens")) > 0 and 0 < float(flag(cmd, "--mem-fraction-static")) < 1
+        assert flag(cmd, "--dtype") == "bfloat16"  # one dtype for target and draft
         assert svc["ipc"] == "host"
         assert svc["ulimits"]["memlock"] == -1 and svc["ulimits"]["stack"] == 67108864
         assert any(v["target"] == "/root/.cache/huggingface" for v in svc["volumes"])
@@ -118,17 +122,20 @@ def test_compose_gpu_profile() -> None:
         assert f"localhost:{port}/health" in " ".join(check["test"])
         assert _seconds(check["start_period"]) >= 600
     eagle = " ".join(spec["command"])
-    for flag in (
+    for arg in (
         "--speculative-algorithm=EAGLE3",
         "--speculative-draft-model-path=",
         "--speculative-num-steps=",
         "--speculative-eagle-topk=",
         "--speculative-num-draft-tokens=",
     ):
-        assert flag in eagle
+        assert arg in eagle
     assert "--speculative" not in " ".join(base["command"])
-    # The second server starts only once the first is healthy (memory fractions are of free memory).
-    assert base["depends_on"]["sglang-speculative"]["condition"] == "service_healthy"
+    # The draft gets the target's context length, longer than its own config's: SGLang refuses
+    # that without this (configs/model_config.py, _derive_context_length).
+    assert spec["environment"]["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] == "1"
+    # The pools are fixed in tokens, so start order does not matter: both start at once.
+    assert "depends_on" not in base
     gate = services["specgate"]
     assert gate["build"]["context"] == str(ROOT)
     assert gate["environment"]["SPECGATE_SPECULATIVE_URL"] == "http://sglang-speculative:30001"
@@ -145,6 +152,167 @@ def test_compose_gpu_profile() -> None:
     assert home == "/var/lib/grafana/dashboards/specgate.json"
 
 
+# ----- GPU memory: the arithmetic in .env.example, against the rendered flags -----
+
+SGLANG_SERVERS = {"speculative": "sglang-speculative", "baseline": "sglang-baseline", "adaptive": "sglang-adaptive"}
+
+
+def env_comments() -> list[str]:
+    """.env.example's comment lines, with runs of spaces (alignment) as one."""
+    lines = (ROOT / ".env.example").read_text().splitlines()
+    return [" ".join(line.lstrip("#").split()) for line in lines if line.startswith("#")]
+
+
+def _close(a: float, b: float) -> bool:
+    """Equal as written in the comments: to the 2 decimals they show."""
+    return abs(a - b) <= 0.006
+
+
+def memory_inputs() -> dict[str, float]:
+    """The `name = value unit` lines of the GPU-memory comments, each checked against how it is derived."""
+    inputs = {
+        m[1]: float(m[2])
+        for line in env_comments()
+        if (m := re.fullmatch(r"(\w+)\s+=\s+([\d.]+) (?:GiB|KiB)\b.*", line))
+    }
+    assert set(inputs) >= {"gpu", "process", "weights", "draft", "runtime", "kv_base", "kv_spec"}, inputs
+    text = "\n".join(env_comments())
+    assert _close(inputs["gpu"], 81559 / 1024) and "81,559 MiB" in text
+    assert _close(inputs["weights"], 8.03e9 * 2 / 2**30) and "8.03e9 parameters x 2 bytes" in text
+    assert inputs["draft"] >= 0.95e9 * 2 / 2**30  # the allowance covers the draft's parameter bound
+    # SGLang's estimate (arg_groups/memory_hook.py): chunked prefill x 1.5 MiB, TP slack, decode and prefill graphs.
+    runtime_mib = 512 + 8192 * 1.5 + 128 + 256 * 2 + 58 * 8
+    assert "512 + 8192 x 1.5 + 128 + 256 x 2 + 58 x 8 = 13,904 MiB" in text and runtime_mib == 13904
+    assert _close(inputs["runtime"], runtime_mib / 1024)
+    # Llama-3.1-8B: 32 layers, 8 KV heads of 128; K and V; 2 bytes. The EAGLE-3 draft adds one layer.
+    assert inputs["kv_base"] == 32 * 8 * 128 * 2 * 2 / 1024
+    assert inputs["kv_spec"] == inputs["kv_base"] * (32 + 1) / 32
+    return inputs
+
+
+def rendered_pools() -> dict[str, dict[str, Any]]:
+    services = compose_config("gpu", "adaptive")["services"]
+    pools: dict[str, dict[str, Any]] = {}
+    for role, name in SGLANG_SERVERS.items():
+        cmd = services[name]["command"]
+        pools[role] = {
+            "tokens": int(flag(cmd, "--max-total-tokens")),
+            "fraction": float(flag(cmd, "--mem-fraction-static")),
+            "context": int(flag(cmd, "--context-length")),
+            "speculative": "--speculative-algorithm=EAGLE3" in cmd,
+            "gpus": services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"],
+        }
+    return pools
+
+
+def test_gpu_memory_arithmetic_matches_the_flags() -> None:
+    """Each SGLang server's KV pool is fixed in tokens; the pair fits on one GPU together; and each
+    --mem-fraction-static is high enough that the cap, not the fraction, applies in every start
+    order (SGLang: pool <= F x free at start - weights, mem_cache/kv_cache_configurator.py). The
+    comments' every figure is recomputed here and the rendered flags must be the ones they use."""
+    m = memory_inputs()
+    pools = rendered_pools()
+    use: dict[str, float] = {}
+    for role, p in pools.items():
+        kv = m["kv_spec"] if p["speculative"] else m["kv_base"]
+        pool_gib = p["tokens"] * kv / 1024**2
+        parts = [m["process"], m["weights"], *([m["draft"]] if p["speculative"] else []), pool_gib, m["runtime"]]
+        use[role] = sum(parts)
+        # "role: N tokens x K KiB = P GiB; a + b + ... = U GiB", with this server's flag as N.
+        lines = [line for line in env_comments() if line.startswith(f"{role}:") and "tokens x" in line]
+        assert len(lines) == 1, (role, lines)
+        got = re.fullmatch(r"\w+: (\d+) tokens x (\d+) KiB = ([\d.]+) GiB; ([\d. +]+) = ([\d.]+) GiB", lines[0])
+        assert got, lines[0]
+        assert int(got[1]) == p["tokens"] and float(got[2]) == kv, (role, lines[0], p)
+        assert _close(float(got[3]), pool_gib)
+        addends = [float(x) for x in got[4].split(" + ")]
+        assert len(addends) == len(parts) and all(_close(a, b) for a, b in zip(addends, parts, strict=True)), lines[0]
+        assert _close(float(got[5]), use[role])
+        # The longest request fits in the pool, and every server accepts the same ones.
+        assert p["context"] <= p["tokens"] and p["context"] == pools["speculative"]["context"]
+    # The pair shares a GPU and fits on it, whoever started first.
+    assert pools["speculative"]["gpus"] == pools["baseline"]["gpus"]
+    together = use["speculative"] + use["baseline"]
+    assert together <= m["gpu"]
+    line = next(line for line in env_comments() if line.startswith("together:"))
+    assert line == f"together: {use['speculative']:.2f} + {use['baseline']:.2f} = {together:.2f} GiB of {m['gpu']:.2f}"
+    # The adaptive server has a GPU of its own, and the whole of it.
+    assert set(pools["adaptive"]["gpus"]).isdisjoint(pools["speculative"]["gpus"])
+    assert use["adaptive"] <= m["gpu"]
+    # The fractions. Free at start with nothing else there; then the worst of each start order.
+    free = m["gpu"] - m["process"]
+    assert f"free_at_start = {m['gpu']:.2f} - {m['process']:.2f} = {free:.2f} GiB" in env_comments()
+    others = {"speculative": use["baseline"], "baseline": use["speculative"], "adaptive": 0.0}
+    second: list[float] = []  # what starting second beside the running other needs
+    for role, p in pools.items():
+        static = m["weights"] + (m["draft"] if p["speculative"] else 0.0)
+        pool_gib = p["tokens"] * (m["kv_spec"] if p["speculative"] else m["kv_base"]) / 1024**2
+        f = p["fraction"]
+        assert f * free - static >= pool_gib  # alone, or first
+        assert f * (free - others[role]) - static >= pool_gib  # second, beside the other running
+        # At once: the other allocates all it uses between this one's two measurements.
+        assert f * free - static - others[role] >= pool_gib
+        needed = (static + pool_gib + others[role]) / free
+        assert needed < f < 1
+        if others[role]:
+            second.append((static + pool_gib) / (free - others[role]))
+        terms = " + ".join(f"{x:.2f}" for x in (m["weights"], *([m["draft"]] if p["speculative"] else []), pool_gib))
+        if others[role]:
+            terms += f" + {others[role]:.2f}"
+        assert f"{role}: F >= ({terms}) / {free:.2f} = {needed:.2f}" in env_comments(), role
+    assert f"needs less: {second[0]:.2f} and {second[1]:.2f}." in "\n".join(env_comments())
+
+
+def test_compose_adaptive_profile() -> None:
+    """One adaptive EAGLE-3 server (SGLang's --speculative-adaptive) beside the pair, for comparison:
+    the same model, draft and name, its own port and GPU, not behind specgate."""
+    assert "sglang-adaptive" not in compose_config("gpu")["services"]  # optional
+    services = compose_config("gpu", "adaptive")["services"]
+    adaptive, spec = services["sglang-adaptive"], services["sglang-speculative"]
+    cmd = adaptive["command"]
+    assert cmd[:3] == ["python3", "-m", "sglang.launch_server"] and "--speculative-adaptive" in cmd
+    for name in ("--model-path", "--served-model-name", "--speculative-draft-model-path", "--tp-size", "--dtype"):
+        assert flag(cmd, name) == flag(spec["command"], name)
+    assert flag(cmd, "--speculative-algorithm") == "EAGLE3"
+    # Adaptive mode needs top-k 1 (SGLang turns it off otherwise) and a start among its candidate steps.
+    assert flag(cmd, "--speculative-eagle-topk") == "1" and flag(cmd, "--speculative-num-steps") in {"0", "1", "3", "7"}
+    assert not any(a.startswith("--speculative-num-draft-tokens") for a in cmd)  # SGLang sets steps + 1
+    assert flag(cmd, "--port") == "30003" and adaptive["ports"][0]["target"] == 30003
+    assert "--enable-metrics" in cmd and adaptive["environment"]["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] == "1"
+    assert "localhost:30003/health" in " ".join(adaptive["healthcheck"]["test"])
+    assert adaptive["image"] == spec["image"]
+    assert "sglang-adaptive" not in services["specgate"]["depends_on"]
+    # Prometheus finds it by DNS when it runs (no target, nothing down, when it does not).
+    prometheus = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in prometheus["scrape_configs"]}
+    dns = jobs["adaptive"]["dns_sd_configs"][0]
+    assert dns["names"] == ["sglang-adaptive"] and dns["port"] == 30003
+    assert jobs["adaptive"]["relabel_configs"] == [{"target_label": "backend", "replacement": "adaptive"}]
+
+
+def test_start_window_follows_sglang_start_period() -> None:
+    """compose waits for each SGLang server's health check, and specgate for the pair's: one
+    variable, SGLANG_START_PERIOD, sets that window everywhere (end to end)."""
+    default = _seconds(env_example()["SGLANG_START_PERIOD"])
+    assert default >= 1800  # a first download of ~18 GB of weights, then CUDA-graph capture
+    for period, expected in ((None, default), ("2345s", 2345.0)):
+        env = {"SGLANG_START_PERIOD": period} if period else None
+        services = compose_config("gpu", "adaptive", env=env)["services"]
+        for name in SGLANG_SERVERS.values():
+            check = services[name]["healthcheck"]
+            assert _seconds(check["start_period"]) == expected, name
+            assert check["retries"] * _seconds(check["interval"]) <= 120  # what comes after is short
+        gate = services["specgate"]
+        assert {d for d, c in gate["depends_on"].items() if c["condition"] == "service_healthy"} >= {
+            "sglang-speculative",
+            "sglang-baseline",
+        }
+        assert "healthcheck" not in services["specgate"] or _seconds(gate["healthcheck"]["start_period"]) < expected
+    text = (ROOT / "compose.yaml").read_text()
+    assert text.count("start_period: ${SGLANG_START_PERIOD:-") == len(SGLANG_SERVERS)
+    assert set(re.findall(r"SGLANG_START_PERIOD:-(\w+)", text)) == {env_example()["SGLANG_START_PERIOD"]}
+
+
 def test_compose_vllm_profile_is_the_same_pair_under_vllm() -> None:
     services = compose_config("vllm")["services"]
     assert set(services) == VLLM_PAIR | {"specgate", "prometheus", "grafana"}
@@ -158,7 +326,7 @@ def test_compose_vllm_profile_is_the_same_pair_under_vllm() -> None:
         # The same model, name and parallelism as the SGLang twin, so clients and results compare.
         assert cmd[0] == model
         assert flag(cmd, "--served-model-name") == flag(twin["command"], "--served-model-name")
-        assert flag(cmd, "--tensor-parallel-size") == flag(twin["command"], "--tp")
+        assert flag(cmd, "--tensor-parallel-size") == flag(twin["command"], "--tp-size")
         port = twin["ports"][0]["target"]
         assert flag(cmd, "--host") == "0.0.0.0" and flag(cmd, "--port") == str(port)
         assert "--enable-prefix-caching" in cmd  # as SGLang's radix cache: only speculation differs
@@ -203,7 +371,7 @@ def test_gpu_and_vllm_profiles_are_one_or_the_other() -> None:
     assert len({"gpu", "vllm"} & set(env_example()["COMPOSE_PROFILES"].split(","))) == 1
 
 
-@pytest.mark.parametrize("profile", ["gpu", "vllm", "sim"])
+@pytest.mark.parametrize("profile", ["gpu", "vllm", "sim", "adaptive"])
 def test_env_example_holds_the_defaults(profile: str) -> None:
     """.env.example says every value in it is also the default: the config is the same without it."""
     assert compose_config(profile, env_file=".env.example") == compose_config(profile)
@@ -220,6 +388,8 @@ def test_compose_sim_profile_replaces_the_gpu_servers() -> None:
     aliases = sim["networks"]["default"]["aliases"]
     assert set(aliases) == {"sglang-speculative", "sglang-baseline"}  # specgate's URLs stay the same
     assert services["specgate"]["depends_on"]["sglang-sim"]["condition"] == "service_healthy"
+    # SGLang's own /metrics names (`sglang_` is what SGLang's router re-exports them as).
+    assert flag(sim["entrypoint"], "--metrics-prefix") == "sglang:"
     # Without a profile no GPU server starts either.
     assert "sglang-speculative" not in compose_config()["services"]
 
