@@ -24,6 +24,8 @@ from .client import Target
 from .procs import Proc, free_port, start
 from .prompts import source
 from .report import calibration_text, compare_table, level_table, level_warnings, plot_compare, write_json
+from .shift import add_parser as add_shift_parser
+from .shift import cmd_shift
 from .stats import DEFAULT_MIN_REQUESTS, LevelStats
 from .sweep import LevelPlan, TargetUnreachable, first_model, make_session, run_level
 
@@ -156,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--only", action="append", default=None, metavar="TEXT",
                           help="run only the scenarios whose name contains TEXT (repeatable)")  # fmt: skip
     overhead.add_argument("--out", default=None, help="write every sample as JSON here")
+    add_shift_parser(sub)
     return parser
 
 
@@ -468,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_chaos(args)
     if args.command == "overhead":
         return cmd_overhead(args)
+    if args.command == "shift":
+        return cmd_shift(args)
     if getattr(args, "prompts", "") is None:
         args.prompts = "short" if getattr(args, "real", False) else "diverse"
     if args.command == "demo":
