@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -46,6 +47,20 @@ def _levels(raw: str) -> list[int]:
     return levels
 
 
+RESERVED_NAMES = ("speculative", "baseline", "specgate")
+
+
+def _extra(raw: str) -> tuple[str, str]:
+    name, sep, url = raw.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not NAME=URL (NAME of letters, digits, _ and -)")
+    if name in RESERVED_NAMES:
+        raise argparse.ArgumentTypeError(f"{name!r} names one of the built-in targets; choose another")
+    if not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{raw!r}: the URL must start with http:// or https://")
+    return name, url.rstrip("/")
+
+
 def _json_object(raw: str) -> dict[str, Any]:
     try:
         value = orjson.loads(raw)
@@ -72,8 +87,8 @@ def _load_options(p: argparse.ArgumentParser, levels: str = DEFAULT_LEVELS) -> N
     p.add_argument(
         "--prompts",
         default=None,
-        help="diverse (default; --real demo: short), short (diverse at ~20 tokens, for CPU servers), fixed, or a "
-        "JSONL file of prompts/messages",
+        help="diverse (default; --real demo: short), short (diverse at ~20 tokens, for CPU servers), repetitive "
+        "(echo and copy tasks that repeat their own text: high acceptance), fixed, or a JSONL file of prompts/messages",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the diverse prompts")
     p.add_argument("--model", default=None, help="model name (default: the first of the target's /v1/models)")
@@ -107,8 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--url", required=True, help="OpenAI-compatible base URL (a server or specgate)")
     _load_options(sweep)
     compare = sub.add_parser("compare", help="sweep both servers and specgate at the same levels")
-    for name in ("speculative", "baseline", "proxy"):
+    for name in ("speculative", "baseline"):
         compare.add_argument(f"--{name}", required=True, metavar="URL")
+    compare.add_argument("--proxy", metavar="URL", help="specgate in front of both (left out: the servers only)")
+    compare.add_argument(
+        "--extra",
+        type=_extra,
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="another target swept beside the others, tabled against the better server and plotted (repeatable), "
+        "e.g. adaptive=http://node:30003 for SGLang's --speculative-adaptive server",
+    )
     compare.add_argument("--plot", default="compare.png", help="PNG to write (default compare.png)")
     _load_options(compare)
     calibrate = sub.add_parser("calibrate", help="find where speculation stops paying; recommend watermarks")
@@ -216,7 +241,12 @@ async def sweep_targets(
     urls: Mapping[str, str], args: argparse.Namespace, samplers: Mapping[str, LevelSampler] | None = None
 ) -> dict[str, list[LevelStats]]:
     """Every target at each level in turn (levels outer), so machine drift hits all of them alike."""
-    targets = {name: await _target(url, args) for name, url in urls.items()}
+    targets = {}
+    for name, url in urls.items():
+        try:
+            targets[name] = await _target(url, args)
+        except TargetUnreachable as exc:
+            raise TargetUnreachable(f"{name}: {exc}") from None
     plan = _plan(args)
     out: dict[str, list[LevelStats]] = {name: [] for name in targets}
     from tqdm import tqdm
@@ -267,7 +297,13 @@ async def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 async def cmd_compare(args: argparse.Namespace) -> int:
-    urls = {"speculative": args.speculative, "baseline": args.baseline, "specgate": args.proxy}
+    urls = {"speculative": args.speculative, "baseline": args.baseline}
+    if args.proxy:
+        urls["specgate"] = args.proxy
+    for name, url in args.extra:
+        if name in urls:
+            raise ValueError(f"--extra {name}= given twice")
+        urls[name] = url
     sweeps = await sweep_targets(urls, args)
     tp, lat = _crossovers(sweeps)
     for name, rows in sweeps.items():

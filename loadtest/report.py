@@ -73,21 +73,32 @@ def compare_table(sweeps: Mapping[str, Sequence[LevelStats]]) -> str:
     """Throughput side by side; a figure from an inconclusive level is starred and so is its ratio."""
     spec, base = sweeps["speculative"], sweeps["baseline"]
     proxy = sweeps.get("specgate")
+    # Other targets (`compare --extra`): each against the better of the two servers.
+    extras = {name: rows for name, rows in sweeps.items() if name not in ("speculative", "baseline", "specgate")}
     head = f"{'conc':>5} {'speculative':>12} {'baseline':>10}"
     if proxy is not None:
         head += f" {'specgate':>10} {'vs better':>9} {'spec share':>10}"
+    for name in extras:
+        width = max(10, len(name))
+        head += f" {name:>{width}} {'vs better':>9}"
     lines = ["output tok/s by concurrency", head, "-" * len(head)]
     for i, (s, b) in enumerate(zip(spec, base, strict=True)):
         line = f"{s.concurrency:>5} {_star(s.output_tok_s, s):>12} {_star(b.output_tok_s, b):>10}"
+        better = max(s.output_tok_s, b.output_tok_s)
         if proxy is not None:
             p = proxy[i]
-            better = max(s.output_tok_s, b.output_tok_s)
             ratio = p.output_tok_s / better if better > 0 else math.nan
             all_conclusive = s.conclusive and b.conclusive and p.conclusive
             line += (
                 f" {_star(p.output_tok_s, p):>10} {_f(ratio, 3) + ('' if all_conclusive else '*'):>9}"
                 f" {p.backend_share.get('speculative', 0.0):>10.0%}"
             )
+        for name, rows in extras.items():
+            e = rows[i]
+            ratio = e.output_tok_s / better if better > 0 else math.nan
+            all_conclusive = s.conclusive and b.conclusive and e.conclusive
+            width = max(10, len(name))
+            line += f" {_star(e.output_tok_s, e):>{width}} {_f(ratio, 3) + ('' if all_conclusive else '*'):>9}"
         lines.append(line)
     for name, rows in sweeps.items():
         # Only what explains the stars: the per-target tables and the progress lines say the rest.
@@ -146,6 +157,9 @@ def plot_compare(path: str | Path, sweeps: Mapping[str, Sequence[LevelStats]], c
     except ImportError as exc:  # pragma: no cover - a dependency of the loadtest extra
         raise SystemExit("plotting needs matplotlib: pip install 'specgate[loadtest]'") from exc
     style = {"speculative": ("tab:orange", "--"), "baseline": ("tab:blue", "--"), "specgate": ("tab:green", "-")}
+    others = iter(("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray"))
+    for name in sweeps:
+        style.setdefault(name, (next(others, "tab:gray"), "-."))
     panels = (
         ("output_tok_s", "output tok/s"),
         ("median_ttft_ms", "median TTFT (ms)"),

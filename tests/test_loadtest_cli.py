@@ -77,3 +77,28 @@ def test_extra_body_reaches_the_server(simulator: StartSim, tmp_path: Path) -> N
     assert ok.returncode == 0 and "0 errors" in ok.stderr, ok.stderr
     bad = loadtest("sweep", "--url", sim.url, *QUICK, "--extra-body", "[1]")
     assert bad.returncode == 2 and "not a JSON object" in bad.stderr
+
+
+def test_compare_with_extra_targets(simulator: StartSim, tmp_path: Path) -> None:
+    args = ("--profile", "crossover", "--time-scale", "20")
+    spec, base = simulator("speculative", *args), simulator("baseline", *args)
+    # A third server stands in for SGLang's --speculative-adaptive one; no specgate in this compare.
+    third = simulator("speculative", *args, "--accept-length", "2")
+    out, plot = tmp_path / "c.json", tmp_path / "c.png"
+    proc = loadtest("compare", "--speculative", spec.url, "--baseline", base.url, "--extra", f"adaptive={third.url}/",
+                    "--concurrency", "1,10", *QUICK, "--out", str(out), "--plot", str(plot))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.split("output tok/s by concurrency")[1]
+    head = table.strip().splitlines()[0]
+    assert head.split() == ["conc", "speculative", "baseline", "adaptive", "vs", "better"]
+    data = json.loads(out.read_text())
+    assert set(data["sweeps"]) == {"speculative", "baseline", "adaptive"}
+    assert all(r["output_tok_s"] > 0 and r["errors"] == 0 for r in data["sweeps"]["adaptive"])
+    assert plot.stat().st_size > 0
+    # A name taken by a built-in target, a bad pair and an unreachable extra are refused, naming them.
+    for bad, says in (("specgate=http://x", "built-in"), ("adaptive", "NAME=URL")):
+        proc = loadtest("compare", "--speculative", spec.url, "--baseline", base.url, "--extra", bad, *QUICK)
+        assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+    gone = f"gone=http://127.0.0.1:{free_port()}"
+    proc = loadtest("compare", "--speculative", spec.url, "--baseline", base.url, "--extra", gone, *QUICK)
+    assert proc.returncode == 2 and "gone:" in proc.stderr and "cannot reach" in proc.stderr, proc.stderr
