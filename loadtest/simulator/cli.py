@@ -132,7 +132,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--metrics-prefix",
         choices=("sglang:", "sglang_"),
         default="sglang:",
-        help="metric name prefix: 'sglang:' up to SGLang 0.5.3, 'sglang_' from 0.5.4",
+        help="metric name prefix: 'sglang:' as SGLang's servers export them; 'sglang_' as SGLang's router "
+        "(sgl-model-gateway) rewrites them when it aggregates workers' metrics",
     )
     p.add_argument(
         "--live-gauges",
