@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from .engine import Engine, Histogram
 
-# Up to SGLang 0.5.3 metric names start `sglang:`; from 0.5.4 `sglang_`.
+# SGLang servers export `sglang:` names; SGLang's router re-exports them as `sglang_`.
 METRIC_PREFIXES = ("sglang:", "sglang_")
 
 
