@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -13,6 +15,9 @@ from .engines import EngineSetting
 
 PolicyName = Literal["threshold", "spillover", "adaptive"]
 LoadSignal = Literal["local", "engine", "max"]
+# The inference routes a client may reach on a server (proxy/paths.py): each engine's admin routes
+# (SGLang's /update_weights_from_disk, /flush_cache; vLLM's /v1/load_lora_adapter) are not among them.
+DEFAULT_ALLOWED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/generate")
 
 
 class Settings(BaseSettings):
@@ -54,6 +59,18 @@ class Settings(BaseSettings):
 
     api_keys: Annotated[tuple[str, ...], NoDecode] = ()
     upstream_api_key: SecretStr | None = None
+    # When set, /routing needs one of these (and /metrics too with protect_metrics).
+    admin_keys: Annotated[tuple[str, ...], NoDecode] = ()
+    protect_metrics: bool = False
+    # Paths forwarded to the servers; an entry ending in /* allows what lies under it.
+    allowed_paths: Annotated[tuple[str, ...], NoDecode] = DEFAULT_ALLOWED_PATHS
+    # Peers (addresses or networks) whose X-Forwarded-For/-Proto are kept; others' are replaced.
+    trusted_proxies: Annotated[tuple[str, ...], NoDecode] = ()
+    # The client side (proxy/edge.py): the whole request head within header_timeout_s, an idle
+    # kept-alive connection closed after keepalive_timeout_s, new connections past the cap refused.
+    header_timeout_s: float = Field(10.0, gt=0)
+    keepalive_timeout_s: int = Field(5, ge=1)
+    max_client_connections: int = Field(10_000, ge=1)
 
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(5.0, gt=0)
@@ -66,7 +83,7 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "admin_keys", "allowed_paths", "trusted_proxies", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
@@ -76,9 +93,36 @@ class Settings(BaseSettings):
     @field_validator("speculative_url", "baseline_url")
     @classmethod
     def _check_url(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1].strip("/")) == 0:
-            raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+        shown = redact_url(value)
+        try:
+            parts = urlsplit(value)
+            port = parts.port  # raises on a port that is not a number in 0-65535
+        except ValueError as exc:
+            raise ValueError(f"{shown!r} is not a valid URL ({redact_url(str(exc))})") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"must be an http:// or https:// URL with a host, got {shown!r}")
+        if port == 0 or parts.query or parts.fragment:
+            raise ValueError(f"must be a server's base URL (a port in 1-65535, no query or fragment), got {shown!r}")
         return value.rstrip("/")
+
+    @field_validator("allowed_paths")
+    @classmethod
+    def _check_paths(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for path in value:
+            bare = path.removesuffix("/*")
+            if not path.startswith("/") or any(seg in (".", "..") for seg in bare.split("/")) or "%" in path:
+                raise ValueError(f"{path!r} must be a plain absolute path (optionally ending in /*)")
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_proxies(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for net in value:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"{net!r} is not an IP address or network") from None
+        return value
 
     @field_validator("calibration")
     @classmethod
@@ -108,12 +152,26 @@ class Settings(BaseSettings):
                 f"SPECGATE_ADAPTIVE_MIN_WATERMARK ({self.adaptive_min_watermark}) must be <= "
                 f"SPECGATE_ADAPTIVE_MAX_WATERMARK ({self.adaptive_max_watermark})"
             )
+        if self.protect_metrics and not self.admin_keys:
+            raise ValueError("SPECGATE_PROTECT_METRICS needs SPECGATE_ADMIN_KEYS")
         if self.low_watermark > self.high_watermark:
             raise ValueError(
                 f"SPECGATE_LOW_WATERMARK ({self.low_watermark}) must be <= "
                 f"SPECGATE_HIGH_WATERMARK ({self.high_watermark})"
             )
         return self
+
+
+def redact_url(url: str) -> str:
+    """`url` without the userinfo (`user:password@`) of its authority; for every log and message."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority = rest[:end]
+    if "@" not in authority:
+        return url
+    return f"{scheme}://{authority.rsplit('@', 1)[1]}{rest[end:]}"
 
 
 def describe_error(exc: Exception) -> str:

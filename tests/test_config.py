@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import orjson
 import pytest
 
-from proxy.config import Settings
+from loadtest.procs import free_port, http_status
+from proxy.config import Settings, redact_url
+
+from .conftest import StartSim
 
 
 def test_defaults_and_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,6 +40,17 @@ def test_defaults_and_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"SPECGATE_LOAD_SIGNAL": "gpu"}, "SPECGATE_LOAD_SIGNAL"),
         ({"SPECGATE_SPECULATIVE_URL": "localhost:30001"}, "SPECGATE_SPECULATIVE_URL"),
         ({"SPECGATE_READ_TIMEOUT_S": "-1"}, "SPECGATE_READ_TIMEOUT_S"),
+        # URLs that parse as http:// but cannot be connected to: one line, not a traceback (exit 3).
+        ({"SPECGATE_SPECULATIVE_URL": "http://127.0.0.1:abc"}, "SPECGATE_SPECULATIVE_URL"),
+        ({"SPECGATE_BASELINE_URL": "http://127.0.0.1:99999"}, "SPECGATE_BASELINE_URL"),
+        ({"SPECGATE_BASELINE_URL": "http://[::1:30002"}, "SPECGATE_BASELINE_URL"),
+        ({"SPECGATE_BASELINE_URL": "http://:30002"}, "SPECGATE_BASELINE_URL"),
+        ({"SPECGATE_BASELINE_URL": "http://h:30002/?x=1"}, "SPECGATE_BASELINE_URL"),
+        ({"SPECGATE_TRUSTED_PROXIES": "10.0.0.0/8,not-an-ip"}, "SPECGATE_TRUSTED_PROXIES"),
+        ({"SPECGATE_ALLOWED_PATHS": "/v1/chat/completions,/v1/../admin"}, "SPECGATE_ALLOWED_PATHS"),
+        ({"SPECGATE_PROTECT_METRICS": "true"}, "SPECGATE_PROTECT_METRICS"),
+        ({"SPECGATE_HEADER_TIMEOUT_S": "0"}, "SPECGATE_HEADER_TIMEOUT_S"),
+        ({"SPECGATE_MAX_CLIENT_CONNECTIONS": "0"}, "SPECGATE_MAX_CLIENT_CONNECTIONS"),
     ],
 )
 def test_bad_setting_exits_non_zero_naming_it(env: dict[str, str], named: str) -> None:
@@ -105,3 +122,53 @@ def test_threshold_takes_the_calibrations_watermarks_unless_set(
     monkeypatch.delenv("SPECGATE_CALIBRATION")
     s = Settings(_env_file=None)
     assert s.load_calibration() is None and s.watermarks(None) == (30, 8)
+
+
+def test_passwords_in_server_urls_are_never_printed(simulator: StartSim) -> None:
+    """`http://user:password@host` becomes Basic auth upstream; the password appears in no log line,
+    no /routing answer and no error message, whatever the URL's fate."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SPECGATE_")}
+    # A bad URL: the message names the setting, not the password.
+    env = {**clean, "SPECGATE_SPECULATIVE_URL": "http://admin:pw-5ecret@127.0.0.1:notaport"}
+    proc = subprocess.run([sys.executable, "-m", "proxy"], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "SPECGATE_SPECULATIVE_URL" in proc.stderr
+    assert "pw-5ecret" not in proc.stderr and "admin:" not in proc.stderr
+    # A good one (and a dead one): the startup line, health warnings, /routing.
+    sim = simulator("speculative", "--time-scale", "20")
+    port = free_port()
+    env = {**clean, "SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(port), "SPECGATE_LOG_LEVEL": "debug",
+           "SPECGATE_SPECULATIVE_URL": f"http://admin:pw-5ecret@127.0.0.1:{sim.port}/",
+           "SPECGATE_BASELINE_URL": f"http://ops:pw-d3ad@127.0.0.1:{free_port()}",
+           "SPECGATE_HEALTH_INTERVAL_S": "0.2"}  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    proxy = subprocess.Popen([sys.executable, "-m", "proxy"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while http_status(url + "/ready") != 200:
+            assert time.monotonic() < deadline and proxy.poll() is None
+            time.sleep(0.05)
+        routing = httpx.get(url + "/routing").text
+        httpx.post(url + "/v1/completions", json={"prompt": "p", "max_tokens": 2})
+        time.sleep(0.5)  # a few failed polls of the dead server
+    finally:
+        proxy.send_signal(signal.SIGTERM)
+        out = proxy.communicate(timeout=15)[0].decode()
+    assert f"127.0.0.1:{sim.port}" in routing and "pw-" not in routing
+    assert f"speculative=http://127.0.0.1:{sim.port}" in out, out  # the startup line, redacted
+    assert "baseline: cannot connect" in out, out  # the dead server's polls are logged too
+    assert "pw-5ecret" not in out and "pw-d3ad" not in out and "admin:" not in out and "ops:" not in out
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("http://u:p@h:1/x", "http://h:1/x"),
+        ("http://u:p@ss@h:1", "http://h:1"),  # an @ in the password: the last @ ends the userinfo
+        ("http://h:1/path@x", "http://h:1/path@x"),  # an @ after the authority is not userinfo
+        ("http://h:1?q=a@b", "http://h:1?q=a@b"),
+        ("https://u@h", "https://h"),
+        ("h:1", "h:1"),
+    ],
+)
+def test_redact_url(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
