@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import resource
 import signal
 import sys
 
@@ -12,6 +14,7 @@ from pydantic import ValidationError
 
 from .app import create_app
 from .config import Settings, describe_error
+from .edge import edge_protocol
 from .logs import configure
 
 
@@ -28,21 +31,38 @@ def main() -> int:
     # installed. A no-op one turns the drained shutdown into exit status 0 instead of death by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    _check_file_limit(settings)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        # uvicorn's httptools protocol with a header timeout, a head size cap and a connection cap.
+        http=edge_protocol(settings.header_timeout_s, settings.max_client_connections),
+        timeout_keep_alive=settings.keepalive_timeout_s,
         access_log=False,
         log_config=None,
         server_header=False,
-        # Nothing reads the client's address, so X-Forwarded-For need not be parsed per request.
+        # The peer address is the client's; X-Forwarded-For is judged by SPECGATE_TRUSTED_PROXIES
+        # when the request goes upstream (proxy/upstream.py), not by uvicorn.
         proxy_headers=False,
         timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
         backlog=4096,
     )
     return 0
+
+
+def _check_file_limit(settings: Settings) -> None:
+    """Warn when the client cap and the upstream pools together could run out of descriptors."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = settings.max_client_connections + 2 * settings.max_connections_per_backend + 64
+    if soft != resource.RLIM_INFINITY and soft < need:
+        logging.getLogger("specgate").warning(
+            "the open-file limit (%d) is below SPECGATE_MAX_CLIENT_CONNECTIONS + 2 x "
+            "SPECGATE_MAX_CONNECTIONS_PER_BACKEND + 64 (%d): raise it (ulimit -n) or lower the cap",
+            soft,
+            need,
+        )
 
 
 if __name__ == "__main__":

@@ -19,11 +19,13 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import ingress
-from .config import Settings
+from .config import Settings, redact_url
+from .edge import METRICS_KEY
 from .errors import ApiError
 from .gate import Gate
 from .health import HealthMonitor
 from .metrics import Metrics, code_class
+from .paths import Routes, Verdict, path_problem
 from .policy import BACKENDS, PolicyConfig
 from .routing import AdaptiveConfig, Router
 from .upstream import Upstream
@@ -37,9 +39,10 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 def create_app(settings: Settings | None = None) -> ASGIApp:
     settings = settings if settings is not None else Settings()
+    routes = Routes(settings.allowed_paths)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         metrics = Metrics()
         upstream = Upstream(settings)  # connections open on first use
         health = HealthMonitor(settings, upstream, metrics)
@@ -78,16 +81,19 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
         gc.set_threshold(20_000, 50, 100)
         log.info(
             "specgate ready: speculative=%s baseline=%s policy=%s signal=%s watermarks=%d/%d%s",
-            _redact(settings.speculative_url),
-            _redact(settings.baseline_url),
+            redact_url(settings.speculative_url),
+            redact_url(settings.baseline_url),
             settings.policy,
             settings.load_signal,
             router.cfg.high_watermark,
             router.cfg.low_watermark,
             f" calibration={settings.calibration}" if calibration is not None else "",
         )
+        if settings.api_keys and not settings.admin_keys:
+            log.warning("SPECGATE_API_KEYS is set but SPECGATE_ADMIN_KEYS is not: /routing is open to anyone")
         try:
-            yield
+            # uvicorn's shared lifespan state: the client-side protocol (edge.py) counts into these.
+            yield {METRICS_KEY: metrics}
         finally:
             poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -101,8 +107,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
         gate: Gate = request.app.state.gate
         gate.metrics.requests.labels("none", ingress.endpoint_of(request.url.path), code_class(exc.status)).inc()
         headers = {"x-request-id": _request_id(request)}
-        if exc.status == 401:
-            headers["www-authenticate"] = "Bearer"
+        headers.update((k.decode("latin-1"), v.decode("latin-1")) for k, v in exc.headers)
         return Response(exc.body(), status_code=exc.status, media_type="application/json", headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -139,11 +144,13 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
     async def routing(request: Request) -> Response:
         gate: Gate = request.app.state.gate
         r, s = gate.router, gate.settings
+        if s.admin_keys:
+            ingress.check_key(s.admin_keys, request.headers.get("authorization", "").encode("latin-1"), "admin key")
         backends = {}
         for b in BACKENDS:
             h = gate.health.backends[b]
             backends[b] = {
-                "url": _redact(gate.upstream.url(b)),
+                "url": redact_url(gate.upstream.url(b)),
                 "healthy": h.healthy,
                 "inflight": r.tracker.count(b),
                 "engine": h.engine,
@@ -175,6 +182,9 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         gate: Gate = request.app.state.gate
+        if gate.settings.protect_metrics:
+            authorization = request.headers.get("authorization", "").encode("latin-1")
+            ingress.check_key(gate.settings.admin_keys, authorization, "admin key")
         return Response(generate_latest(gate.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -200,19 +210,48 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
         return _json({"object": "list", "data": list(seen.values())}, headers={"x-request-id": _request_id(request)})
 
     async def specgate(scope: Scope, receive: Receive, send: Send) -> None:
-        # Proxied POSTs take the plain-ASGI hot path; everything else is FastAPI's.
-        if scope["type"] == "http" and ingress.is_proxied(scope):
-            await ingress.handle(api.state.gate, scope, receive, send)
-        else:
-            await api(scope, receive, send)
+        # Proxied POSTs take the plain-ASGI hot path; specgate's own routes are FastAPI's.
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            verdict = routes.check(scope["method"], path, scope.get("raw_path") or path.encode("utf-8"))
+            if verdict == "proxy":
+                await ingress.handle(api.state.gate, scope, receive, send)
+                return
+            if verdict != "own" and (verdict != "unknown" or path.startswith("/v1/") or path == "/generate"):
+                err = _refusal(scope, verdict, routes)
+                await ingress.send_error(api.state.gate, send, err, ingress.endpoint_of(path), _scope_request_id(scope))
+                return
+        await api(scope, receive, send)
 
     return specgate
 
 
+def _refusal(scope: Scope, verdict: Verdict, routes: Routes) -> ApiError:
+    """What a request specgate will not forward gets: 400 for a path that a normalising hop could
+    turn into another, 405 (with `Allow`) for a listed path asked with another method, else 404."""
+    method: str = scope["method"]
+    path: str = scope["path"]
+    shown = path if len(path) <= 200 else path[:200] + "..."
+    if verdict == "bad_path":
+        why = path_problem(path, scope.get("raw_path") or path.encode("utf-8"))
+        return ApiError(400, f"The path {shown!r} holds {why}: refused.", code="invalid_path")
+    allowed = routes.methods(path)
+    if verdict == "method" and allowed is not None:
+        return ApiError(
+            405,
+            f"{method} is not allowed on {shown}; use {' or '.join(allowed)}.",
+            code="method_not_allowed",
+            headers=((b"allow", ", ".join(allowed).encode()),),
+        )
+    return ApiError(404, f"{method} {shown}: not a route specgate forwards.", code="not_found")
+
+
+def _scope_request_id(scope: Scope) -> str:
+    for k, v in scope["headers"]:
+        if k == b"x-request-id":
+            return ingress.request_id_of(v)
+    return ingress.request_id_of(None)
+
+
 def _request_id(request: Request) -> str:
     return ingress.request_id_of(request.headers.get("x-request-id", "").encode("latin-1"))
-
-
-def _redact(url: str) -> str:
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://{rest.rsplit('@', 1)[-1]}"

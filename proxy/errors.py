@@ -15,6 +15,7 @@ class ApiError(Exception):
         err_type: str = "invalid_request_error",
         code: str | None = None,
         param: str | None = None,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -22,6 +23,8 @@ class ApiError(Exception):
         self.err_type = err_type
         self.code = code
         self.param = param
+        # Headers of the answer beyond the body's (`www-authenticate`, `allow`).
+        self.headers = headers
 
     def body(self) -> bytes:
         return error_body(self.message, self.err_type, self.code, self.param)

@@ -1,4 +1,4 @@
-"""The hot path in: a client's POST to /v1/* or /generate, checked and handed to the relay.
+"""The hot path in: a client's POST to an allowed path (proxy/paths.py), checked and handed to the relay.
 
 Plain ASGI, not a FastAPI route: on every proxied request it saves FastAPI's routing, Request
 objects and middleware stack (measured: a large share of the hop's added latency at one stream).
@@ -32,11 +32,6 @@ _JSON_TYPES = (b"application/json",)
 
 class _ClientGone(Exception):
     pass
-
-
-def is_proxied(scope: Scope) -> bool:
-    path: str = scope["path"]
-    return scope["method"] == "POST" and (path in _EXACT or path.startswith("/v1/"))
 
 
 def endpoint_of(path: str) -> Endpoint:
@@ -103,7 +98,10 @@ async def _accept(
     # The path as the client sent it (still percent-encoded): the decoded one may hold spaces.
     raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
     target = raw_path + b"?" + query if query else raw_path
-    up_headers = gate.upstream.request_headers(scope["headers"], request_id)
+    client = scope.get("client")
+    up_headers = gate.upstream.request_headers(
+        scope["headers"], request_id, client[0] if client else None, scope["scheme"]
+    )
     return ProxyCall(target, endpoint, body, up_headers, request_id, stream, strip_usage, started)
 
 
@@ -122,16 +120,25 @@ def ask_for_usage(payload: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
 
 
 def authorize(settings: Settings, given: bytes) -> None:
-    if not settings.api_keys:
-        return
+    if settings.api_keys:
+        check_key(settings.api_keys, given, "API key")
+
+
+def check_key(keys: tuple[str, ...], given: bytes, what: str) -> None:
+    """401 unless `given` is `Bearer <one of keys>`."""
     scheme, _, token = given.partition(b" ")
     token = token.strip()
     ok = False
-    for key in settings.api_keys:
+    for key in keys:
         # Compare against every key, without early exit, in constant time per key.
         ok |= hmac.compare_digest(token, key.encode())
     if not (ok and scheme.lower() == b"bearer"):
-        raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+        raise ApiError(
+            401,
+            f"Invalid or missing {what}: send 'Authorization: Bearer <key>'.",
+            code="invalid_api_key",
+            headers=((b"www-authenticate", b"Bearer"),),
+        )
 
 
 async def read_body(receive: Receive, declared: bytes | None, settings: Settings) -> bytes:
@@ -170,7 +177,6 @@ async def send_error(gate: Gate, send: Send, err: ApiError, endpoint: Endpoint, 
         (b"content-length", str(len(body)).encode()),
         (b"x-request-id", request_id.encode("latin-1")),
     ]
-    if err.status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
+    headers.extend(err.headers)
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -20,6 +20,9 @@ ENDPOINTS: tuple[Endpoint, ...] = ("chat", "completions", "generate", "other")
 REQUEST_BACKENDS = (*BACKENDS, "none")
 CODE_CLASSES = ("2xx", "4xx", "5xx")
 ErrorKind = Literal["connect", "timeout", "disconnect", "protocol"]
+# Why a client connection was refused or closed before its request (proxy/edge.py).
+Rejection = Literal["limit", "header_timeout", "head_too_large"]
+REJECTIONS: tuple[Rejection, ...] = ("limit", "header_timeout", "head_too_large")
 ERROR_KINDS: tuple[ErrorKind, ...] = ("connect", "timeout", "disconnect", "protocol")
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
@@ -92,6 +95,18 @@ class Metrics:
         self.client_disconnects = Counter(
             "specgate_client_disconnects", "Clients that left before their response ended.", ["backend"], registry=r
         )
+        self.client_connections = Gauge(
+            "specgate_client_connections",
+            "Client connections open (SPECGATE_MAX_CLIENT_CONNECTIONS caps them).",
+            registry=r,
+        )
+        self.client_rejections = Counter(
+            "specgate_client_rejections",
+            "Client connections refused past the cap (limit) or closed before a request head arrived "
+            "(header_timeout) or because it grew too large (head_too_large).",
+            ["reason"],
+            registry=r,
+        )
         self.output_tokens = Counter("specgate_output_tokens", "Output tokens relayed.", ["backend"], registry=r)
         self.prompt_tokens = Counter("specgate_prompt_tokens", "Prompt tokens sent.", ["backend"], registry=r)
         self.duration = Histogram(
@@ -148,6 +163,8 @@ class Metrics:
             for ep in ENDPOINTS:
                 self.duration.labels(b, ep)
         self.decisions.labels("none", "no_healthy_backend")
+        for why in REJECTIONS:
+            self.client_rejections.labels(why)
         for label in REQUEST_BACKENDS:
             for ep in ENDPOINTS:
                 for code in CODE_CLASSES:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ipaddress
 import ssl
 import time
 from collections import deque
@@ -59,6 +60,14 @@ _NOT_FORWARDED_UP = HOP_BY_HOP | {
     b"content-type",
 }
 _NOT_RETURNED = HOP_BY_HOP | {b"server", b"date"}
+# Who the client is and how it came: set by specgate from the peer, kept only from trusted proxies.
+_FORWARDING = frozenset(
+    {b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"x-forwarded-port", b"x-real-ip", b"forwarded"}
+)
+# The largest response head (status line and headers) read from a server; larger: a protocol error.
+MAX_HEAD_BYTES = 64 * 1024
+# `Connection` options that name no header.
+_CONNECTION_OPTIONS = frozenset({b"close", b"keep-alive"})
 
 # Idle connections older than this are closed rather than reused: SGLang's uvicorn closes its
 # side after 5 s, and a request written into a connection it is closing is lost.
@@ -93,6 +102,15 @@ class HealthProbe:
     error: UpstreamError | None
 
 
+def _tokens(value: bytes) -> set[bytes]:
+    """The names in a `Connection` header, lower-cased."""
+    return {t.strip().lower() for t in value.split(b",") if t.strip()}
+
+
+def _too_large() -> _Broken:
+    return _Broken("protocol", f"response head larger than {MAX_HEAD_BYTES // 1024} KiB")
+
+
 class _Conn(asyncio.Protocol):
     """One connection; one exchange at a time. httptools calls the on_* methods while parsing."""
 
@@ -112,6 +130,7 @@ class _Conn(asyncio.Protocol):
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.headers_done = False
+        self.head_bytes = 0
         self.keep_alive = False
         self.complete = False
         self.got_bytes = False
@@ -139,6 +158,11 @@ class _Conn(asyncio.Protocol):
             self._fail(_Broken("protocol", "the server switched protocols"))
         except httptools.HttpParserError as exc:
             self._fail(_Broken("protocol", f"malformed HTTP ({exc})"))
+        if not self.headers_done:
+            # Everything so far is head: httptools would hold a head of any size in memory.
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                self._fail(_too_large())
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -158,8 +182,12 @@ class _Conn(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
+        self.head_bytes += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
+        if self.head_bytes > MAX_HEAD_BYTES:  # a large head that came in one read
+            self._fail(_too_large())
+            return
         self.status = self.parser.get_status_code()
         # Asked now: once the message is complete the parser has already reset.
         self.keep_alive = self.parser.should_keep_alive()
@@ -344,7 +372,17 @@ class UpstreamResponse:
         self.content_type = next((v.decode("latin-1") for k, v in conn.headers if k.lower() == b"content-type"), "")
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        return [(k.lower(), v) for k, v in self._conn.headers if k.lower() not in _NOT_RETURNED]
+        """The server's headers minus hop-by-hop ones, those its `Connection` names included."""
+        out: list[tuple[bytes, bytes]] = []
+        hop: set[bytes] = set()
+        for k, v in self._conn.headers:
+            name = k.lower()
+            if name in _NOT_RETURNED:
+                if name == b"connection":
+                    hop.update(_tokens(v))
+                continue
+            out.append((name, v))
+        return [(k, v) for k, v in out if k not in hop] if hop - _CONNECTION_OPTIONS else out
 
     @property
     def ended(self) -> bool:
@@ -395,6 +433,8 @@ class UpstreamResponse:
 class Upstream:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
+        self._trusted_nets = [ipaddress.ip_network(n, strict=False) for n in settings.trusted_proxies]
+        self._trusted_seen: dict[str, bool] = {}
         key = settings.upstream_api_key
         auth = b"Bearer " + key.get_secret_value().encode("latin-1") if key else None
         self._servers: dict[Backend, _Server] = {
@@ -409,12 +449,67 @@ class Upstream:
         for backend in BACKENDS:
             self._servers[backend].close()
 
-    def request_headers(self, client_headers: Iterable[tuple[bytes, bytes]], request_id: str) -> bytes:
-        """Client headers minus hop-by-hop and credentials, plus the request id, as the head's lines.
+    def trusted(self, peer: str) -> bool:
+        """Whether `peer` is one of SPECGATE_TRUSTED_PROXIES (remembered per address)."""
+        if not self._trusted_nets:
+            return False
+        found = self._trusted_seen.get(peer)
+        if found is None:
+            try:
+                addr = ipaddress.ip_address(peer)
+                found = any(addr in net for net in self._trusted_nets)
+            except ValueError:
+                found = False
+            if len(self._trusted_seen) >= 4096:
+                self._trusted_seen.clear()
+            self._trusted_seen[peer] = found
+        return found
+
+    def request_headers(
+        self,
+        client_headers: Iterable[tuple[bytes, bytes]],
+        request_id: str,
+        peer: str | None = None,
+        scheme: str = "http",
+    ) -> bytes:
+        """The head's lines for the server: the client's headers minus hop-by-hop ones (those its
+        `Connection` names too, RFC 9110 7.6.1) and credentials, plus the request id and
+        `X-Forwarded-For`/`-Proto` as nginx's `$proxy_add_x_forwarded_for` builds them: the
+        client's own, only from a trusted proxy, then the peer's address.
         uvicorn's parser already refused any header with CR or LF in it."""
-        lines = [k + b": " + v + b"\r\n" for k, v in client_headers if k.lower() not in _NOT_FORWARDED_UP]
-        lines.append(b"content-type: application/json\r\nx-request-id: " + request_id.encode("latin-1") + b"\r\n")
-        return b"".join(lines)
+        trusted = peer is not None and self.trusted(peer)
+        lines: list[tuple[bytes, bytes]] = []
+        hop: set[bytes] = set()
+        forwarded_for: list[bytes] = []
+        proto = b""
+        for k, v in client_headers:
+            name = k.lower()
+            if name in _NOT_FORWARDED_UP:
+                if name == b"connection":
+                    hop.update(_tokens(v))
+            elif name in _FORWARDING:
+                if not trusted:
+                    continue
+                if name == b"x-forwarded-for":
+                    forwarded_for.append(v)
+                elif name == b"x-forwarded-proto":
+                    proto = proto or v
+                else:
+                    lines.append((name, v))
+            else:
+                lines.append((name, v))
+        if hop - _CONNECTION_OPTIONS:
+            lines = [(k, v) for k, v in lines if k not in hop]
+            if b"x-forwarded-for" in hop:
+                forwarded_for = []
+        if peer is not None:
+            forwarded_for.append(peer.encode("latin-1"))
+        out = [k + b": " + v + b"\r\n" for k, v in lines]
+        if forwarded_for:
+            out.append(b"x-forwarded-for: " + b", ".join(forwarded_for) + b"\r\n")
+        out.append(b"x-forwarded-proto: " + (proto or scheme.encode("latin-1")) + b"\r\n")
+        out.append(b"content-type: application/json\r\nx-request-id: " + request_id.encode("latin-1") + b"\r\n")
+        return b"".join(out)
 
     async def send(self, backend: Backend, target: bytes, body: bytes, headers: bytes) -> UpstreamResponse:
         """POST `body` to `target` (path and query, as the client sent them); wait for the headers."""

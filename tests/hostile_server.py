@@ -18,6 +18,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return web.Response(body=b"\x00\xffnot json at all", content_type="application/json")
     if mode == "huge":
         return web.Response(body=b'{"pad":"' + b"x" * (48 * 1024 * 1024) + b'"}', content_type="application/json")
+    if mode == "huge_head":
+        return web.Response(body=b"{}", content_type="application/json", headers={"X-Pad": "h" * 200_000})
     resp = web.StreamResponse(headers=SSE)
     await resp.prepare(request)
     if mode == "malformed_sse":
@@ -61,6 +63,16 @@ async def echo(request: web.Request) -> web.Response:
     return web.json_response({"target": request.raw_path, "headers": headers, "body": await request.text()})
 
 
+async def record(request: web.Request) -> web.Response:
+    """Any other request: noted (method and target as they came), then 404."""
+    request.app["seen"].append(f"{request.method} {request.raw_path}")
+    return web.Response(status=404, text="not here")
+
+
+async def seen(request: web.Request) -> web.Response:
+    return web.json_response(request.app["seen"])
+
+
 async def release(request: web.Request) -> web.Response:
     request.app["release"].set()
     return web.Response(text="")
@@ -76,7 +88,10 @@ async def main(port: int) -> None:
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_post("/v1/echo/{tail:.*}", echo)
     app.router.add_post("/release", release)
+    app.router.add_get("/seen", seen)
+    app.router.add_route("*", "/{tail:.*}", record)  # last: whatever matched nothing above
     app["release"] = asyncio.Event()
+    app["seen"] = []
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import orjson
 import pytest
 
 from loadtest.procs import Proc, free_port, start
@@ -15,24 +16,39 @@ from loadtest.procs import Proc, free_port, start
 from .conftest import StartSim
 from .helpers import scrape
 
+# The default inference routes, and the hostile server's echo route under them.
+ALLOWED = "/v1/chat/completions,/v1/completions,/v1/embeddings,/v1/models,/generate,/v1/echo/*"
+
+
+def start_proxy(speculative: str, baseline: str, **env: str) -> tuple[str, Proc]:
+    port = free_port()
+    full = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(port), "SPECGATE_LOG_LEVEL": "warning",
+            "SPECGATE_SPECULATIVE_URL": speculative, "SPECGATE_BASELINE_URL": baseline,
+            "SPECGATE_READ_TIMEOUT_S": "1", "SPECGATE_HEALTH_INTERVAL_S": "0.5",
+            "SPECGATE_ALLOWED_PATHS": ALLOWED, **env}  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    return url, start("proxy", ["-m", "proxy"], ready_url=url + "/ready", env=full)
+
 
 @pytest.fixture
-def hostile(simulator: StartSim) -> Iterator[tuple[str, Proc]]:
-    """specgate whose speculative server misbehaves (the baseline is a simulator)."""
+def bad_server() -> Iterator[str]:
     port = free_port()
     bad = start("hostile", ["-m", "tests.hostile_server", str(port)], ready_url=f"http://127.0.0.1:{port}/health")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        bad.stop()
+
+
+@pytest.fixture
+def hostile(simulator: StartSim, bad_server: str) -> Iterator[tuple[str, Proc]]:
+    """specgate whose speculative server misbehaves (the baseline is a simulator)."""
     base = simulator("baseline", "--time-scale", "20")
-    proxy_port = free_port()
-    env = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(proxy_port), "SPECGATE_LOG_LEVEL": "warning",
-           "SPECGATE_SPECULATIVE_URL": f"http://127.0.0.1:{port}", "SPECGATE_BASELINE_URL": base.url,
-           "SPECGATE_READ_TIMEOUT_S": "1", "SPECGATE_HEALTH_INTERVAL_S": "0.5"}  # fmt: skip
-    url = f"http://127.0.0.1:{proxy_port}"
-    proxy = start("proxy", ["-m", "proxy"], ready_url=url + "/ready", env=env)
+    url, proxy = start_proxy(bad_server, base.url)
     try:
         yield url, proxy
     finally:
         proxy.stop()
-        bad.stop()
 
 
 def ask(url: str, mode: str, stream: bool = True, **kw: object) -> httpx.Response:
@@ -137,11 +153,11 @@ def test_the_server_gets_the_request_as_the_client_sent_it(hostile: tuple[str, P
     body = b'{"stream": false, "x": "\\u00e9"}'
     headers = {"Content-Type": "application/json", "X-Custom": "v", "Cookie": "c=1", "Authorization": "Bearer k",
                "Connection": "keep-alive", "X-Request-Id": "rid-1"}  # fmt: skip
-    r = httpx.post(url + "/v1/echo/a%20b%2Fc?x=1&y=%3D", content=body, headers=headers, timeout=10)
+    r = httpx.post(url + "/v1/echo/a%20b?x=1&y=%3D%2F", content=body, headers=headers, timeout=10)
     assert r.status_code == 200 and r.headers["x-specgate-backend"] == "speculative"
     seen = r.json()
-    # Still percent-encoded: the decoded path ("a b/c") would be a different request, or a broken one.
-    assert seen["target"] == "/v1/echo/a%20b%2Fc?x=1&y=%3D"
+    # Still percent-encoded: the decoded target ("a b", "y==/") would be a different request.
+    assert seen["target"] == "/v1/echo/a%20b?x=1&y=%3D%2F"
     assert seen["body"] == body.decode()
     got = {k.lower(): v for k, v in seen["headers"]}
     assert got["x-custom"] == "v" and got["cookie"] == "c=1" and got["x-request-id"] == "rid-1"
@@ -198,4 +214,108 @@ def test_done_is_not_held_for_a_body_that_stays_open(hostile: tuple[str, Proc]) 
         assert got.endswith(b"data: [DONE]\n\n")
         httpx.post(server + "/release", timeout=10)
         assert b"".join(pieces) == b""
+    still_healthy(url)
+
+
+def raw_answer(url: str, head: bytes, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    """Send `head` (request line and headers, without the blank line) as written, with
+    `Connection: close`; the answer's status, headers (last of each name) and body."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head + b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        data = b""
+        while part := sock.recv(1 << 16):
+            data += part
+    top, _, rest = data.partition(b"\r\n\r\n")
+    lines = top.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, rest
+
+
+def test_only_listed_paths_reach_a_server(hostile: tuple[str, Proc]) -> None:
+    url, _ = hostile
+    server = httpx.get(url + "/routing").json()["backends"]["speculative"]["url"]
+    body = b'{"mode": "malformed_sse", "messages": []}'
+    refused = {
+        "/v1/chat/completions/../../../update_weights_from_disk": 400,
+        "/v1/%2e%2e/flush_cache": 400,
+        "/v1/%2E%2E/flush_cache": 400,
+        "/v1/chat%2Fcompletions": 400,
+        "/v1/chat/completions%00": 400,
+        "/v1/./chat/completions": 400,
+        "/v1/echo/%252e%252e/%252e%252e/flush_cache": 400,  # encoded twice: one more decoding hop
+        "/v1/echo/..%5C..%5Cflush_cache": 400,
+        "/v1/load_lora_adapter": 404,
+        "/v1/unload_lora_adapter": 404,
+        "/update_weights_from_disk": 404,
+        "/flush_cache": 404,
+    }
+    for path, status in refused.items():
+        got, headers, answer = raw_answer(url, b"POST %s HTTP/1.1\r\nhost: x" % path.encode(), body)
+        assert got == status, (path, got, answer)
+        assert "x-specgate-backend" not in headers
+        err = orjson.loads(answer)["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["code"] == ("invalid_path" if status == 400 else "not_found")
+    # A listed path asked with another method: 405 and what it takes (no 404, nothing forwarded).
+    for method in ("PUT", "DELETE", "PATCH", "OPTIONS", "GET", "HEAD"):
+        got, headers, answer = raw_answer(url, b"%s /v1/chat/completions HTTP/1.1\r\nhost: x" % method.encode())
+        assert (got, headers["allow"]) == (405, "POST"), (method, answer)
+    got, headers, _ = raw_answer(url, b"POST /v1/models HTTP/1.1\r\nhost: x")
+    assert (got, headers["allow"]) == (405, "GET, HEAD")
+    # The server saw none of it: only specgate's own polls.
+    reached = [s for s in httpx.get(server + "/seen").json() if s != "GET /metrics"]
+    assert reached == [], reached
+    # What is listed still goes through, query and all.
+    got, headers, answer = raw_answer(url, b"POST /v1/echo/x?a=%2F HTTP/1.1\r\nhost: x", b"{}")
+    assert got == 200 and orjson.loads(answer)["target"] == "/v1/echo/x?a=%2F"
+    still_healthy(url)
+
+
+def test_hop_by_hop_and_forwarding_headers(hostile: tuple[str, Proc], bad_server: str) -> None:
+    url, _ = hostile
+    head = (b"POST /v1/echo/h HTTP/1.1\r\nhost: x\r\nconnection: keep-alive, X-Secret-Hop\r\nx-secret-hop: s\r\n"
+            b"x-forwarded-for: 6.6.6.6\r\nx-forwarded-proto: https\r\nx-real-ip: 6.6.6.6\r\nforwarded: for=6.6.6.6\r\n"
+            b"x-kept: k")  # fmt: skip
+
+    def upstream_saw(proxy_url: str) -> dict[str, str]:
+        status, _, answer = raw_answer(proxy_url, head, b"{}")
+        assert status == 200, answer
+        return {k.lower(): v for k, v in orjson.loads(answer)["headers"]}
+
+    got = upstream_saw(url)
+    # Named in the client's Connection: hop-by-hop (RFC 9110 7.6.1), not forwarded.
+    assert "x-secret-hop" not in got and got["x-kept"] == "k"
+    # From an untrusted peer, its own forwarding headers are dropped and the peer is what counts.
+    assert got["x-forwarded-for"] == "127.0.0.1" and got["x-forwarded-proto"] == "http"
+    assert "x-real-ip" not in got and "forwarded" not in got
+    # Behind a trusted proxy: its values are kept and the peer appended, as nginx's
+    # $proxy_add_x_forwarded_for does.
+    trusting, proc = start_proxy(bad_server, bad_server, SPECGATE_TRUSTED_PROXIES="10.0.0.0/8, 127.0.0.1")
+    try:
+        got = upstream_saw(trusting)
+    finally:
+        proc.stop()
+    assert got["x-forwarded-for"] == "6.6.6.6, 127.0.0.1" and got["x-forwarded-proto"] == "https"
+    assert got["x-real-ip"] == "6.6.6.6" and "x-secret-hop" not in got
+
+
+def test_huge_response_head_is_not_relayed(hostile: tuple[str, Proc], bad_server: str) -> None:
+    url, _ = hostile
+    # One good server: the request fails over to it, and the 200 KB head never reaches the client.
+    r = ask(url, "huge_head", stream=False)
+    assert r.status_code == 200 and r.headers["x-specgate-backend"] == "baseline"
+    assert r.headers["x-specgate-reason"] == "failover" and "x-pad" not in r.headers
+    # Both servers send it: 502 upstream_unavailable, counted as the servers' protocol faults.
+    both, proc = start_proxy(bad_server, bad_server)
+    try:
+        r = ask(both, "huge_head", stream=False)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable"
+        assert "x-pad" not in r.headers and len(r.content) < 1024
+        errors = httpx.get(both + "/metrics").text
+        assert 'specgate_upstream_errors_total{backend="speculative",kind="protocol"} 1.0' in errors
+        assert 'specgate_upstream_errors_total{backend="baseline",kind="protocol"} 1.0' in errors
+        assert httpx.get(both + "/ready").status_code == 200  # a bad answer is not a dead server
+    finally:
+        proc.stop()
     still_healthy(url)
