@@ -14,7 +14,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from loadtest.procs import http_status
 from loadtest.simulator.wire import EOS_TOKEN_ID, token_text
 
-from .conftest import StartSim
+from .conftest import StartSim, StartStack
 from .helpers import scrape, sse_events, sse_json
 
 FAST = ("--time-scale", "50")
@@ -205,6 +205,34 @@ def test_bad_requests_get_sglang_400(simulator: StartSim, path: str, body: bytes
     assert err["object"] == "error" and err["code"] == 400 and err["type"] == "BadRequestError"
     assert fragment in err["message"]
     assert err["param"] is None
+
+
+def test_context_overflow_is_sglangs_400_through_specgate(stack: StartStack) -> None:
+    """Prompt + max_tokens past the context length: SGLang's 400 and message at once, streaming
+    or not, passed through specgate as the server sent it (not a generation until the timeout)."""
+    s = stack(sim_args=FAST)
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1_000_000_000}
+    long_prompt = {"prompt": "word " * 140_000, "max_tokens": 1}  # ~175k tokens, context 131072
+    at_the_limit = {"prompt": "p", "max_tokens": 131_071}  # 1 + 131071 = the context: refused (>=)
+    cases = [("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "stream": True}),
+             ("/v1/completions", at_the_limit), ("/v1/completions", long_prompt)]  # fmt: skip
+    for path, body in cases:
+        t0 = time.monotonic()
+        r = httpx.post(s.url + path, json=body, timeout=10)
+        assert r.status_code == 400 and time.monotonic() - t0 < 2, (body.keys(), r.status_code)
+        assert r.headers["x-specgate-backend"] == "speculative"  # the server's answer, relayed
+        err = r.json()
+        assert (err["object"], err["type"], err["code"], err["param"]) == ("error", "BadRequestError", 400, None)
+        if body is long_prompt:
+            assert err["message"].startswith("The input (") and "context length (131072 tokens)" in err["message"]
+        else:
+            assert err["message"].startswith(
+                "Requested token count exceeds the model's maximum context length of 131072"
+            )
+    # One token under: generated.
+    r = httpx.post(s.url + "/v1/completions", json={"prompt": "p", "max_tokens": 8}, timeout=10)
+    assert r.status_code == 200
+    assert httpx.get(s.url + "/routing").json()["inflight"] == 0
 
 
 def test_bad_request_through_openai_sdk(simulator: StartSim) -> None:

@@ -28,6 +28,7 @@ from .wire import (
     Kind,
     RequestError,
     StreamFormatter,
+    check_context,
     error_body,
     full_response,
     parse_request,
@@ -244,6 +245,7 @@ class SimServer:
         cfg = self.config
         try:
             req = await self._parse(request, kind)
+            check_context(req, cfg.max_model_len)
         except RequestError as exc:
             return _error(exc.message, 400, "BadRequestError")
         if cfg.fail_rate and self._rng.random() < cfg.fail_rate:

@@ -120,6 +120,25 @@ def parse_request(kind: Kind, body: Any, served_model: str, default_max_tokens: 
     )
 
 
+def check_context(req: GenRequest, context_len: int) -> None:
+    """SGLang's length check (TokenizerManager._validate_one_request): the prompt must be shorter
+    than the context, and prompt + a requested length too (`>=` fails, as there). Answered 400
+    with these messages, streaming or not (since SGLang starts the stream before its 200)."""
+    if req.prompt_tokens >= context_len:
+        raise RequestError(
+            f"The input ({req.prompt_tokens} tokens) is longer than the model's context length ({context_len} tokens)."
+        )
+    total = req.prompt_tokens + req.max_new_tokens
+    if not req.natural_stop and total >= context_len:
+        raise RequestError(
+            "Requested token count exceeds the model's maximum context length "
+            f"of {context_len} tokens. You requested a total of {total} "
+            f"tokens: {req.prompt_tokens} tokens from the input messages and "
+            f"{req.max_new_tokens} tokens for the completion. Please reduce the number "
+            "of tokens in the input messages or the completion to fit within the limit."
+        )
+
+
 def _prompt_text(kind: Kind, body: dict[str, Any]) -> str:
     """The prompt's text, from a body `parse_request` already validated."""
     if kind == "chat":
