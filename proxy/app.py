@@ -61,12 +61,15 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
             probe_s=settings.adaptive_probe_s,
             probe_max_s=settings.adaptive_probe_max_s,
             probe_max_load=probe_max_load,
+            # A few polls: the engine's reading of a server that just had traffic lags by one.
+            accept_fresh_s=max(10.0, 3 * settings.health_interval_s),
         )
         adaptive = AdaptiveConfig(
             min_watermark=settings.adaptive_min_watermark,
             max_watermark=settings.adaptive_max_watermark,
             max_step_per_s=settings.adaptive_max_step_per_s,
             half_life_s=settings.adaptive_half_life_s,
+            probe_tokens=settings.adaptive_probe_tokens,
         )
         router = Router(cfg, health, metrics, adaptive, calibration)
         health.on_change = router.refresh

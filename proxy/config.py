@@ -52,6 +52,8 @@ class Settings(BaseSettings):
     # probe_s (doubling per probe, up to probe_max_s) to re-measure its acceptance. 0: never.
     adaptive_probe_s: float = Field(15.0, ge=0)
     adaptive_probe_max_s: float = Field(60.0, ge=0)
+    # A probe session sends requests one at a time until this many output tokens came back.
+    adaptive_probe_tokens: int = Field(160, ge=1)
     # Engine gauges frozen this long are taken as an idle server (SGLang keeps them when idle).
     engine_stale_s: float = Field(10.0, gt=0)
     # Which engine's metrics to read: detected from each server's /metrics names, or fixed.

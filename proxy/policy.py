@@ -15,8 +15,11 @@ adaptive (threshold whose watermarks move with the live workload, see adaptive.p
 threshold rule with the live watermarks, plus
 
     a switch waits until the mode has lasted min_dwell_s      (reason dwell_hold)
-    in baseline mode, one request goes to an idle speculative server after probe_s, doubling
-    per probe up to probe_max_s until the mode changes        (reason probe)
+    in baseline mode, a probe session goes to an idle speculative server after probe_s, the wait
+    doubling per session up to probe_max_s until the mode changes: requests one at a time until
+    enough tokens came back to refresh its acceptance reading  (reason probe)
+    no return to speculation on an acceptance reading older than accept_fresh_s: a probe
+    session first                                              (reason dwell_hold, then probe)
 
 so that the speculative server's acceptance on today's traffic stays known while it gets none.
 
@@ -28,6 +31,7 @@ backend (`no_healthy_backend`). Running requests never move: only new requests a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -76,6 +80,9 @@ class PolicyConfig:
     min_dwell_s: float = 0.0
     probe_s: float = 0.0  # 0: never probe
     probe_max_s: float = 0.0
+    # A reading of the speculative server's acceptance counts as current this long after it last
+    # had traffic from this gateway.
+    accept_fresh_s: float = 10.0
     # No probes at or above this load: beyond it the watermarks cannot reach.
     probe_max_load: int = 0
 
@@ -96,9 +103,10 @@ class LoadSnapshot:
 @dataclass(frozen=True)
 class PolicyState:
     mode: Mode = "speculative"
-    # When the mode began, and the probes sent since (adaptive only).
+    # When the mode began, the probe sessions since, and whether one is under way (adaptive only).
     since: float = float("-inf")
     probes: int = 0
+    probing: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,24 +143,41 @@ def next_mode(load: int, state: PolicyState, cfg: PolicyConfig) -> PolicyState:
     return state
 
 
-def dwell_mode(load: int, state: PolicyState, cfg: PolicyConfig, now: float) -> tuple[PolicyState, bool]:
+def dwell_mode(
+    load: int, state: PolicyState, cfg: PolicyConfig, now: float, fresh: bool = True
+) -> tuple[PolicyState, bool]:
     """The adaptive policy's hysteresis: next_mode, but no switch before the mode is min_dwell_s
-    old. Returns the state and whether a switch was held back."""
+    old, and no return to speculation on a stale acceptance reading (`fresh` False: the
+    speculative server has had no traffic for accept_fresh_s, so what the watermarks say of it
+    may be minutes old; a probe session re-measures it first, unless probes are off). Returns the
+    state and whether a switch was held back."""
     nxt = next_mode(load, state, cfg)
     if nxt.mode == state.mode:
         return state, False
     if now - state.since < cfg.min_dwell_s:
         return state, True
+    if nxt.mode == "speculative" and not fresh and cfg.probe_s > 0:
+        return dataclasses.replace(state, probing=True), True
     return PolicyState(nxt.mode, since=now), False
 
 
+def accept_fresh(snapshot: LoadSnapshot, cfg: PolicyConfig) -> bool:
+    idle = snapshot.speculative_idle_since
+    return idle is None or snapshot.now - idle <= cfg.accept_fresh_s
+
+
 def probe_due(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig, load: int) -> bool:
-    """Whether the next request should go to the idle speculative server to re-measure acceptance."""
+    """Whether the next request should go to the idle speculative server to re-measure acceptance:
+    at once during a probe session, else after a wait that doubles with each probe."""
     idle = snapshot.speculative_idle_since
     if cfg.probe_s <= 0 or state.mode != "baseline" or idle is None or load >= cfg.probe_max_load:
         return False
-    wait = min(cfg.probe_s * 2**state.probes, max(cfg.probe_s, cfg.probe_max_s))
-    return snapshot.now - max(idle, state.since) >= wait and snapshot.healthy.get("speculative", False)
+    if not snapshot.healthy.get("speculative", False):
+        return False
+    if state.probing:
+        return True
+    wait = min(cfg.probe_s * 2.0**state.probes, max(cfg.probe_s, cfg.probe_max_s))
+    return snapshot.now - max(idle, state.since) >= wait
 
 
 def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:
@@ -166,7 +191,7 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
         else:
             reason = "heavy_load" if load >= cfg.high_watermark else "hysteresis_hold"
     elif cfg.policy == "adaptive":
-        state, held = dwell_mode(load, state, cfg, snapshot.now)
+        state, held = dwell_mode(load, state, cfg, snapshot.now, accept_fresh(snapshot, cfg))
         choice = state.mode
         if held:
             reason = "dwell_hold"
@@ -175,7 +200,9 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
         else:
             reason = "heavy_load" if load >= cfg.high_watermark else "hysteresis_hold"
         if probe_due(snapshot, state, cfg, load):
-            state = PolicyState(state.mode, state.since, state.probes + 1)
+            # A session's first probe counts toward the wait before the next session.
+            probes = state.probes if state.probing else state.probes + 1
+            state = dataclasses.replace(state, probes=probes, probing=True)
             return Decision("speculative", "probe", state, load)
     else:
         spec_load = backend_load(snapshot, "speculative", cfg.load_signal)

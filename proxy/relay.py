@@ -368,6 +368,7 @@ class _Relay:
         if usage is not None:
             gate.metrics.child(gate.metrics.prompt_tokens, backend).inc(usage[0])
             gate.metrics.child(gate.metrics.output_tokens, backend).inc(usage[1])
+            gate.router.note_output(backend, usage[1])
             if learn and usage[1] >= MIN_LEARN_TOKENS and now > first_at:
                 load = (start_load + gate.router.backend_load(backend)) / 2
                 gate.router.observe(backend, load, (usage[1] - 1) / (now - first_at))

@@ -27,6 +27,7 @@ from .policy import (
     LoadSnapshot,
     PolicyConfig,
     PolicyState,
+    accept_fresh,
     backend_load,
     decide,
     dwell_mode,
@@ -38,6 +39,8 @@ log = logging.getLogger("specgate.routing")
 
 # The adaptive estimate is recomputed at most this often (health polls and finished streams ask).
 UPDATE_EVERY_S = 0.25
+# A probe session sends at most this many requests.
+PROBE_MAX_REQUESTS = 4
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class AdaptiveConfig:
     max_watermark: int = 256
     max_step_per_s: float = 4.0
     half_life_s: float = 60.0
+    # A probe session lasts until this many output tokens came back from the speculative server:
+    # SGLang refreshes its acceptance gauge every 40 decode steps, 160 tokens at acceptance 4.
+    probe_tokens: int = 160
 
 
 class Adaptive:
@@ -132,6 +138,7 @@ class Router:
         self.state = PolicyState()  # no dwell before the first switch
         self.tracker = InflightTracker(on_change=self._inflight_changed)
         self._spec_idle_since: float | None = clock()
+        self._probe_tokens = self._probe_requests = 0
         self.adaptive: Adaptive | None = None
         if cfg.policy == "adaptive":
             static = (cfg.high_watermark, cfg.low_watermark)
@@ -167,6 +174,14 @@ class Router:
 
     def decide(self) -> Decision:
         decision = decide(self.snapshot(), self.state, self.cfg)
+        if decision.reason == "probe":
+            if not self.state.probing:
+                self._probe_tokens = self._probe_requests = 0
+            self._probe_requests += 1
+            if self._probe_requests >= PROBE_MAX_REQUESTS:
+                self._probe_tokens = self._probe_requests = 0
+                # Requests that bring back no usage (errors) must not make a session endless.
+                decision = dataclasses.replace(decision, state=dataclasses.replace(decision.state, probing=False))
         self._set_state(decision.state)
         self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
         return decision
@@ -192,6 +207,15 @@ class Router:
         a.model.observe(backend, load, tok_s, accept, now)
         self._update(now)
 
+    def note_output(self, backend: Backend, tokens: int) -> None:
+        """A response from `backend` ended with `tokens` output tokens (from its usage)."""
+        if backend != "speculative" or not self.state.probing or self.adaptive is None:
+            return
+        self._probe_tokens += tokens
+        if self._probe_tokens >= self.adaptive.cfg.probe_tokens:
+            self._probe_tokens = self._probe_requests = 0
+            self.state = dataclasses.replace(self.state, probing=False)
+
     def refresh(self) -> None:
         """Re-apply the hysteresis after load or health changed, so the mode gauge tells the truth."""
         if self.cfg.load_signal == "local":
@@ -207,7 +231,8 @@ class Router:
         elif self.cfg.policy == "adaptive":
             now = self._clock()
             self._update(now)
-            self._set_state(dwell_mode(load, self.state, self.cfg, now)[0])
+            snap = self.snapshot()
+            self._set_state(dwell_mode(load, self.state, self.cfg, now, accept_fresh(snap, self.cfg))[0])
         else:
             self._set_state(PolicyState("speculative" if spec_load < self.cfg.spillover_limit else "baseline"))
 

@@ -3,6 +3,7 @@ the watermark's rate and clamp, dwell and probes, and the Router that ties them 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -197,18 +198,40 @@ def test_probes_go_to_the_idle_speculative_server_at_doubling_intervals() -> Non
     assert decide(snap(0, 12, 3.9, 0.0), state, ADAPTIVE).reason == "heavy_load"
     d = decide(snap(0, 12, 4.0, 0.0), state, ADAPTIVE)
     assert (d.backend, d.reason, d.state.mode, d.state.probes) == ("speculative", "probe", "baseline", 1)
-    # The probe ran and ended at 6: the next waits 8 s from then, the one after 10 (the cap).
-    assert decide(snap(0, 12, 13.9, 6.0), d.state, ADAPTIVE).reason == "heavy_load"
-    d2 = decide(snap(0, 12, 14.0, 6.0), d.state, ADAPTIVE)
+    assert d.state.probing
+    # A session goes on, one request at a time, until the Router ends it (enough tokens back).
+    assert decide(snap(1, 11, 4.5, None), d.state, ADAPTIVE).reason == "heavy_load"
+    more = decide(snap(0, 12, 5.0, 5.0), d.state, ADAPTIVE)
+    assert (more.reason, more.state.probes) == ("probe", 1)
+    ended = dataclasses.replace(more.state, probing=False)
+    # The session ended at 6: the next waits 8 s from then, the one after 10 (the cap).
+    assert decide(snap(0, 12, 13.9, 6.0), ended, ADAPTIVE).reason == "heavy_load"
+    d2 = decide(snap(0, 12, 14.0, 6.0), ended, ADAPTIVE)
     assert d2.reason == "probe" and d2.state.probes == 2
-    assert decide(snap(0, 12, 25.9, 16.0), d2.state, ADAPTIVE).reason == "heavy_load"
-    assert decide(snap(0, 12, 26.0, 16.0), d2.state, ADAPTIVE).reason == "probe"
+    ended2 = dataclasses.replace(d2.state, probing=False)
+    assert decide(snap(0, 12, 25.9, 16.0), ended2, ADAPTIVE).reason == "heavy_load"
+    assert decide(snap(0, 12, 26.0, 16.0), ended2, ADAPTIVE).reason == "probe"
     # No probe while the speculative server has requests, is down, or past probe_max_load.
     assert decide(snap(1, 12, 100.0, None), state, ADAPTIVE).reason == "heavy_load"
     assert decide(snap(0, 12, 100.0, 0.0, spec_up=False), state, ADAPTIVE).reason == "heavy_load"
     assert decide(snap(0, 50, 100.0, 0.0), state, ADAPTIVE).reason == "heavy_load"
     # A new mode starts the count again.
     assert PolicyState("speculative", since=1.0).probes == 0
+
+
+def test_no_return_to_speculation_on_a_stale_acceptance_reading() -> None:
+    state = PolicyState("baseline", since=0.0)
+    # The load fell to the low watermark, but the speculative server has been idle for 60 s:
+    # what the watermarks say of it is old. A probe session first, the mode held.
+    d = decide(snap(0, 5, 60.0, 0.0), state, ADAPTIVE)
+    assert (d.backend, d.reason, d.state.mode, d.state.probing) == ("speculative", "probe", "baseline", True)
+    # Fresh (it had traffic 5 s ago): the switch goes through.
+    d = decide(snap(0, 5, 60.0, 55.0), state, ADAPTIVE)
+    assert (d.backend, d.reason, d.state.mode) == ("speculative", "light_load", "speculative")
+    # With probes off nothing else would re-measure it: the switch goes through.
+    no_probes = dataclasses.replace(ADAPTIVE, probe_s=0.0)
+    d = decide(snap(0, 5, 60.0, 0.0), state, no_probes)
+    assert (d.backend, d.reason, d.state.mode) == ("speculative", "light_load", "speculative")
 
 
 class Clock:
@@ -228,6 +251,32 @@ def router(cal: Calibration | None, clock: Clock, **cfg: float) -> tuple[Router,
     health.backends["speculative"].spec_accept_length = 3.0
     policy = PolicyConfig("adaptive", 16, 8, min_dwell_s=2.0, probe_s=0.0, probe_max_load=70)
     return Router(policy, health, metrics, AdaptiveConfig(**cfg), cal, clock=clock), health, metrics  # type: ignore[arg-type]
+
+
+def test_router_ends_a_probe_session_once_enough_tokens_came_back() -> None:
+    clock = Clock()
+    r, _, _ = router(calibration(), clock, probe_tokens=100)
+    r.cfg = dataclasses.replace(r.cfg, high_watermark=0, low_watermark=0, probe_s=5.0, probe_max_s=5.0)
+    assert r.decide().reason == "heavy_load"  # high watermark 0: the baseline
+    clock.t += 6  # the speculative server idle for 6 s: a session starts
+    first = r.decide()
+    assert (first.backend, first.reason) == ("speculative", "probe")
+    lease = r.admit("speculative")
+    assert r.decide().backend == "baseline"  # one probe at a time
+    r.note_output("speculative", 60)
+    lease.release()
+    assert r.decide().reason == "probe"  # 60 of 100 tokens: the session goes on
+    r.note_output("speculative", 60)
+    assert not r.state.probing and r.decide().reason == "heavy_load"
+    # Probes that bring no usage back (errors) end the session after a few requests.
+    clock.t += 60
+    reasons = []
+    for _ in range(6):
+        d = r.decide()
+        reasons.append(d.reason)
+        if d.backend == "speculative":
+            r.admit("speculative").release()  # a probe that failed: no usage
+    assert reasons == ["probe"] * 4 + ["heavy_load"] * 2
 
 
 def gauge(metrics: Metrics, name: str, **labels: str) -> float:
