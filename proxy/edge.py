@@ -30,8 +30,11 @@ from .metrics import Rejection
 
 # The largest request head (request line and headers) read; nginx's default allows 4 x 8 KiB lines.
 MAX_HEAD_BYTES = 64 * 1024
-# How long a refused connection may take to read its answer (503, 408, 431) before it is closed.
+# How long a connection answered 408 or 431 may take to read it before it is closed; one refused
+# past the cap is closed once its request has come (read and dropped), or after _REFUSED_LINGER_S,
+# so that refused connections hold few descriptors however fast they come back.
 _LINGER_S = 1.0
+_REFUSED_LINGER_S = 0.25
 # Where the app's lifespan leaves its metrics for the protocol (uvicorn's shared lifespan state).
 METRICS_KEY = "specgate.metrics"
 
@@ -75,7 +78,10 @@ def edge_protocol(header_timeout_s: float, max_connections: int) -> type[HttpToo
 
         def data_received(self, data: bytes) -> None:
             if self._answered:
-                return  # read and dropped, so that closing sends no reset ahead of the answer
+                # Read and dropped, so that closing sends no reset ahead of the answer.
+                if self._refused:
+                    self.transport.close()
+                return
             if self._head_since is None and (self.cycle is None or self.cycle.response_complete):
                 self._await_head()  # the next request's first byte (a bare CRLF counts too)
             super().data_received(data)
@@ -88,7 +94,9 @@ def edge_protocol(header_timeout_s: float, max_connections: int) -> type[HttpToo
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            if not self._refused:
+            if self._refused:
+                self.parser = None  # type: ignore[assignment]  # as uvicorn does: no cycle left to collect
+            else:
                 self._gauge(-1)
                 super().connection_lost(exc)
 
@@ -136,9 +144,9 @@ def edge_protocol(header_timeout_s: float, max_connections: int) -> type[HttpToo
             self._refused = True
             self.transport = transport
             self._count("limit")
-            self._answer(transport, busy)
+            self._answer(transport, busy, _REFUSED_LINGER_S)
 
-        def _answer(self, transport: asyncio.Transport, answer: bytes) -> None:
+        def _answer(self, transport: asyncio.Transport, answer: bytes, linger_s: float = _LINGER_S) -> None:
             # Write, half-close, and read until the client closes (or _LINGER_S): closing a socket
             # with unread bytes would reset the connection, and the client could lose the answer.
             self._answered = True
@@ -149,7 +157,7 @@ def edge_protocol(header_timeout_s: float, max_connections: int) -> type[HttpToo
             transport.write_eof()
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = self.loop.call_later(_LINGER_S, transport.abort)
+            self._timer = self.loop.call_later(linger_s, transport.abort)
 
         def eof_received(self) -> None:
             if self._answered:
