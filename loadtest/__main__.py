@@ -27,6 +27,8 @@ from .prompts import source
 from .report import calibration_text, compare_table, level_table, level_warnings, plot_compare, write_json
 from .shift import add_parser as add_shift_parser
 from .shift import cmd_shift
+from .slowloris import add_parser as add_slowloris_parser
+from .slowloris import cmd_slowloris
 from .stats import DEFAULT_MIN_REQUESTS, LevelStats
 from .sweep import LevelPlan, TargetUnreachable, first_model, make_session, run_level
 
@@ -184,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="run only the scenarios whose name contains TEXT (repeatable)")  # fmt: skip
     overhead.add_argument("--out", default=None, help="write every sample as JSON here")
     add_shift_parser(sub)
+    add_slowloris_parser(sub)
     return parser
 
 
@@ -509,6 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_overhead(args)
     if args.command == "shift":
         return cmd_shift(args)
+    if args.command == "slowloris":
+        return cmd_slowloris(args)
     if getattr(args, "prompts", "") is None:
         args.prompts = "short" if getattr(args, "real", False) else "diverse"
     if args.command == "demo":

@@ -10,6 +10,9 @@ import time
 
 import httpx
 import orjson
+import uvloop
+
+from loadtest.slowloris import format_report, run_slowloris
 
 from .conftest import StartStack
 from .helpers import scrape
@@ -141,3 +144,16 @@ def test_operator_endpoints_need_an_admin_key_when_set(stack: StartStack) -> Non
     assert httpx.get(guarded.url + "/metrics").status_code == 401
     assert httpx.get(guarded.url + "/metrics", headers={"Authorization": "Bearer adm"}).status_code == 200
     assert httpx.get(guarded.url + "/ready").status_code == 200
+
+
+def test_slowloris_scenario_runs() -> None:
+    """`python -m loadtest slowloris`, small and short: a benchmark, so nothing timed is asserted,
+    only that the attack happened and was dealt with."""
+    report = uvloop.run(run_slowloris(idle=100, slow=10, concurrency=2, phase_s=1.5, time_scale=50,
+                                      max_tokens=4, header_timeout_s=0.5))  # fmt: skip
+    quiet, attack, recovery = report.phases
+    assert quiet.requests and attack.requests and recovery.requests
+    assert attack.attacker_closed_by_specgate >= 110 and attack.attacker_408 >= 10
+    assert report.rejections["header_timeout"] >= 110
+    assert quiet.errors == attack.errors == recovery.errors == 0
+    assert "under attack" in format_report(report)
