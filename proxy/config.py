@@ -23,7 +23,9 @@ DEFAULT_ALLOWED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddi
 class Settings(BaseSettings):
     """Every option of the gateway. Building it reads the environment; it starts nothing."""
 
-    model_config = SettingsConfigDict(env_prefix="SPECGATE_", env_file=".env", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="SPECGATE_", env_file=".env", extra="ignore", frozen=True, env_ignore_empty=True
+    )
 
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=1, le=65535)

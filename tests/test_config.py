@@ -172,3 +172,15 @@ def test_passwords_in_server_urls_are_never_printed(simulator: StartSim) -> None
 )
 def test_redact_url(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+def test_empty_values_count_as_unset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # compose passes `${SPECGATE_HIGH_WATERMARK:-}`: empty must leave the calibration's watermarks.
+    monkeypatch.setenv("SPECGATE_CALIBRATION", str(_cal_file(tmp_path)))
+    monkeypatch.setenv("SPECGATE_HIGH_WATERMARK", "")
+    monkeypatch.setenv("SPECGATE_LOW_WATERMARK", "")
+    s = Settings(_env_file=None)
+    assert s.watermarks(s.load_calibration()) == (19, 14)
+    monkeypatch.setenv("SPECGATE_CALIBRATION", "")
+    s = Settings(_env_file=None)
+    assert s.calibration is None and s.watermarks(None) == (16, 8)
