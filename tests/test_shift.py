@@ -84,7 +84,8 @@ def test_adaptive_follows_the_prompt_mix_through_two_shifts(tmp_path: Path) -> N
     assert [p["source"] for p in phases] == ["repetitive", "diverse", "repetitive"]
     for p in phases:
         assert set(p["stats"]) == {"speculative", "baseline", "static", "adaptive"}
-        assert set(p["vs_better"]) == set(p["settle_s"]) == set(p["switches"]) == {"static", "adaptive"}
+        assert set(p["vs_better"]) == set(p["settle_s"]) == set(p["mode_settle_s"]) == {"static", "adaptive"}
+        assert set(p["switches"]) == {"static", "adaptive"}
         for name, st in p["stats"].items():
             # Every target answered, and no request failed on a server (client errors are not errors).
             assert st["completed"] > 0, (name, p["index"])
