@@ -93,10 +93,10 @@ CALIBRATE_LEVELS = (1, 2, 5, 10, 20, 30, 50, 70)
 CALIBRATE_DURATION_S = 30.0  # per level, at time scale 1
 DRAIN_S = 120.0  # at time scale 1: how long the requests in flight at the end may take
 # Specgate's time settings (seconds at time scale 1, divided by the time scale) and rates
-# (multiplied by it); watermarks are counts and stay. Defaults: proxy/config.py.
+# (multiplied by it); watermarks and probe tokens are counts and stay. Defaults: proxy/config.py.
 SCALED_DOWN = ("min_dwell_s", "half_life_s", "probe_s", "probe_max_s")
 SCALED_UP = ("max_step_per_s",)
-UNSCALED = ("min_watermark", "max_watermark")
+UNSCALED = ("min_watermark", "max_watermark", "probe_tokens")  # counts
 ADAPTIVE_SETTINGS = SCALED_DOWN + SCALED_UP + UNSCALED
 
 
