@@ -239,12 +239,40 @@ class Estimate:
     throughput: Crossing
     latency: Crossing
     crossover: float | None  # streams; None when nothing can be concluded
-    high: int | None  # the high watermark the estimate calls for
+    high: int | None  # the watermarks the estimate calls for (None: nothing concluded)
+    low: int | None
     why: str
 
 
-def estimate(model: SpeedModel, accept_live: float | None, now: float) -> Estimate:
-    """The two curves as believed now, their crossover, and the high watermark it calls for."""
+def _watermarks_with_margin(
+    levels: Sequence[int],
+    curves: tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[float]],
+    margin: float,
+    open_ends: Sequence[int],
+) -> tuple[int | None, int | None]:
+    """(high, low): leave speculation where the baseline is ahead by `margin` (throughput or TPOT),
+    come back where speculation is ahead by it. Between the two the mode holds, so two servers
+    within `margin` of each other do not pull traffic back and forth."""
+    spec, base, tpot_spec, tpot_base = curves
+    up = 1.0 + margin
+    leave = (
+        crossing(levels, [v * up for v in spec], base),
+        crossing(levels, [t / up for t in tpot_spec], tpot_base, higher_is_better=False),
+    )
+    back = (
+        crossing(levels, spec, [v * up for v in base]),
+        crossing(levels, [t * up for t in tpot_spec], tpot_base, higher_is_better=False),
+    )
+    highs = [h for c in leave if (h := high_for(c, open_ends)) is not None]
+    lows = [h for c in back if (h := high_for(c, open_ends)) is not None]
+    if not highs:
+        return None, None
+    high = min(highs)
+    return high, min(min(lows, default=high), hysteresis_low(high))
+
+
+def estimate(model: SpeedModel, accept_live: float | None, now: float, margin: float = 0.0) -> Estimate:
+    """The two curves as believed now, their crossover, and the watermarks they call for."""
     prior = model.prior
     levels = model.levels
     if accept_live is not None:
@@ -256,54 +284,62 @@ def estimate(model: SpeedModel, accept_live: float | None, now: float) -> Estima
     spec = tuple(c * model.v("speculative", i, now) * accept[i] for i, c in enumerate(levels))
     base = tuple(c * model.v("baseline", i, now) for i, c in enumerate(levels))
     tp = crossing(levels, spec, base)
-    lat = Crossing("no_data")
+    tpot_spec = tpot_base = (math.nan,) * len(levels)
     if prior is not None:
         # TPOT scales inversely with speed: by the same acceptance and corrections as the curves.
         tpot_spec = tuple(
             t * prior.v_spec[i] * prior.accept[i] / (spec[i] / levels[i]) for i, t in enumerate(prior.tpot_spec)
         )
         tpot_base = tuple(t * prior.v_base[i] / (base[i] / levels[i]) for i, t in enumerate(prior.tpot_base))
-        lat = crossing(levels, tpot_spec, tpot_base, higher_is_better=False)
+    lat = crossing(levels, tpot_spec, tpot_base, higher_is_better=False)
     open_ends = () if prior is not None else levels
-    highs = [h for h in (high_for(tp, open_ends), high_for(lat, open_ends)) if h is not None]
     crossings = [
         c.at if c.verdict == "crosses" else float(h)
         for c in (tp, lat)
         if c.at is not None and (h := high_for(c, open_ends)) is not None
     ]
-    high = min(highs) if highs else None
     crossover = min(crossings) if crossings else None
+    high, low = _watermarks_with_margin(levels, (spec, base, tpot_spec, tpot_base), margin, open_ends)
     a = f"acceptance {accept_live:.2f} live" if accept_live is not None else "no live acceptance"
     if prior is not None and prior.accept:
         a += f" (calibrated {sum(prior.accept) / len(prior.accept):.2f})"
-    if high is None:
+    if high is None or crossover is None:
         why = f"not enough observations of both servers at neighbouring loads yet; static watermarks ({a})"
-    elif high == 0:
+    elif crossover == 0:
         why = f"speculation pays at no load measured ({a})"
     elif tp.verdict == "always_pays" and lat.verdict in ("always_pays", "no_data"):
         why = f"speculation pays up to the highest level known, {high} streams ({a})"
     else:
         why = f"speculation stops paying at about {crossover:.1f} streams ({a})"
-    return Estimate(levels, spec, base, accept_live, accept[0] if accept else None, tp, lat, crossover, high, why)
+    if high is not None and margin > 0:
+        why += f"; {margin:.0%} margin: leave at {high}, come back at {low}"
+    accept_used = accept[0] if accept else None
+    return Estimate(levels, spec, base, accept_live, accept_used, tp, lat, crossover, high, low, why)
 
 
 @dataclass(frozen=True)
 class WatermarkState:
-    """The live high watermark as a real number (moved at a bounded rate) and when it last moved."""
+    """The live watermarks as real numbers (moved at a bounded rate) and when they last moved."""
 
     high: float
+    low: float
     at: float
 
 
 def step_watermark(
-    state: WatermarkState, target: int, now: float, max_step_per_s: float, lo: int, hi: int
+    state: WatermarkState, target: tuple[int, int], now: float, max_step_per_s: float, lo: int, hi: int
 ) -> WatermarkState:
-    """Move toward `target` by at most max_step_per_s per second since the last step, within [lo, hi]."""
+    """Move toward `target` (high, low) by at most max_step_per_s per second since the last step,
+    within [lo, hi]."""
     room = max_step_per_s * max(0.0, now - state.at)
-    high = state.high + min(max(target - state.high, -room), room)
-    return WatermarkState(min(max(high, float(lo)), float(hi)), now)
+
+    def move(value: float, to: int) -> float:
+        moved = value + min(max(to - value, -room), room)
+        return min(max(moved, float(lo)), float(hi))
+
+    return WatermarkState(move(state.high, target[0]), move(state.low, target[1]), now)
 
 
 def watermarks(state: WatermarkState) -> tuple[int, int]:
     high = round(state.high)
-    return high, hysteresis_low(high)
+    return high, min(round(state.low), hysteresis_low(high))

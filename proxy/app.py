@@ -70,6 +70,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
             max_step_per_s=settings.adaptive_max_step_per_s,
             half_life_s=settings.adaptive_half_life_s,
             probe_tokens=settings.adaptive_probe_tokens,
+            margin=settings.adaptive_margin,
         )
         router = Router(cfg, health, metrics, adaptive, calibration)
         health.on_change = router.refresh

@@ -56,6 +56,8 @@ class Settings(BaseSettings):
     adaptive_probe_max_s: float = Field(60.0, ge=0)
     # A probe session sends requests one at a time until this many output tokens came back.
     adaptive_probe_tokens: int = Field(160, ge=1)
+    # Leave speculation where the baseline is ahead by this share, return where speculation is.
+    adaptive_margin: float = Field(0.05, ge=0, le=0.5)
     # Engine gauges frozen this long are taken as an idle server (SGLang keeps them when idle).
     engine_stale_s: float = Field(10.0, gt=0)
     # Which engine's metrics to read: detected from each server's /metrics names, or fixed.

@@ -52,6 +52,9 @@ class AdaptiveConfig:
     # A probe session lasts until this many output tokens came back from the speculative server:
     # SGLang refreshes its acceptance gauge every 40 decode steps, 160 tokens at acceptance 4.
     probe_tokens: int = 160
+    # Leave speculation where the baseline is ahead by this share, come back where speculation
+    # is: two servers this close do not pull traffic back and forth.
+    margin: float = 0.05
 
 
 class Adaptive:
@@ -64,28 +67,30 @@ class Adaptive:
         self.calibration = calibration
         self.model = SpeedModel(Prior.of(calibration) if calibration else None, cfg.half_life_s)
         self.static_high, self.static_low = static
-        self.estimate: Estimate = estimate(self.model, None, now)
-        start = self.estimate.high if self.estimate.high is not None else self.static_high
-        self.wm = WatermarkState(self._clamp(start), now)
+        self.estimate: Estimate = estimate(self.model, None, now, cfg.margin)
+        high, low = self._target()
+        self.wm = WatermarkState(self._clamp(high), self._clamp(low), now)
         self.updated_at = now
+
+    def _target(self) -> tuple[int, int]:
+        e = self.estimate
+        if e.high is None or e.low is None:
+            return self.static_high, self.static_low
+        return e.high, e.low
 
     def _clamp(self, high: int) -> float:
         return float(min(max(high, self.cfg.min_watermark), self.cfg.max_watermark))
 
     def watermarks(self) -> tuple[int, int]:
-        """(high, low) in effect: the configured pair until an estimate moves the high one."""
-        high, low = watermarks(self.wm)
-        if self.estimate.high is None and high == self.static_high:
-            return high, min(self.static_low, high)
-        return high, low
+        """(high, low) in effect."""
+        return watermarks(self.wm)
 
     def update(self, accept_live: float | None, now: float) -> bool:
         """Re-estimate and move the watermark; True when the watermarks in effect changed."""
         before = self.watermarks()
-        self.estimate = estimate(self.model, accept_live, now)
-        target = self.estimate.high if self.estimate.high is not None else self.static_high
+        self.estimate = estimate(self.model, accept_live, now, self.cfg.margin)
         self.wm = step_watermark(
-            self.wm, target, now, self.cfg.max_step_per_s, self.cfg.min_watermark, self.cfg.max_watermark
+            self.wm, self._target(), now, self.cfg.max_step_per_s, self.cfg.min_watermark, self.cfg.max_watermark
         )
         self.updated_at = now
         return self.watermarks() != before
@@ -105,8 +110,8 @@ class Adaptive:
             "crossover_estimate": e.crossover,
             "throughput_verdict": e.throughput.verdict,
             "latency_verdict": e.latency.verdict,
-            "target_high_watermark": e.high if e.high is not None else self.static_high,
-            "high_watermark_exact": round(self.wm.high, 3),
+            "target_watermarks": dict(zip(("high", "low"), self._target(), strict=True)),
+            "watermarks_exact": {"high": round(self.wm.high, 3), "low": round(self.wm.low, 3)},
             "watermarks": {"high": high, "low": low},
             "why": e.why,
             "curves": {

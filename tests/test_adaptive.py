@@ -93,6 +93,16 @@ def test_live_acceptance_scales_the_speculative_curve() -> None:
     assert "pays at no load" in down.why
 
 
+def test_a_margin_widens_the_band_around_the_crossover() -> None:
+    model = SpeedModel(Prior.of(calibration()))
+    plain, wide = estimate(model, 3.0, 0.0), estimate(model, 3.0, 0.0, margin=0.05)
+    assert (plain.high, plain.low) == (20, 15) and wide.crossover == plain.crossover == pytest.approx(20)
+    # Leave where 1.05 x speculative = baseline (22.6), come back where speculative = 1.05 x baseline
+    # (17.0), and never closer than calibrate's quarter band (16).
+    assert (wide.high, wide.low) == (22, 16)
+    assert "5% margin: leave at 22, come back at 16" in wide.why
+
+
 def test_tpot_curves_scale_with_the_same_acceptance() -> None:
     model = SpeedModel(Prior.of(calibration(tpot=True)))
     e = estimate(model, 4.0, 0.0)
@@ -159,14 +169,16 @@ def test_without_calibration_nothing_is_concluded_until_both_servers_are_seen() 
 
 
 def test_watermark_moves_at_a_bounded_rate_inside_its_range() -> None:
-    s = WatermarkState(20.0, 0.0)
-    s = step_watermark(s, 0, 1.0, max_step_per_s=4.0, lo=2, hi=40)
-    assert s.high == pytest.approx(16.0)
-    s = step_watermark(s, 0, 10.0, 4.0, 2, 40)
-    assert s.high == 2.0  # clamped at the floor
-    s = step_watermark(s, 100, 100.0, 4.0, 2, 40)
-    assert s.high == 40.0
-    assert watermarks(WatermarkState(19.6, 0)) == (20, hysteresis_low(20)) == (20, 15)
+    s = WatermarkState(20.0, 15.0, 0.0)
+    s = step_watermark(s, (0, 0), 1.0, max_step_per_s=4.0, lo=2, hi=40)
+    assert s.high == pytest.approx(16.0) and s.low == pytest.approx(11.0)
+    s = step_watermark(s, (0, 0), 10.0, 4.0, 2, 40)
+    assert (s.high, s.low) == (2.0, 2.0)  # clamped at the floor
+    s = step_watermark(s, (100, 90), 100.0, 4.0, 2, 40)
+    assert (s.high, s.low) == (40.0, 40.0)
+    # The low watermark stays at least a quarter below the high one.
+    assert watermarks(WatermarkState(19.6, 19.0, 0)) == (20, hysteresis_low(20)) == (20, 15)
+    assert watermarks(WatermarkState(20.0, 11.0, 0)) == (20, 11)
 
 
 ADAPTIVE = PolicyConfig("adaptive", 10, 7, min_dwell_s=5.0, probe_s=4.0, probe_max_s=10.0, probe_max_load=50)
@@ -250,7 +262,8 @@ def router(cal: Calibration | None, clock: Clock, **cfg: float) -> tuple[Router,
         b.healthy = True
     health.backends["speculative"].spec_accept_length = 3.0
     policy = PolicyConfig("adaptive", 16, 8, min_dwell_s=2.0, probe_s=0.0, probe_max_load=70)
-    return Router(policy, health, metrics, AdaptiveConfig(**cfg), cal, clock=clock), health, metrics  # type: ignore[arg-type]
+    adaptive = AdaptiveConfig(**{"margin": 0.0, **cfg})  # type: ignore[arg-type]
+    return Router(policy, health, metrics, adaptive, cal, clock=clock), health, metrics
 
 
 def test_router_ends_a_probe_session_once_enough_tokens_came_back() -> None:
