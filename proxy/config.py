@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     # and a mode lasts at least min_dwell_s. Observed speeds halve in weight every half_life_s.
     adaptive_min_watermark: int = Field(0, ge=0)
     adaptive_max_watermark: int = Field(256, ge=1)
-    adaptive_max_step_per_s: float = Field(4.0, gt=0)
+    adaptive_max_step_per_s: float = Field(10.0, gt=0)
     adaptive_min_dwell_s: float = Field(10.0, ge=0)
     adaptive_half_life_s: float = Field(60.0, gt=0)
     # While everything goes to the baseline, one request goes to the idle speculative server after

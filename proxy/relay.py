@@ -311,8 +311,11 @@ class _Relay:
         keep_body = not is_sse and up.status == 200 and "json" in up.content_type
         inter_chunk = gate.metrics.child(gate.metrics.inter_chunk, backend)
         now = first_at = loop.time()
-        # The adaptive policy learns each server's per-stream speed at the load the stream ran at.
-        learn = timed and gate.router.adaptive is not None
+        # The adaptive policy learns each server's per-stream speed at the load the stream ran at,
+        # from streams that ran while the other server had nothing from us: the curves are of one
+        # server alone, and on a shared GPU each slows the other (a switch's drain would read as
+        # the new server being slow).
+        learn = timed and gate.router.adaptive is not None and gate.router.backend_load(other(backend)) == 0
         start_load = gate.router.backend_load(backend) if learn else 0
         if timed and first:
             gate.metrics.child(gate.metrics.ttft, backend).observe(now - call.started)
@@ -369,7 +372,12 @@ class _Relay:
             gate.metrics.child(gate.metrics.prompt_tokens, backend).inc(usage[0])
             gate.metrics.child(gate.metrics.output_tokens, backend).inc(usage[1])
             gate.router.note_output(backend, usage[1])
-            if learn and usage[1] >= MIN_LEARN_TOKENS and now > first_at:
+            if (
+                learn
+                and usage[1] >= MIN_LEARN_TOKENS
+                and now > first_at
+                and not gate.router.backend_load(other(backend))
+            ):
                 load = (start_load + gate.router.backend_load(backend)) / 2
                 gate.router.observe(backend, load, (usage[1] - 1) / (now - first_at))
         await self._last(out + tail if tail else out)

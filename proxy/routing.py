@@ -47,7 +47,7 @@ PROBE_MAX_REQUESTS = 4
 class AdaptiveConfig:
     min_watermark: int = 0
     max_watermark: int = 256
-    max_step_per_s: float = 4.0
+    max_step_per_s: float = 10.0
     half_life_s: float = 60.0
     # A probe session lasts until this many output tokens came back from the speculative server:
     # SGLang refreshes its acceptance gauge every 40 decode steps, 160 tokens at acceptance 4.
