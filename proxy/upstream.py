@@ -374,15 +374,14 @@ class UpstreamResponse:
     def headers(self) -> list[tuple[bytes, bytes]]:
         """The server's headers minus hop-by-hop ones, those its `Connection` names included."""
         out: list[tuple[bytes, bytes]] = []
-        hop: set[bytes] = set()
+        hop: set[bytes] | None = None
         for k, v in self._conn.headers:
             name = k.lower()
-            if name in _NOT_RETURNED:
-                if name == b"connection":
-                    hop.update(_tokens(v))
-                continue
-            out.append((name, v))
-        return [(k, v) for k, v in out if k not in hop] if hop - _CONNECTION_OPTIONS else out
+            if name not in _NOT_RETURNED:
+                out.append((name, v))
+            elif name == b"connection" and v.lower() not in _CONNECTION_OPTIONS:
+                hop = (hop or set()) | (_tokens(v) - _CONNECTION_OPTIONS)
+        return [(k, v) for k, v in out if k not in hop] if hop else out
 
     @property
     def ended(self) -> bool:
@@ -478,37 +477,42 @@ class Upstream:
         client's own, only from a trusted proxy, then the peer's address.
         uvicorn's parser already refused any header with CR or LF in it."""
         trusted = peer is not None and self.trusted(peer)
-        lines: list[tuple[bytes, bytes]] = []
-        hop: set[bytes] = set()
-        forwarded_for: list[bytes] = []
+        out: list[bytes] = []
+        hop: set[bytes] | None = None
+        forwarded_for = b""
         proto = b""
         for k, v in client_headers:
             name = k.lower()
             if name in _NOT_FORWARDED_UP:
-                if name == b"connection":
-                    hop.update(_tokens(v))
-            elif name in _FORWARDING:
-                if not trusted:
-                    continue
+                if name == b"connection" and v.lower() not in _CONNECTION_OPTIONS:
+                    hop = (hop or set()) | (_tokens(v) - _CONNECTION_OPTIONS)
+            elif name not in _FORWARDING:
+                out.append(name + b": " + v + b"\r\n")
+            elif trusted:
                 if name == b"x-forwarded-for":
-                    forwarded_for.append(v)
+                    forwarded_for = forwarded_for + b", " + v if forwarded_for else v
                 elif name == b"x-forwarded-proto":
                     proto = proto or v
                 else:
-                    lines.append((name, v))
-            else:
-                lines.append((name, v))
-        if hop - _CONNECTION_OPTIONS:
-            lines = [(k, v) for k, v in lines if k not in hop]
+                    out.append(name + b": " + v + b"\r\n")
+        if hop:  # rare: the client named headers as hop-by-hop
+            out = [line for line in out if line.split(b":", 1)[0] not in hop]
             if b"x-forwarded-for" in hop:
-                forwarded_for = []
+                forwarded_for = b""
+            if b"x-forwarded-proto" in hop:
+                proto = b""
         if peer is not None:
-            forwarded_for.append(peer.encode("latin-1"))
-        out = [k + b": " + v + b"\r\n" for k, v in lines]
+            addr = peer.encode("latin-1")
+            forwarded_for = forwarded_for + b", " + addr if forwarded_for else addr
         if forwarded_for:
-            out.append(b"x-forwarded-for: " + b", ".join(forwarded_for) + b"\r\n")
-        out.append(b"x-forwarded-proto: " + (proto or scheme.encode("latin-1")) + b"\r\n")
-        out.append(b"content-type: application/json\r\nx-request-id: " + request_id.encode("latin-1") + b"\r\n")
+            out.append(b"x-forwarded-for: " + forwarded_for + b"\r\n")
+        out.append(
+            b"x-forwarded-proto: "
+            + (proto or scheme.encode("latin-1"))
+            + b"\r\ncontent-type: application/json\r\nx-request-id: "
+            + request_id.encode("latin-1")
+            + b"\r\n"
+        )
         return b"".join(out)
 
     async def send(self, backend: Backend, target: bytes, body: bytes, headers: bytes) -> UpstreamResponse:

@@ -325,3 +325,25 @@ def test_idle_connections_are_closed_once_stale(monkeypatch: pytest.MonkeyPatch)
 
     script = asyncio.run(run_with(keep_alive, test))
     assert script.connections == 5
+
+
+@pytest.mark.parametrize(
+    ("trusted", "peer", "forwarded_for", "proto"),
+    [
+        ((), "192.0.2.7", b"192.0.2.7", b"http"),  # nobody trusted: the client's values are dropped
+        (("10.0.0.0/8",), "192.0.2.7", b"192.0.2.7", b"http"),  # a peer outside the trusted network
+        (("10.0.0.0/8",), "10.1.2.3", b"6.6.6.6, 7.7.7.7, 10.1.2.3", b"https"),  # kept in order, peer last
+        (("::1",), "::1", b"6.6.6.6, 7.7.7.7, ::1", b"https"),
+    ],
+)
+def test_forwarding_headers(trusted: tuple[str, ...], peer: str, forwarded_for: bytes, proto: bytes) -> None:
+    up = Upstream(Settings(_env_file=None, trusted_proxies=trusted))
+    client = [(b"X-Forwarded-For", b"6.6.6.6"), (b"x-forwarded-proto", b"https"), (b"x-forwarded-for", b"7.7.7.7"),
+              (b"x-real-ip", b"6.6.6.6"), (b"connection", b"Keep-Alive, X-Hop"), (b"x-hop", b"h"),
+              (b"x-ok", b"o")]  # fmt: skip
+    lines = up.request_headers(client, "rid", peer, "http").split(b"\r\n")
+    assert lines.count(b"x-forwarded-for: " + forwarded_for) == 1
+    assert lines.count(b"x-forwarded-proto: " + proto) == 1
+    assert sum(line.startswith(b"x-forwarded-for") for line in lines) == 1
+    assert (b"x-real-ip: 6.6.6.6" in lines) == (forwarded_for != peer.encode())
+    assert b"x-ok: o" in lines and not any(line.startswith(b"x-hop") for line in lines)
