@@ -41,6 +41,8 @@ log = logging.getLogger("specgate.routing")
 UPDATE_EVERY_S = 0.25
 # A probe session sends at most this many requests.
 PROBE_MAX_REQUESTS = 4
+# A reading of acceptance this much (relative) off the last one restarts the probes' back-off.
+ACCEPT_CHANGE = 0.1
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class Router:
         self.tracker = InflightTracker(on_change=self._inflight_changed)
         self._spec_idle_since: float | None = clock()
         self._probe_tokens = self._probe_requests = 0
+        self._accept_seen: float | None = None
         self.adaptive: Adaptive | None = None
         if cfg.policy == "adaptive":
             static = (cfg.high_watermark, cfg.low_watermark)
@@ -245,7 +248,12 @@ class Router:
         a = self.adaptive
         if a is None or now - a.updated_at < UPDATE_EVERY_S:
             return
-        if a.update(self._health.backends["speculative"].spec_accept_length, now):
+        accept = self._health.backends["speculative"].spec_accept_length
+        seen, self._accept_seen = self._accept_seen, accept
+        if accept is not None and seen is not None and abs(accept - seen) > ACCEPT_CHANGE * seen and self.state.probes:
+            # The traffic is changing: probe again soon rather than after a doubled wait.
+            self.state = dataclasses.replace(self.state, probes=0)
+        if a.update(accept, now):
             high, low = a.watermarks()
             log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
             self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)

@@ -326,3 +326,19 @@ def test_router_without_calibration_keeps_the_static_watermarks_until_it_knows()
     r.refresh()
     assert (r.cfg.high_watermark, r.cfg.low_watermark) == (16, 8)
     assert r.adaptive is not None and "static watermarks" in r.adaptive.estimate.why
+
+
+def test_a_changed_acceptance_reading_restarts_the_probes_back_off() -> None:
+    clock = Clock()
+    r, health, _ = router(calibration(), clock)
+    held = [r.admit("baseline") for _ in range(30)]  # above the high watermark: baseline mode
+    assert r.state.mode == "baseline"
+    r.state = dataclasses.replace(r.state, probes=3)
+    health.backends["speculative"].spec_accept_length = 3.05  # within 10% of the last: no news
+    clock.t += 1
+    r.refresh()
+    assert r.state.probes == 3
+    health.backends["speculative"].spec_accept_length = 1.6  # the traffic is changing
+    clock.t += 1
+    r.refresh()
+    assert r.state.probes == 0 and len(held) == 30
