@@ -20,6 +20,7 @@ import orjson
 from proxy.calibration import parse, to_json
 
 from .acceptance import AcceptanceMeter, redact
+from .args import levels as _levels
 from .calibrate import Crossover, Recommendation, calibrate, calibration_file, crossovers
 from .client import Target
 from .procs import Proc, free_port, start
@@ -37,16 +38,6 @@ DEFAULT_LEVELS = "1,2,5,10,30,70,100,250"
 # whose servers have 4 slots each and cross over at a few streams.
 DEMO_LEVELS, DEMO_DURATION_S = "1,5,10,30,70", 8.0
 REAL_DEMO_LEVELS, REAL_DEMO_DURATION_S, REAL_DEMO_MAX_TOKENS = "1,2,4,6,8", 20.0, 32
-
-
-def _levels(raw: str) -> list[int]:
-    try:
-        levels = sorted({int(x) for x in raw.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a comma list of integers") from None
-    if not levels or levels[0] < 1:
-        raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
-    return levels
 
 
 RESERVED_NAMES = ("speculative", "baseline", "specgate")

@@ -67,6 +67,7 @@ from proxy.calibration import CalibrationError
 from proxy.calibration import load as load_calibration
 from proxy.config import Settings
 
+from .args import levels
 from .client import RequestResult, Target, stream_request
 from .procs import Proc, free_port, http_status, start
 from .prompts import Prompt, source
@@ -925,13 +926,7 @@ def run_shift(plan: ShiftPlan, out_dir: Path, calibration: str | None, quiet: bo
 
 
 def _levels(raw: str) -> tuple[int, ...]:
-    try:
-        levels = sorted({int(x) for x in raw.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a comma list of integers") from None
-    if not levels or levels[0] < 1:
-        raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
-    return tuple(levels)
+    return tuple(levels(raw))
 
 
 def _phases(raw: str) -> tuple[str, ...]:

@@ -9,13 +9,14 @@ under `--accept-from-prompt` (default A + 1).
 
 from __future__ import annotations
 
-import bisect
 import csv
 import io
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Literal
+
+from proxy.adaptive import interpolate
 
 Role = Literal["speculative", "baseline"]
 ROLES: tuple[Role, ...] = ("speculative", "baseline")
@@ -47,14 +48,7 @@ class Profile:
     def throughput(self, role: Role, c: float) -> float:
         """Total tok/s at `c` streams: linear between points, flat outside them."""
         ys = self.speculative_tok_s if role == "speculative" else self.baseline_tok_s
-        xs = self.concurrency
-        if c <= xs[0]:
-            return ys[0]
-        if c >= xs[-1]:
-            return ys[-1]
-        i = bisect.bisect_right(xs, c)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (c - x0) / (x1 - x0)
+        return interpolate(self.concurrency, ys, c)
 
 
 def builtin_names() -> list[str]:

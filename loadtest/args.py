@@ -1,0 +1,16 @@
+"""argparse types shared by the load tester's subcommands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def levels(raw: str) -> list[int]:
+    """A comma list of concurrency levels: sorted, unique, positive."""
+    try:
+        found = sorted({int(x) for x in raw.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a comma list of integers") from None
+    if not found or found[0] < 1:
+        raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
+    return found
