@@ -14,3 +14,11 @@ def levels(raw: str) -> list[int]:
     if not found or found[0] < 1:
         raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
     return found
+
+
+def positive(raw: str) -> float:
+    """A number > 0."""
+    value = float(raw)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{raw} must be > 0")
+    return value

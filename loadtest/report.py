@@ -13,8 +13,8 @@ from .calibrate import Crossover, Recommendation
 from .stats import LevelStats
 
 
-def _f(value: float, digits: int = 1) -> str:
-    return "-" if math.isnan(value) else f"{value:,.{digits}f}"
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:,.{digits}f}"
 
 
 def level_table(title: str, rows: Sequence[LevelStats]) -> str:
@@ -28,10 +28,10 @@ def level_table(title: str, rows: Sequence[LevelStats]) -> str:
     for r in rows:
         share = ", ".join(f"{b} {v:.0%}" for b, v in r.backend_share.items())
         lines.append(
-            f"{_conc(r):>5} {_f(r.output_tok_s):>10} {_f(r.request_per_s, 2):>7} {_f(r.mean_ttft_ms):>9} "
-            f"{_f(r.median_ttft_ms):>7} {_f(r.p99_ttft_ms):>7} {_f(r.mean_itl_ms):>8} {_f(r.median_itl_ms):>6} "
-            f"{_f(r.p95_itl_ms):>6} {_f(r.p99_itl_ms):>6} {_f(r.mean_tpot_ms):>6} {_f(r.mean_e2e_ms):>9} "
-            f"{_f(r.median_e2e_ms):>8} {r.errors:>4} {r.client_errors:>4}  {share}"
+            f"{_conc(r):>5} {fmt(r.output_tok_s):>10} {fmt(r.request_per_s, 2):>7} {fmt(r.mean_ttft_ms):>9} "
+            f"{fmt(r.median_ttft_ms):>7} {fmt(r.p99_ttft_ms):>7} {fmt(r.mean_itl_ms):>8} {fmt(r.median_itl_ms):>6} "
+            f"{fmt(r.p95_itl_ms):>6} {fmt(r.p99_itl_ms):>6} {fmt(r.mean_tpot_ms):>6} {fmt(r.mean_e2e_ms):>9} "
+            f"{fmt(r.median_e2e_ms):>8} {r.errors:>4} {r.client_errors:>4}  {share}"
         )
     lines.append("(times in ms; out tok/s from usage over the measurement window; err: the server's errors, "
                  "cerr: the client's, requests that failed before the server answered)")  # fmt: skip
@@ -90,7 +90,7 @@ def compare_table(sweeps: Mapping[str, Sequence[LevelStats]]) -> str:
             ratio = p.output_tok_s / better if better > 0 else math.nan
             all_conclusive = s.conclusive and b.conclusive and p.conclusive
             line += (
-                f" {_star(p.output_tok_s, p):>10} {_f(ratio, 3) + ('' if all_conclusive else '*'):>9}"
+                f" {_star(p.output_tok_s, p):>10} {fmt(ratio, 3) + ('' if all_conclusive else '*'):>9}"
                 f" {p.backend_share.get('speculative', 0.0):>10.0%}"
             )
         for name, rows in extras.items():
@@ -98,7 +98,7 @@ def compare_table(sweeps: Mapping[str, Sequence[LevelStats]]) -> str:
             ratio = e.output_tok_s / better if better > 0 else math.nan
             all_conclusive = s.conclusive and b.conclusive and e.conclusive
             width = max(10, len(name))
-            line += f" {_star(e.output_tok_s, e):>{width}} {_f(ratio, 3) + ('' if all_conclusive else '*'):>9}"
+            line += f" {_star(e.output_tok_s, e):>{width}} {fmt(ratio, 3) + ('' if all_conclusive else '*'):>9}"
         lines.append(line)
     for name, rows in sweeps.items():
         # Only what explains the stars: the per-target tables and the progress lines say the rest.
@@ -107,7 +107,7 @@ def compare_table(sweeps: Mapping[str, Sequence[LevelStats]]) -> str:
 
 
 def _star(value: float, r: LevelStats) -> str:
-    return _f(value) if r.conclusive else _f(value) + "*"
+    return fmt(value) if r.conclusive else fmt(value) + "*"
 
 
 def calibration_text(throughput: Crossover, latency: Crossover, rec: Recommendation) -> str:

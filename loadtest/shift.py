@@ -67,11 +67,11 @@ from proxy.calibration import CalibrationError
 from proxy.calibration import load as load_calibration
 from proxy.config import Settings
 
-from .args import levels
+from .args import levels, positive
 from .client import RequestResult, Target, stream_request
 from .procs import Proc, free_port, http_status, start
 from .prompts import Prompt, source
-from .report import write_json
+from .report import fmt, write_json
 from .stats import DEFAULT_MIN_REQUESTS, LevelStats, summarize
 from .sweep import ERROR_BACKOFF_S, first_model, make_session
 
@@ -651,10 +651,6 @@ def rolling_series(cap: Capture, plan: ShiftPlan) -> dict[str, list[tuple[float,
 # Report
 
 
-def _f(x: float | None, digits: int = 1) -> str:
-    return "-" if x is None or math.isnan(x) else f"{x:,.{digits}f}"
-
-
 def level_table(plan: ShiftPlan, levels: Sequence[LevelReport]) -> str:
     head = (
         f"{'c':>4} {'phase':<14} {'spec':>8} {'base':>8} {'static':>8} {'adaptive':>8} "
@@ -668,20 +664,20 @@ def level_table(plan: ShiftPlan, levels: Sequence[LevelReport]) -> str:
 
             def tput(name: str, p: PhaseReport = p) -> str:
                 st = p.stats[name]
-                return _f(st.output_tok_s, 0) + ("" if st.conclusive else "*")
+                return fmt(st.output_tok_s, 0) + ("" if st.conclusive else "*")
 
             settle = p.settle_s["adaptive"]
-            settle_txt = "never" if settle is None else _f(settle)
+            settle_txt = "never" if settle is None else fmt(settle)
             mode_s = p.mode_settle_s["adaptive"]
-            mode_txt = "-" if p.tie or p.better is None else "never" if mode_s is None else _f(mode_s)
+            mode_txt = "-" if p.tie or p.better is None else "never" if mode_s is None else fmt(mode_s)
             sw = "/".join("-" if p.switches[g] is None else str(p.switches[g]) for g in ("adaptive", "static"))
             modes = "/".join(p.mode_at_end[g] or "-" for g in ("adaptive", "static"))
             better = {"speculative": "s", "baseline": "b"}.get(p.better or "", "?") + ("~" if p.tie else "")
             lines.append(
                 f"{lv.concurrency:>4} {f'{p.index + 1} {p.source}':<14} {tput('speculative'):>8} "
                 f"{tput('baseline'):>8} {tput('static'):>8} {tput('adaptive'):>8} "
-                f"{_f(p.vs_better['static'], 3) + star:>13} {_f(p.vs_better['adaptive'], 3) + star:>12} "
-                f"{_f(p.adaptive_vs_static, 3) + star:>12} {settle_txt:>8} {mode_txt:>6} {sw:>10} "
+                f"{fmt(p.vs_better['static'], 3) + star:>13} {fmt(p.vs_better['adaptive'], 3) + star:>12} "
+                f"{fmt(p.adaptive_vs_static, 3) + star:>12} {settle_txt:>8} {mode_txt:>6} {sw:>10} "
                 f"{'-' if p.probes is None else p.probes:>6} {modes:>22}  better: {better}"
             )
     lines.append(
@@ -716,7 +712,7 @@ def verdicts(plan: ShiftPlan, levels: Sequence[LevelReport]) -> list[str]:
         return f"c={c} phase {p.index + 1} ({p.source})"
 
     low = [
-        f"{where(c, p)}: {_f(p.vs_better['adaptive'], 3)}"
+        f"{where(c, p)}: {fmt(p.vs_better['adaptive'], 3)}"
         for c, p in phases
         if not p.vs_better["adaptive"] >= RATIO_TARGET
     ]
@@ -744,7 +740,7 @@ def verdicts(plan: ShiftPlan, levels: Sequence[LevelReport]) -> list[str]:
     else:
         # Traffic that does not shift: adaptive should cost nothing against the static watermarks.
         off = [
-            f"{where(c, p)}: {_f(p.adaptive_vs_static, 3)}"
+            f"{where(c, p)}: {fmt(p.adaptive_vs_static, 3)}"
             for c, p in phases
             if not abs(p.adaptive_vs_static - 1.0) <= STEADY_TOLERANCE
         ]
@@ -780,8 +776,8 @@ def cpu_lines(levels: Sequence[LevelReport]) -> list[str]:
         u = lv.cpu
         procs = ", ".join(f"{k} {v:g} s" for k, v in u.by_process_s.items())
         out.append(
-            f"CPU c={lv.concurrency}: machine {_f(u.machine_busy_mean * 100, 0)}% busy on average "
-            f"(p95 {_f(u.machine_busy_p95 * 100, 0)}%, {u.cores} cores); CPU time: {procs}"
+            f"CPU c={lv.concurrency}: machine {fmt(u.machine_busy_mean * 100, 0)}% busy on average "
+            f"(p95 {fmt(u.machine_busy_p95 * 100, 0)}%, {u.cores} cores); CPU time: {procs}"
         )
     return out
 
@@ -893,7 +889,7 @@ def run_shift(plan: ShiftPlan, out_dir: Path, calibration: str | None, quiet: bo
         raise ValueError(f"--calibration: {exc}") from None
     _say(
         f"calibration {cal}: static watermarks high={cal_data.high_watermark} low={cal_data.low_watermark} "
-        f"({cal_data.verdict}); acceptance {_f(cal_data.accept_length or math.nan, 2)}",
+        f"({cal_data.verdict}); acceptance {fmt(cal_data.accept_length or math.nan, 2)}",
         quiet,
     )
     levels = [run_level(plan, c, str(cal), quiet) for c in plan.levels]
@@ -952,13 +948,6 @@ def _setting(raw: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"{raw!r}: {value!r} is not a number") from None
 
 
-def _positive(raw: str) -> float:
-    value = float(raw)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{raw} must be > 0")
-    return value
-
-
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "shift",
@@ -975,14 +964,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="comma list of prompt sources, one a phase (default repetitive,diverse,repetitive; one source: "
         "steady traffic, adaptive against static)",
     )
-    p.add_argument("--phase-s", type=_positive, default=60.0, help="seconds a phase (default 60)")
+    p.add_argument("--phase-s", type=positive, default=60.0, help="seconds a phase (default 60)")
     p.add_argument(
         "--settle-s",
         type=float,
         default=30.0,
         help="seconds at the start of each phase that are not scored (default 30)",
     )
-    p.add_argument("--time-scale", type=_positive, default=1.0, help="simulators' time scale (default 1)")
+    p.add_argument("--time-scale", type=positive, default=1.0, help="simulators' time scale (default 1)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument(
         "--calibration",

@@ -235,7 +235,6 @@ class Estimate:
     speculative_tok_s: tuple[float, ...]
     baseline_tok_s: tuple[float, ...]
     accept_live: float | None
-    accept_used: float | None
     throughput: Crossing
     latency: Crossing
     crossover: float | None  # streams; None when nothing can be concluded
@@ -313,8 +312,7 @@ def estimate(model: SpeedModel, accept_live: float | None, now: float, margin: f
         why = f"speculation stops paying at about {crossover:.1f} streams ({a})"
     if high is not None and margin > 0:
         why += f"; {margin:.0%} margin: leave at {high}, come back at {low}"
-    accept_used = accept[0] if accept else None
-    return Estimate(levels, spec, base, accept_live, accept_used, tp, lat, crossover, high, low, why)
+    return Estimate(levels, spec, base, accept_live, tp, lat, crossover, high, low, why)
 
 
 @dataclass(frozen=True)

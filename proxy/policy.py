@@ -161,9 +161,9 @@ def dwell_mode(
     return PolicyState(nxt.mode, since=now), False
 
 
-def accept_fresh(snapshot: LoadSnapshot, cfg: PolicyConfig) -> bool:
-    idle = snapshot.speculative_idle_since
-    return idle is None or snapshot.now - idle <= cfg.accept_fresh_s
+def accept_fresh(idle_since: float | None, now: float, cfg: PolicyConfig) -> bool:
+    """Whether the speculative server had traffic recently enough for its acceptance reading."""
+    return idle_since is None or now - idle_since <= cfg.accept_fresh_s
 
 
 def probe_due(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig, load: int) -> bool:
@@ -191,7 +191,8 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
         else:
             reason = "heavy_load" if load >= cfg.high_watermark else "hysteresis_hold"
     elif cfg.policy == "adaptive":
-        state, held = dwell_mode(load, state, cfg, snapshot.now, accept_fresh(snapshot, cfg))
+        fresh = accept_fresh(snapshot.speculative_idle_since, snapshot.now, cfg)
+        state, held = dwell_mode(load, state, cfg, snapshot.now, fresh)
         choice = state.mode
         if held:
             reason = "dwell_hold"

@@ -66,7 +66,6 @@ class Adaptive:
         self, cfg: AdaptiveConfig, calibration: Calibration | None, static: tuple[int, int], now: float
     ) -> None:
         self.cfg = cfg
-        self.calibration = calibration
         self.model = SpeedModel(Prior.of(calibration) if calibration else None, cfg.half_life_s)
         self.static_high, self.static_low = static
         self.estimate: Estimate = estimate(self.model, None, now, cfg.margin)
@@ -239,8 +238,8 @@ class Router:
         elif self.cfg.policy == "adaptive":
             now = self._clock()
             self._update(now)
-            snap = self.snapshot()
-            self._set_state(dwell_mode(load, self.state, self.cfg, now, accept_fresh(snap, self.cfg))[0])
+            fresh = accept_fresh(self._spec_idle_since, now, self.cfg)
+            self._set_state(dwell_mode(load, self.state, self.cfg, now, fresh)[0])
         else:
             self._set_state(PolicyState("speculative" if spec_load < self.cfg.spillover_limit else "baseline"))
 

@@ -11,6 +11,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from ..args import positive
 from .engine import SharedGpu
 from .profile import ProfileError, builtin_names, load_profile
 from .server import ServerConfig, SimServer
@@ -32,13 +33,6 @@ def _probability(raw: str) -> float:
     value = float(raw)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"{raw} is not a probability in [0, 1]")
-    return value
-
-
-def _positive(raw: str) -> float:
-    value = float(raw)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{raw} must be > 0")
     return value
 
 
@@ -78,7 +72,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "model's tokenizer from it, like sglang-router, find a local one there instead of reaching for a hub",
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' as SGLang does")
-    p.add_argument("--time-scale", type=_positive, default=1.0, help="run everything X times faster")
+    p.add_argument("--time-scale", type=positive, default=1.0, help="run everything X times faster")
     p.add_argument(
         "--max-running-requests",
         type=_positive_int,
@@ -121,7 +115,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="share of requests that stop producing mid-way and hang until the client leaves",
     )
     p.add_argument("--ttft-base-ms", type=_non_negative, default=20.0, help="fixed part of time to first token")
-    p.add_argument("--prefill-tok-s", type=_positive, default=50_000.0, help="prompt tokens per second of prefill")
+    p.add_argument("--prefill-tok-s", type=positive, default=50_000.0, help="prompt tokens per second of prefill")
     p.add_argument(
         "--default-max-tokens",
         type=_positive_int,
