@@ -245,8 +245,10 @@ def test_engine_load_and_acceptance_are_read_from_llama_server(llama: Pair) -> N
             ) as stream,
         ):
             next(stream.iter_lines())
-            wait_for(lambda: gw.routing()["backends"]["speculative"]["engine_load"] == 1)
-            assert gw.routing()["load"] == 1 and gw.routing()["inflight"] == 0
+            # llama-server's requests_processing reads 0 now and then while a slot is generating
+            # (seen in about one run of three): a reading of 1 must come, not every reading be 1.
+            wait_for(lambda: gw.routing()["backends"]["speculative"]["engine_load"] == 1, 15)
+            wait_for(lambda: (r := gw.routing())["load"] == 1 and r["inflight"] == 0, 15)
         wait_for(lambda: gw.routing()["load"] == 0)
         drafts_before = scrape(llama.speculative.url)["llamacpp:spec_decode_num_drafts_total"]
         answer = client(gw.url).completions.create(model="m", prompt=REPETITIVE, max_tokens=48, temperature=0)
