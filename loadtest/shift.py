@@ -97,7 +97,7 @@ DRAIN_S = 120.0  # at time scale 1: how long the requests in flight at the end m
 # (multiplied by it); watermarks and probe tokens are counts and stay. Defaults: proxy/config.py.
 SCALED_DOWN = ("min_dwell_s", "half_life_s", "probe_s", "probe_max_s")
 SCALED_UP = ("max_step_per_s",)
-UNSCALED = ("min_watermark", "max_watermark", "probe_tokens")  # counts
+UNSCALED = ("min_watermark", "max_watermark", "probe_tokens", "shadow_tokens")  # counts
 ADAPTIVE_SETTINGS = SCALED_DOWN + SCALED_UP + UNSCALED
 
 

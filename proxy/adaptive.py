@@ -47,6 +47,7 @@ PRIOR_WEIGHT = 3.0  # the calibration counts as this many observations
 MAX_CORRECTION = 2.0  # observed speed vs calibration, bounded to [1/2, 2]
 CLIP_LOG = 0.35  # one observation moves a level's estimate by at most ~40% of the way
 MIN_WEIGHT_NO_PRIOR = 3.0  # without a calibration, a level counts after this many observations
+MIN_STREAM_EVENTS = 4  # a stream's acceptance is read from at least this many content events
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -270,8 +271,22 @@ def _watermarks_with_margin(
     return high, min(min(lows, default=high), hysteresis_low(high))
 
 
-def estimate(model: SpeedModel, accept_live: float | None, now: float, margin: float = 0.0) -> Estimate:
-    """The two curves as believed now, their crossover, and the watermarks they call for."""
+def stream_accept(tokens: int, events: int) -> float | None:
+    """Acceptance length of one stream from its output tokens and content events, for engines that
+    send one event per decode step; None below MIN_STREAM_EVENTS events. The first and last events
+    are short of a full step (SGLang's first token comes from prefill; the last step is cut by
+    max_tokens or a stop), so one event and one token are set aside: exact at acceptance 1, and
+    within about 10% on a 16-token shadow probe either way."""
+    if events < MIN_STREAM_EVENTS or tokens < events:
+        return None
+    return (tokens - 1) / (events - 1)
+
+
+def estimate(
+    model: SpeedModel, accept_live: float | None, now: float, margin: float = 0.0, source: str = "live"
+) -> Estimate:
+    """The two curves as believed now, their crossover, and the watermarks they call for. `source`
+    says where the live acceptance was read, for `why`."""
     prior = model.prior
     levels = model.levels
     if accept_live is not None:
@@ -299,7 +314,7 @@ def estimate(model: SpeedModel, accept_live: float | None, now: float, margin: f
     ]
     crossover = min(crossings) if crossings else None
     high, low = _watermarks_with_margin(levels, (spec, base, tpot_spec, tpot_base), margin, open_ends)
-    a = f"acceptance {accept_live:.2f} live" if accept_live is not None else "no live acceptance"
+    a = f"acceptance {accept_live:.2f} {source}" if accept_live is not None else "no live acceptance"
     if prior is not None and prior.accept:
         a += f" (calibrated {sum(prior.accept) / len(prior.accept):.2f})"
     if high is None or crossover is None:

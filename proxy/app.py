@@ -27,6 +27,7 @@ from .health import HealthMonitor
 from .metrics import Metrics, code_class
 from .paths import Routes, Verdict, path_problem
 from .policy import BACKENDS, PolicyConfig
+from .probe import Prober
 from .routing import AdaptiveConfig, Router
 from .upstream import Upstream
 
@@ -61,6 +62,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
             probe_s=settings.adaptive_probe_s,
             probe_max_s=settings.adaptive_probe_max_s,
             probe_max_load=probe_max_load,
+            probe_shadow=settings.adaptive_probe_mode == "shadow",
             # A few polls: the engine's reading of a server that just had traffic lags by one.
             accept_fresh_s=max(10.0, 3 * settings.health_interval_s),
         )
@@ -74,7 +76,10 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
         )
         router = Router(cfg, health, metrics, adaptive, calibration)
         health.on_change = router.refresh
-        app.state.gate = Gate(settings, metrics, upstream, health, router)
+        prober = None
+        if settings.policy == "adaptive" and settings.adaptive_probe_mode == "shadow":
+            prober = Prober(upstream, router, metrics, settings.adaptive_shadow_tokens)
+        app.state.gate = Gate(settings, metrics, upstream, health, router, prober)
         await health.poll_once()  # so /ready and routing are right from the first request
         poller = asyncio.get_running_loop().create_task(health.run(), name="specgate-health")
         # Everything made so far (modules, app, metrics) lives as long as the process. Out of the
@@ -102,6 +107,8 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
             poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await poller
+            if prober is not None:
+                await prober.aclose()
             await upstream.aclose()
 
     api = app = FastAPI(title="specgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

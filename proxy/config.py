@@ -53,7 +53,11 @@ class Settings(BaseSettings):
     # While everything goes to the baseline, one request goes to the idle speculative server after
     # probe_s (doubling per probe, up to probe_max_s) to re-measure its acceptance. 0: never.
     adaptive_probe_s: float = Field(15.0, ge=0)
-    adaptive_probe_max_s: float = Field(60.0, ge=0)
+    adaptive_probe_max_s: float = Field(20.0, ge=0)
+    # shadow: a probe is a copy of a request, capped to shadow_tokens output tokens, that the client
+    # never sees; request: the request itself, in sessions of probe_tokens output tokens.
+    adaptive_probe_mode: Literal["shadow", "request"] = "shadow"
+    adaptive_shadow_tokens: int = Field(16, ge=8, le=4096)
     # A probe session sends requests one at a time until this many output tokens came back.
     adaptive_probe_tokens: int = Field(160, ge=1)
     # Leave speculation where the baseline is ahead by this share, return where speculation is.

@@ -12,6 +12,10 @@ engine-specific lives in an `Engine` value here; the rest of the proxy asks thes
 - llama.cpp: `llamacpp:requests_processing` + `llamacpp:requests_deferred`; acceptance: the same
   counters with the `llamacpp:` prefix.
 
+Streams: SGLang (with its default `--stream-interval 1`) and vLLM send one SSE content event per
+decode step, so a single stream's tokens over its content events is its acceptance length, with no
+wait for a gauge's refresh (`stream_steps`); llama-server sends one event per token.
+
 SGLang's own names use `sglang:`; `sglang_` is what SGLang's router re-exports them as, so both are
 read. Acceptance length counts the bonus token: 1 + accepted / drafts (>= 1); none without drafts.
 
@@ -49,6 +53,9 @@ class Engine:
     # SGLang refreshes its gauges every 40 decode steps and keeps them when idle: values that stop
     # moving mean an idle server. vLLM's and llama.cpp's gauges are live, so a standing value is real.
     freezes_when_idle: bool = False
+    # One SSE content event per decode step (speculative: per verify step, however many tokens it
+    # accepted): tokens / content events measures a stream's acceptance length.
+    stream_steps: bool = False
     # Values that move while the server works (only read when `freezes_when_idle`).
     activity: tuple[str, ...] = ()
 
@@ -100,6 +107,7 @@ SGLANG = Engine(
     queued="num_queue_reqs",
     accept_gauge="spec_accept_length",
     freezes_when_idle=True,
+    stream_steps=True,
     activity=(
         "num_running_reqs",
         "num_queue_reqs",
@@ -116,6 +124,7 @@ VLLM = Engine(
     queued="num_requests_waiting",
     accepted_counter="spec_decode_num_accepted_tokens_total",
     drafts_counter="spec_decode_num_drafts_total",
+    stream_steps=True,
 )
 LLAMACPP = Engine(
     "llamacpp",

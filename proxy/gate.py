@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from .config import Settings
 from .health import HealthMonitor
 from .metrics import Metrics
+from .probe import Prober
 from .routing import Router
 from .upstream import Upstream
 
@@ -22,3 +23,5 @@ class Gate:
     upstream: Upstream
     health: HealthMonitor
     router: Router
+    # Shadow probes (adaptive policy, SPECGATE_ADAPTIVE_PROBE_MODE=shadow); None otherwise.
+    prober: Prober | None = None

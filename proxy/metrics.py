@@ -30,6 +30,10 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 60)
 CHUNK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 
 
+# ok: measured; no_usage: answered without a usage chunk; error: failed or refused.
+SHADOW_OUTCOMES = ("ok", "no_usage", "error")
+
+
 def code_class(status: int) -> str:
     return f"{min(max(status // 100, 2), 5)}xx"
 
@@ -84,6 +88,12 @@ class Metrics:
             "specgate_accept_length",
             "Live mean speculative acceptance length the server reports (bonus token included; NaN: none).",
             ["backend"],
+            registry=r,
+        )
+        self.shadow_probes = Counter(
+            "specgate_shadow_probes",
+            "Shadow probes (capped copies of requests) sent to the speculative server, by outcome.",
+            ["outcome"],
             registry=r,
         )
         self.failovers = Counter(
@@ -169,6 +179,8 @@ class Metrics:
             for ep in ENDPOINTS:
                 for code in CODE_CLASSES:
                     self.requests.labels(label, ep, code)
+        for outcome in SHADOW_OUTCOMES:
+            self.shadow_probes.labels(outcome)
         self.mode.set(1)
         self.crossover_estimate.set(math.nan)
 

@@ -18,6 +18,8 @@ threshold rule with the live watermarks, plus
     in baseline mode, a probe session goes to an idle speculative server after probe_s, the wait
     doubling per session up to probe_max_s until the mode changes: requests one at a time until
     enough tokens came back to refresh its acceptance reading  (reason probe)
+    or, with probe_shadow, the request goes where the mode says and a copy of it, capped to a
+    few tokens and never shown to the client, goes to the idle speculative server (Decision.shadow)
     no return to speculation on an acceptance reading older than accept_fresh_s: a probe
     session first                                              (reason dwell_hold, then probe)
 
@@ -85,6 +87,8 @@ class PolicyConfig:
     accept_fresh_s: float = 10.0
     # No probes at or above this load: beyond it the watermarks cannot reach.
     probe_max_load: int = 0
+    # Probe with a capped copy of a request (a session of one) rather than the request itself.
+    probe_shadow: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ class Decision:
     reason: Reason
     state: PolicyState
     load: int
+    # Also send a capped copy of this request to the speculative server, to measure its acceptance.
+    shadow: bool = False
 
 
 def backend_load(snapshot: LoadSnapshot, backend: Backend, signal: LoadSignal) -> int:
@@ -203,6 +209,10 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
         if probe_due(snapshot, state, cfg, load):
             # A session's first probe counts toward the wait before the next session.
             probes = state.probes if state.probing else state.probes + 1
+            if cfg.probe_shadow:
+                # A shadow is a session of its own; the request itself goes on as decided.
+                shadow = dataclasses.replace(state, probes=probes, probing=False)
+                return dataclasses.replace(_checked(choice, reason, shadow, snapshot, load), shadow=True)
             state = dataclasses.replace(state, probes=probes, probing=True)
             return Decision("speculative", "probe", state, load)
     else:
@@ -210,6 +220,11 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
         choice = "speculative" if spec_load < cfg.spillover_limit else "baseline"
         reason = "light_load" if choice == "speculative" else "spillover"
         state = PolicyState(choice)
+    return _checked(choice, reason, state, snapshot, load)
+
+
+def _checked(choice: Backend, reason: Reason, state: PolicyState, snapshot: LoadSnapshot, load: int) -> Decision:
+    """The decision, unless the chosen server is down."""
     if not snapshot.healthy.get(choice, False):
         if snapshot.healthy.get(other(choice), False):
             return Decision(other(choice), "only_healthy", state, load)

@@ -28,6 +28,7 @@ from .gate import Gate
 from .inflight import Lease
 from .metrics import Endpoint, code_class
 from .policy import Backend, Reason, other
+from .probe import content_events
 from .upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("specgate.relay")
@@ -36,6 +37,8 @@ log = logging.getLogger("specgate.relay")
 USAGE_BODY_LIMIT = 4 * 1024 * 1024
 # Streams shorter than this say too little of a server's decode speed to learn from.
 MIN_LEARN_TOKENS = 8
+# A probe stream longer than this is not counted (its acceptance then comes from the engine).
+PROBE_BODY_LIMIT = 1024 * 1024
 # A partial SSE event held back (only when a usage chunk must be dropped) is released past this.
 PARTIAL_EVENT_LIMIT = 256 * 1024
 _USAGE_MARK = b'"completion_tokens"'
@@ -243,7 +246,10 @@ class _Relay:
 
     async def run(self) -> None:
         gate = self.gate
-        decision = gate.router.decide()
+        call = self.call
+        decision = gate.router.decide(can_probe=call.endpoint in ("chat", "completions"))
+        if decision.shadow and gate.prober is not None:
+            gate.prober.start(call)
         if decision.backend is None:
             raise_error = ApiError(
                 503, "No healthy backend: both servers are down.", "server_error", "no_healthy_backend"
@@ -317,6 +323,11 @@ class _Relay:
         # the new server being slow).
         learn = timed and gate.router.adaptive is not None and gate.router.backend_load(other(backend)) == 0
         start_load = gate.router.backend_load(backend) if learn else 0
+        # A probe's acceptance is read from its own stream: tokens over content events, counted at
+        # the end (an event may be split between reads).
+        count = is_sse and reason == "probe"
+        probe_body = [first] if count else []
+        probe_size = len(first)
         if timed and first:
             gate.metrics.child(gate.metrics.ttft, backend).observe(now - call.started)
         alive_at = now
@@ -349,6 +360,12 @@ class _Relay:
                     gate.health.note_alive(backend)
                     alive_at = t
                 now = t
+                if count:
+                    probe_size += len(chunk)
+                    if probe_size <= PROBE_BODY_LIMIT:
+                        probe_body.append(chunk)
+                    else:
+                        count, probe_body = False, []
                 if keep_body:
                     kept += len(chunk)
                     if kept <= USAGE_BODY_LIMIT:
@@ -371,7 +388,8 @@ class _Relay:
         if usage is not None:
             gate.metrics.child(gate.metrics.prompt_tokens, backend).inc(usage[0])
             gate.metrics.child(gate.metrics.output_tokens, backend).inc(usage[1])
-            gate.router.note_output(backend, usage[1])
+            events = content_events(b"".join(probe_body)) if count else None
+            gate.router.note_output(backend, usage[1], events)
             if (
                 learn
                 and usage[1] >= MIN_LEARN_TOKENS

@@ -16,8 +16,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .adaptive import Estimate, Prior, SpeedModel, WatermarkState, estimate, step_watermark, watermarks
+from .adaptive import (
+    Estimate,
+    Prior,
+    SpeedModel,
+    WatermarkState,
+    estimate,
+    step_watermark,
+    stream_accept,
+    watermarks,
+)
 from .calibration import Calibration
+from .engines import ENGINES
 from .health import HealthMonitor
 from .inflight import InflightTracker, Lease
 from .metrics import Metrics
@@ -69,6 +79,7 @@ class Adaptive:
         self.model = SpeedModel(Prior.of(calibration) if calibration else None, cfg.half_life_s)
         self.static_high, self.static_low = static
         self.estimate: Estimate = estimate(self.model, None, now, cfg.margin)
+        self.accept_source = "live"
         high, low = self._target()
         self.wm = WatermarkState(self._clamp(high), self._clamp(low), now)
         self.updated_at = now
@@ -86,10 +97,11 @@ class Adaptive:
         """(high, low) in effect."""
         return watermarks(self.wm)
 
-    def update(self, accept_live: float | None, now: float) -> bool:
+    def update(self, accept_live: float | None, now: float, source: str = "live") -> bool:
         """Re-estimate and move the watermark; True when the watermarks in effect changed."""
         before = self.watermarks()
-        self.estimate = estimate(self.model, accept_live, now, self.cfg.margin)
+        self.estimate = estimate(self.model, accept_live, now, self.cfg.margin, source)
+        self.accept_source = source
         self.wm = step_watermark(
             self.wm, self._target(), now, self.cfg.max_step_per_s, self.cfg.min_watermark, self.cfg.max_watermark
         )
@@ -107,6 +119,8 @@ class Adaptive:
         return {
             "calibrated": prior is not None,
             "accept_length_live": e.accept_live,
+            # "live": the engine's metrics; "from probe streams": tokens per decode step of probes.
+            "accept_length_source": self.accept_source,
             "accept_length_calibrated": list(prior.accept) if prior is not None else None,
             "crossover_estimate": e.crossover,
             "throughput_verdict": e.throughput.verdict,
@@ -145,6 +159,12 @@ class Router:
         self.tracker = InflightTracker(on_change=self._inflight_changed)
         self._spec_idle_since: float | None = clock()
         self._probe_tokens = self._probe_requests = 0
+        # A probe session's tokens and decode steps, from streams whose events count steps.
+        self._probe_measured = 0
+        self._probe_steps = 0.0
+        # Acceptance measured from probe streams, and when: it stands for accept_fresh_s, then the
+        # engine's reading (which includes the probes' steps once refreshed) takes over again.
+        self._stream_accept: tuple[float, float] | None = None
         self._accept_seen: float | None = None
         self.adaptive: Adaptive | None = None
         if cfg.policy == "adaptive":
@@ -179,11 +199,15 @@ class Router:
             return self.tracker.count(backend)
         return backend_load(self.snapshot(), backend, self.cfg.load_signal)
 
-    def decide(self) -> Decision:
-        decision = decide(self.snapshot(), self.state, self.cfg)
+    def decide(self, can_probe: bool = True) -> Decision:
+        """The backend for a new request. `can_probe` False: the request says nothing of acceptance
+        (a model list, embeddings), so it is no probe, not even a shadow's original."""
+        cfg = self.cfg if can_probe or self.cfg.probe_s <= 0 else dataclasses.replace(self.cfg, probe_s=0.0)
+        decision = decide(self.snapshot(), self.state, cfg)
         if decision.reason == "probe":
             if not self.state.probing:
-                self._probe_tokens = self._probe_requests = 0
+                self._probe_tokens = self._probe_requests = self._probe_measured = 0
+                self._probe_steps = 0.0
             self._probe_requests += 1
             if self._probe_requests >= PROBE_MAX_REQUESTS:
                 self._probe_tokens = self._probe_requests = 0
@@ -210,18 +234,49 @@ class Router:
         if a is None:
             return
         now = self._clock()
-        accept = self._health.backends["speculative"].spec_accept_length if backend == "speculative" else None
+        accept = self.accept_live(now)[0] if backend == "speculative" else None
         a.model.observe(backend, load, tok_s, accept, now)
         self._update(now)
 
-    def note_output(self, backend: Backend, tokens: int) -> None:
-        """A response from `backend` ended with `tokens` output tokens (from its usage)."""
+    def counts_steps(self) -> bool:
+        """Whether the speculative server's streams send one content event per decode step."""
+        name = self._health.backends["speculative"].engine
+        return name is not None and ENGINES[name].stream_steps
+
+    def note_output(self, backend: Backend, tokens: int, events: int | None = None) -> None:
+        """A response from `backend` ended with `tokens` output tokens (from its usage), in `events`
+        content events (counted only for probes)."""
         if backend != "speculative" or not self.state.probing or self.adaptive is None:
             return
         self._probe_tokens += tokens
+        a = stream_accept(tokens, events) if events is not None and self.counts_steps() else None
+        if a is not None:
+            self._probe_measured += tokens
+            self._probe_steps += tokens / a
+            self._set_stream_accept(self._probe_measured / self._probe_steps)
         if self._probe_tokens >= self.adaptive.cfg.probe_tokens:
             self._probe_tokens = self._probe_requests = 0
             self.state = dataclasses.replace(self.state, probing=False)
+
+    def note_shadow(self, tokens: int, events: int) -> None:
+        """A shadow probe came back with `tokens` output tokens in `events` content events."""
+        a = stream_accept(tokens, events) if self.adaptive is not None and self.counts_steps() else None
+        if a is not None:
+            self._set_stream_accept(a)
+
+    def _set_stream_accept(self, value: float) -> None:
+        assert self.adaptive is not None
+        now = self._clock()
+        self._stream_accept = (value, now)
+        self.adaptive.updated_at = -math.inf  # act on it now
+        self._update(now)
+
+    def accept_live(self, now: float) -> tuple[float | None, str]:
+        """The speculative server's acceptance as believed now, and where it was read."""
+        measured = self._stream_accept
+        if measured is not None and now - measured[1] <= self.cfg.accept_fresh_s:
+            return measured[0], "from probe streams"
+        return self._health.backends["speculative"].spec_accept_length, "live"
 
     def refresh(self) -> None:
         """Re-apply the hysteresis after load or health changed, so the mode gauge tells the truth."""
@@ -247,12 +302,12 @@ class Router:
         a = self.adaptive
         if a is None or now - a.updated_at < UPDATE_EVERY_S:
             return
-        accept = self._health.backends["speculative"].spec_accept_length
+        accept, source = self.accept_live(now)
         seen, self._accept_seen = self._accept_seen, accept
         if accept is not None and seen is not None and abs(accept - seen) > ACCEPT_CHANGE * seen and self.state.probes:
             # The traffic is changing: probe again soon rather than after a doubled wait.
             self.state = dataclasses.replace(self.state, probes=0)
-        if a.update(accept, now):
+        if a.update(accept, now, source):
             high, low = a.watermarks()
             log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
             self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)

@@ -429,6 +429,14 @@ class UpstreamResponse:
             self._server.put_back(self._conn)
 
 
+def renamed(headers: bytes, request_id: str, new_id: str) -> bytes:
+    """Head lines from `Upstream.request_headers` with another request id (it ends them)."""
+    line = b"x-request-id: " + request_id.encode("latin-1") + b"\r\n"
+    if not headers.endswith(line):
+        raise ValueError("not head lines from Upstream.request_headers")
+    return headers[: -len(line)] + b"x-request-id: " + new_id.encode("latin-1") + b"\r\n"
+
+
 class Upstream:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings

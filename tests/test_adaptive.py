@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import orjson
 import pytest
 
 from loadtest.calibrate import find_crossover, recommend
@@ -18,6 +19,7 @@ from proxy.adaptive import (
     estimate,
     hysteresis_low,
     step_watermark,
+    stream_accept,
     watermarks,
 )
 from proxy.calibration import Calibration, Curve
@@ -25,6 +27,7 @@ from proxy.config import Settings
 from proxy.health import HealthMonitor
 from proxy.metrics import Metrics
 from proxy.policy import LoadSnapshot, PolicyConfig, PolicyState, decide, dwell_mode
+from proxy.probe import completion_tokens, content_events, shadow_body
 from proxy.routing import AdaptiveConfig, Router
 from proxy.upstream import Upstream
 
@@ -342,3 +345,125 @@ def test_a_changed_acceptance_reading_restarts_the_probes_back_off() -> None:
     clock.t += 1
     r.refresh()
     assert r.state.probes == 0 and len(held) == 30
+
+
+# A stream as SGLang writes it: role chunk, one content chunk per decode step, finish, usage, done.
+def sglang_stream(steps: list[str], kind: str = "content") -> bytes:
+    def event(delta: str, finish: str = "null") -> bytes:
+        return b'data: {"id":"x","choices":[{"index":0,"delta":%s,"finish_reason":%s}]}\n\n' % (
+            delta.encode(),
+            finish.encode(),
+        )
+
+    out = [event('{"role":"assistant","content":""}')]
+    out += [event(f'{{"{kind}":"{text}"}}') for text in steps]
+    out.append(event('{"content":""}', '"length"'))
+    out.append(b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":16}}\n\n')
+    out.append(b"data: [DONE]\n\n")
+    return b"".join(out)
+
+
+def test_a_streams_acceptance_is_its_tokens_over_its_decode_steps() -> None:
+    body = sglang_stream(["one", " two three four five", " six seven eight nine", " ten"])
+    assert content_events(body) == 4  # not the role, finish or usage chunk, nor [DONE]
+    # A reasoning model's steps count as steps; the completions API's `text` too.
+    assert content_events(sglang_stream(["a", "b c"], kind="reasoning_content")) == 2
+    assert content_events(b'data: {"choices":[{"text":"ab","index":0}]}\n\ndata: {"choices":[{"text":""}]}\n\n') == 1
+    assert completion_tokens(body) == 16
+    assert completion_tokens(b"data: [DONE]\n\n") is None
+    # SGLang: the first token from prefill, then steps of 4, the last cut: 1 + 4 + 4 + 4 + 3 tokens.
+    assert stream_accept(16, 5) == pytest.approx(3.75)
+    assert stream_accept(16, 16) == 1.0  # no speculation, or nothing accepted: exact
+    assert stream_accept(9, 3) is None  # too few steps to say
+    assert stream_accept(3, 5) is None  # fewer tokens than steps: not one event per step
+
+
+def test_a_shadow_is_the_request_capped_streamed_and_single() -> None:
+    body = orjson.dumps(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "temperature": 0.7,
+            "max_completion_tokens": 900,
+            "n": 3,
+            "stream": False,
+            "stream_options": {"include_usage": False},
+        }
+    )
+    copy = orjson.loads(shadow_body(body, 16) or b"")
+    assert copy == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 0.7,  # sampling decides what is accepted: kept
+        "max_tokens": 16,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    assert shadow_body(b"[1, 2]", 16) is None and shadow_body(b"{", 16) is None
+
+
+SHADOW = dataclasses.replace(ADAPTIVE, probe_shadow=True)
+
+
+def test_a_shadow_probe_leaves_the_request_where_the_mode_sends_it() -> None:
+    state = PolicyState("baseline", since=0.0)
+    assert not decide(snap(0, 12, 3.9, 0.0), state, SHADOW).shadow
+    d = decide(snap(0, 12, 4.0, 0.0), state, SHADOW)
+    assert (d.backend, d.reason, d.shadow) == ("baseline", "heavy_load", True)
+    assert d.state.probes == 1 and not d.state.probing  # a session of one
+    # The next waits twice as long, from when the speculative server was last busy (the shadow).
+    assert not decide(snap(0, 12, 12.9, 5.0), d.state, SHADOW).shadow
+    assert decide(snap(0, 12, 13.0, 5.0), d.state, SHADOW).shadow
+    # Not while the shadow (or anything) runs there, nor when it is down.
+    assert not decide(snap(1, 12, 100.0, None), state, SHADOW).shadow
+    assert not decide(snap(0, 12, 100.0, 0.0, spec_up=False), state, SHADOW).shadow
+    # A stale reading holds a return to speculation and asks for a shadow instead of a request.
+    d = decide(snap(0, 5, 60.0, 0.0), state, SHADOW)
+    assert (d.backend, d.reason, d.state.mode, d.shadow, d.state.probing) == (
+        "baseline",
+        "dwell_hold",
+        "baseline",
+        True,
+        False,
+    )
+    # Fresh after it: the switch goes through.
+    d = decide(snap(0, 5, 61.0, 60.5), d.state, SHADOW)
+    assert (d.backend, d.reason, d.shadow) == ("speculative", "light_load", False)
+
+
+def test_router_reads_acceptance_from_probe_streams_while_fresh() -> None:
+    clock = Clock()
+    r, health, _ = router(calibration(), clock)
+    spec = health.backends["speculative"]
+    spec.engine = "sglang"
+    assert r.accept_live(clock.t) == (3.0, "live")
+    r.note_shadow(61, 17)  # (61 - 1) / (17 - 1) tokens a step
+    assert r.accept_live(clock.t) == (3.75, "from probe streams")
+    assert r.adaptive is not None and r.adaptive.estimate.accept_live == 3.75
+    assert "3.75 from probe streams" in r.adaptive.estimate.why
+    clock.t += r.cfg.accept_fresh_s + 0.1  # then the engine's own reading again
+    assert r.accept_live(clock.t) == (3.0, "live")
+    # llama-server sends an event per token: its streams say nothing of acceptance.
+    spec.engine = "llamacpp"
+    r.note_shadow(61, 17)
+    assert r.accept_live(clock.t) == (3.0, "live")
+
+
+def test_router_pools_a_request_probe_sessions_streams() -> None:
+    clock = Clock()
+    r, health, _ = router(calibration(), clock, probe_tokens=100)
+    health.backends["speculative"].engine = "vllm"
+    r.cfg = dataclasses.replace(r.cfg, high_watermark=0, low_watermark=0, probe_s=5.0, probe_max_s=5.0)
+    assert r.decide().reason == "heavy_load"
+    clock.t += 6
+    assert r.decide().reason == "probe"
+    r.note_output("speculative", 64, 64)  # a diverse prompt: 1 token a step
+    assert r.accept_live(clock.t)[0] == 1.0
+    r.note_output("speculative", 64, 17)  # a repetitive one: ~4 a step; pooled by steps
+    pooled = 128 / (64 + 64 / (63 / 16))
+    assert r.accept_live(clock.t)[0] == pytest.approx(pooled)
+    # A model list or embeddings says nothing of acceptance: never a probe.
+    r.state = dataclasses.replace(r.state, probing=False)
+    clock.t += 60
+    assert r.decide(can_probe=False).reason == "heavy_load"
+    assert r.decide().reason == "probe"

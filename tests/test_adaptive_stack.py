@@ -3,11 +3,13 @@ simulator processes, its beliefs read back from /routing and /metrics."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
 import openai
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import Stack, StartStack
 from .helpers import scrape
@@ -83,3 +85,56 @@ def test_a_fall_in_live_acceptance_moves_traffic_to_the_baseline(stack: StartSta
     after = httpx.post(s.url + "/v1/completions", json={"prompt": "p", "max_tokens": 4}, timeout=30)
     assert (after.headers["x-specgate-backend"], after.headers["x-specgate-reason"]) == ("baseline", "heavy_load")
     assert scrape(s.url)["specgate_watermark"] == 0 + 0 + 8  # high, low, and the spillover limit
+
+
+VARIED = " ".join(f"word{i} means thing{i * 7 % 13}" for i in range(60))
+REPEATED = "copy this line exactly as it is. " * 40
+
+
+def complete(s: Stack, prompt: str, max_tokens: int = 64) -> httpx.Response:
+    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200
+    return r
+
+
+def test_shadow_probes_see_acceptance_rise_and_bring_speculation_back(stack: StartStack, tmp_path: Path) -> None:
+    s = stack(
+        ("--time-scale", "20", "--profile", "crossover"),
+        spec_args=("--accept-from-prompt",),
+        SPECGATE_CALIBRATION=calibration_file(tmp_path),
+        SPECGATE_HEALTH_INTERVAL_S="0.2",
+        **{**FAST, "SPECGATE_ADAPTIVE_PROBE_S": "0.3", "SPECGATE_ADAPTIVE_PROBE_MAX_S": "0.3"},
+    )
+    # Varied prompts accept about 1 token a step where the calibration saw 3: once the engine's
+    # gauge says so, everything goes to the baseline.
+    assert complete(s, VARIED, 200).headers["x-specgate-backend"] == "speculative"
+    wait_for(lambda: routing(s)["watermarks"]["high"] == 0, timeout_s=10)
+    # Shadows of varied prompts measure ~1 and change nothing; the client is served by the baseline.
+    for _ in range(3):
+        assert complete(s, VARIED).headers["x-specgate-backend"] == "baseline"
+        time.sleep(0.4)
+    assert scrape(s.url)["specgate_shadow_probes_total"] >= 1
+    assert routing(s)["watermarks"]["high"] == 0
+    # The traffic turns repetitive: a shadow of such a request measures ~4 tokens a step from its
+    # own stream (the gauge, refreshed every 40 steps, has not moved), and speculation pays again.
+    seen: list[str] = []
+
+    def back_to_speculation() -> bool:
+        seen.append(complete(s, REPEATED).headers["x-specgate-backend"])
+        return seen[-1] == "speculative"
+
+    wait_for(back_to_speculation, timeout_s=15)
+    assert seen[0] == "baseline"
+    a = routing(s)["adaptive"]
+    assert a["accept_length_live"] > 3.0 and "from probe streams" in a["why"], a["why"]
+    assert a["accept_length_source"] == "from probe streams"
+    # Every shadow measured: none failed or came back without usage.
+    text = httpx.get(s.url + "/metrics").text
+    shadows = {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "specgate_shadow_probes_total"
+    }
+    assert shadows["ok"] >= 2 and shadows["error"] == shadows["no_usage"] == 0

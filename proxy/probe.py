@@ -1,0 +1,152 @@
+"""Shadow probes: the adaptive policy's way to re-measure the speculative server's acceptance on
+today's traffic while everything goes to the baseline, at a small, bounded cost.
+
+A probe is a copy of a client's chat or completion request, capped to a few output tokens,
+streamed, and sent to the idle speculative server; the client's own request goes where the mode
+says, untouched, and never sees the copy. Its acceptance comes from its own stream where the
+engine sends one content event per decode step (engines.Engine.stream_steps): tokens over events,
+at once, instead of waiting for a gauge that SGLang refreshes every 40 decode steps. Elsewhere the
+copy still moves the engine's acceptance counters, which the health poll reads.
+
+Why a copy and not the request itself (SPECGATE_ADAPTIVE_PROBE_MODE=request): on a GPU shared
+with the baseline, every speculative step of a probe takes the GPU from the baseline's whole
+batch. A whole response (128 tokens, say) costs the batch about 8 times what a 16-token copy does;
+the copy costs its prompt's prefill too, which a request probe pays as well.
+
+At most one copy runs at a time; it holds a lease on the speculative server like any request, is
+bounded by the read timeout, and is cancelled when the app stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from .upstream import UpstreamError, renamed
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
+    from .relay import ProxyCall
+    from .routing import Router
+    from .upstream import Upstream
+
+log = logging.getLogger("specgate.probe")
+
+# Where a decode step's output sits in a chat or completion event (compact JSON, as engines write
+# it); `content":"` also finds `"reasoning_content":"`, a reasoning model's steps.
+_OUTPUT = (b'content":"', b'"text":"')
+# A capped stream is a few KB; anything much larger is not what was asked for.
+BODY_LIMIT = 256 * 1024
+_DROPPED = ("max_completion_tokens", "min_tokens", "n", "best_of", "logprobs", "top_logprobs", "echo")
+
+
+def content_events(body: bytes) -> int:
+    """Events in an SSE body that carry a decode step's output: for engines with stream_steps, the
+    stream's decode steps. The role chunk and finish chunk (empty content), the usage chunk and
+    `[DONE]` carry none."""
+    n = 0
+    for event in body.split(b"\n\n"):
+        for mark in _OUTPUT:
+            at = event.find(mark)
+            if at >= 0 and event[at + len(mark) : at + len(mark) + 1] not in (b'"', b""):
+                n += 1
+                break
+    return n
+
+
+def shadow_body(body: bytes, max_tokens: int) -> bytes | None:
+    """The copy to send: the request streamed with usage, capped to `max_tokens` output tokens; None
+    for a body that is not a JSON object."""
+    try:
+        payload: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(payload, dict):
+        return None
+    for key in _DROPPED:
+        payload.pop(key, None)
+    payload["max_tokens"] = max_tokens
+    payload["stream"] = True
+    payload["stream_options"] = {"include_usage": True}
+    return orjson.dumps(payload)
+
+
+class Prober:
+    """Sends shadow probes; the Router learns what they measured (Router.note_shadow)."""
+
+    def __init__(self, upstream: Upstream, router: Router, metrics: Metrics, max_tokens: int) -> None:
+        self._upstream = upstream
+        self._router = router
+        self._metrics = metrics
+        self._max_tokens = max_tokens
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self, call: ProxyCall) -> bool:
+        """Send a copy of `call` unless one is under way or it cannot be copied; True if sent."""
+        if self.busy or call.endpoint not in ("chat", "completions"):
+            return False
+        body = shadow_body(call.body, self._max_tokens)
+        if body is None:
+            return False
+        self._task = asyncio.get_running_loop().create_task(self._run(call, body), name="specgate-probe")
+        return True
+
+    async def _run(self, call: ProxyCall, body: bytes) -> None:
+        lease = self._router.admit("speculative")
+        outcome = "error"
+        resp = None
+        try:
+            headers = renamed(call.headers, call.request_id, call.request_id + "-probe")
+            resp = await self._upstream.send("speculative", call.target, body, headers)
+            parts: list[bytes] = []
+            size = 0
+            while chunk := await resp.read_chunk():
+                size += len(chunk)
+                if size > BODY_LIMIT:
+                    raise UpstreamError("protocol", "a shadow probe's body grew past its limit", retryable=False)
+                parts.append(chunk)
+            data = b"".join(parts)
+            tokens = completion_tokens(data) if resp.status == 200 else None
+            if tokens is not None:
+                resp.release()
+                outcome = "ok"
+                self._router.note_shadow(tokens, content_events(data))
+            else:
+                outcome = "no_usage" if resp.status == 200 else "error"
+        except UpstreamError as err:
+            log.debug("shadow probe %s failed: %s", call.request_id, err)
+        finally:
+            if resp is not None:
+                resp.close()  # nothing to do once released
+            lease.release()
+            self._metrics.shadow_probes.labels(outcome).inc()
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def completion_tokens(data: bytes) -> int | None:
+    """completion_tokens of a stream's usage chunk (its last event that has one)."""
+    for event in reversed(data.split(b"\n\n")):
+        if b'"completion_tokens"' not in event:
+            continue
+        try:
+            obj = orjson.loads(event.strip().removeprefix(b"data:").strip())
+        except orjson.JSONDecodeError:
+            return None
+        usage = obj.get("usage") if isinstance(obj, dict) else None
+        value = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return None
