@@ -28,7 +28,7 @@ from .metrics import Metrics, code_class
 from .paths import Routes, Verdict, path_problem
 from .policy import BACKENDS, PolicyConfig
 from .probe import Prober
-from .routing import AdaptiveConfig, Router
+from .routing import AdaptiveConfig, Fleet
 from .upstream import Upstream
 
 log = logging.getLogger("specgate")
@@ -44,7 +44,8 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        metrics = Metrics()
+        topology = settings.routing_topology()
+        metrics = Metrics(topology.names(), [g.name for g in topology.groups])
         upstream = Upstream(settings)  # connections open on first use
         health = HealthMonitor(settings, upstream, metrics)
         calibration = settings.load_calibration()
@@ -74,12 +75,13 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
             probe_tokens=settings.adaptive_probe_tokens,
             margin=settings.adaptive_margin,
         )
-        router = Router(cfg, health, metrics, adaptive, calibration)
-        health.on_change = router.refresh
+        fleet = Fleet(topology, cfg, health, metrics, adaptive, calibration)
+        health.on_change = fleet.refresh
+        health.on_scrape = fleet.tracker.scraped
         prober = None
         if settings.policy == "adaptive" and settings.adaptive_probe_mode == "shadow":
-            prober = Prober(upstream, router, metrics, settings.adaptive_shadow_tokens)
-        app.state.gate = Gate(settings, metrics, upstream, health, router, prober)
+            prober = Prober(upstream, metrics, settings.adaptive_shadow_tokens)
+        app.state.gate = Gate(settings, metrics, upstream, health, fleet, prober)
         await health.poll_once()  # so /ready and routing are right from the first request
         poller = asyncio.get_running_loop().create_task(health.run(), name="specgate-health")
         # Everything made so far (modules, app, metrics) lives as long as the process. Out of the
@@ -89,13 +91,15 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
         gc.freeze()
         gc.set_threshold(20_000, 50, 100)
         log.info(
-            "specgate ready: speculative=%s baseline=%s policy=%s signal=%s watermarks=%d/%d%s",
-            redact_url(settings.speculative_url),
-            redact_url(settings.baseline_url),
+            "specgate ready: speculative=%s baseline=%s topology=%s (%d groups) policy=%s signal=%s watermarks=%d/%d%s",
+            ",".join(redact_url(x.url) for x in topology.servers if x.role == "speculative"),
+            ",".join(redact_url(x.url) for x in topology.servers if x.role == "baseline"),
+            topology.kind,
+            len(topology.groups),
             settings.policy,
             settings.load_signal,
-            router.cfg.high_watermark,
-            router.cfg.low_watermark,
+            fleet.routers[0].cfg.high_watermark,
+            fleet.routers[0].cfg.low_watermark,
             f" calibration={settings.calibration}" if calibration is not None else "",
         )
         if settings.api_keys and not settings.admin_keys:
@@ -148,22 +152,27 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
     @app.get("/ready")
     async def ready(request: Request) -> Response:
         gate: Gate = request.app.state.gate
-        up = [b for b in BACKENDS if gate.health.healthy(b)]
-        return _json({"ready": bool(up), "healthy_backends": up}, 200 if up else 503)
+        up = [b for b in BACKENDS if gate.health.role_healthy(b)]
+        servers = [n for n, h in gate.health.backends.items() if h.healthy]
+        return _json({"ready": bool(up), "healthy_backends": up, "healthy_servers": servers}, 200 if up else 503)
 
     @app.get("/routing")
     async def routing(request: Request) -> Response:
         gate: Gate = request.app.state.gate
-        r, s = gate.router, gate.settings
+        fleet, s = gate.fleet, gate.settings
+        r = fleet.routers[0]
         if s.admin_keys:
             ingress.check_key(s.admin_keys, request.headers.get("authorization", "").encode("latin-1"), "admin key")
-        backends = {}
-        for b in BACKENDS:
-            h = gate.health.backends[b]
-            backends[b] = {
-                "url": redact_url(gate.upstream.url(b)),
+        servers = {}
+        for name, h in gate.health.backends.items():
+            servers[name] = {
+                "role": h.role,
+                "group": fleet.router_of(name).group.name,
+                "url": redact_url(gate.upstream.url(name)),
                 "healthy": h.healthy,
-                "inflight": r.tracker.count(b),
+                "inflight": fleet.tracker.count(name),
+                "sent_since_scrape": fleet.tracker.fresh(name),
+                "load": fleet.router_of(name).server_load(name),
                 "engine": h.engine,
                 "engine_load": h.engine_load,
                 "engine_signal_up": bool(h.engine_signal_up),
@@ -171,21 +180,50 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
                 "spec_accept_length": h.spec_accept_length,
                 "last_error": h.last_error,
             }
+        # One server a role: the role's entry is that server's (as with one group); several: a summary.
+        backends: dict[str, Any] = {}
+        for b in BACKENDS:
+            names = [n for n, h in gate.health.backends.items() if h.role == b]
+            if len(names) == 1:
+                backends[b] = {k: v for k, v in servers[names[0]].items() if k not in ("role", "group")}
+            else:
+                loads = [servers[n]["engine_load"] for n in names]
+                backends[b] = {
+                    "servers": names,
+                    "healthy": gate.health.role_healthy(b),
+                    "inflight": sum(fleet.tracker.count(n) for n in names),
+                    "engine_load": None if None in loads else sum(loads),
+                }
+        groups = [
+            {
+                "name": g.group.name,
+                "mode": g.state.mode,
+                "load": g.load,
+                "watermarks": {"high": g.cfg.high_watermark, "low": g.cfg.low_watermark},
+                "servers": {role: list(g.group.of(role)) for role in BACKENDS},
+                **({"adaptive": g.adaptive.describe(g.now())} if g.adaptive is not None else {}),
+            }
+            for g in fleet.routers
+        ]
         in_effect, why = gate.health.signal_in_effect()
         return _json(
             {
                 "policy": s.policy,
+                "topology": fleet.topology.kind,
+                # The first group's mode and watermarks (with one group, the gateway's).
                 "mode": r.state.mode,
                 "load_signal": s.load_signal,
                 "load_signal_in_effect": in_effect,
                 "load_signal_why": why,
                 "engine_setting": s.engine,
-                "load": r.load,
-                "inflight": r.tracker.total,
+                "load": sum(g["load"] for g in groups),
+                "inflight": fleet.tracker.total,
                 "watermarks": {"high": r.cfg.high_watermark, "low": r.cfg.low_watermark},
                 "calibration": s.calibration,
                 "spillover_limit": s.spillover_limit,
                 "backends": backends,
+                "servers": servers,
+                "groups": groups,
                 **({"adaptive": r.adaptive.describe(r.now())} if r.adaptive is not None else {}),
             }
         )
@@ -202,7 +240,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
     async def models(request: Request) -> Response:
         gate: Gate = request.app.state.gate
         ingress.authorize(gate.settings, request.headers.get("authorization", "").encode("latin-1"))
-        healthy = [b for b in BACKENDS if gate.health.healthy(b)]
+        healthy = [n for n, h in gate.health.backends.items() if h.healthy]
         if not healthy:
             raise ApiError(503, "No healthy backend: both servers are down.", "server_error", "no_healthy_backend")
         probes = await asyncio.gather(

@@ -12,6 +12,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from .calibration import Calibration, CalibrationError
 from .calibration import load as load_calibration
 from .engines import EngineSetting
+from .topology import Topology, TopologyName, entries
+from .topology import build as build_topology
 
 PolicyName = Literal["threshold", "spillover", "adaptive"]
 LoadSignal = Literal["local", "engine", "max"]
@@ -29,8 +31,12 @@ class Settings(BaseSettings):
 
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=1, le=65535)
+    # A base URL, or a comma list of them, each optionally `NAME=URL` (proxy/topology.py).
     speculative_url: str = "http://127.0.0.1:30001"
     baseline_url: str = "http://127.0.0.1:30002"
+    # paired: the i-th servers of both lists share GPUs (a group each); pooled: two pools on
+    # disjoint GPUs. Unset: paired when the lists are as long.
+    topology: TopologyName | None = None
 
     policy: PolicyName = "threshold"
     # threshold: switch to the baseline when the load reaches `high`, back when it falls to `low`.
@@ -83,6 +89,8 @@ class Settings(BaseSettings):
     max_client_connections: int = Field(10_000, ge=1)
 
     health_interval_s: float = Field(2.0, gt=0)
+    # How often each server's /metrics is read (the engine signal's age); unset: health_interval_s.
+    scrape_interval_s: float | None = Field(None, ge=0.1)
     health_timeout_s: float = Field(5.0, gt=0)
     connect_timeout_s: float = Field(3.0, gt=0)
     read_timeout_s: float = Field(120.0, gt=0)
@@ -102,18 +110,13 @@ class Settings(BaseSettings):
 
     @field_validator("speculative_url", "baseline_url")
     @classmethod
-    def _check_url(cls, value: str) -> str:
-        shown = redact_url(value)
-        try:
-            parts = urlsplit(value)
-            port = parts.port  # raises on a port that is not a number in 0-65535
-        except ValueError as exc:
-            raise ValueError(f"{shown!r} is not a valid URL ({redact_url(str(exc))})") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"must be an http:// or https:// URL with a host, got {shown!r}")
-        if port == 0 or parts.query or parts.fragment:
-            raise ValueError(f"must be a server's base URL (a port in 1-65535, no query or fragment), got {shown!r}")
-        return value.rstrip("/")
+    def _check_urls(cls, value: str) -> str:
+        found = entries(value)
+        if not found:
+            raise ValueError("must be a server's base URL, or a comma list of them")
+        for _, url in found:
+            _check_url(url)
+        return ",".join(f"{name}={url.rstrip('/')}" if name else url.rstrip("/") for name, url in found)
 
     @field_validator("allowed_paths")
     @classmethod
@@ -145,6 +148,10 @@ class Settings(BaseSettings):
             raise ValueError(str(exc)) from None
         return value
 
+    def routing_topology(self) -> Topology:
+        """The servers and groups SPECGATE_SPECULATIVE_URL, _BASELINE_URL and _TOPOLOGY describe."""
+        return build_topology(self.speculative_url, self.baseline_url, self.topology)
+
     def load_calibration(self) -> Calibration | None:
         return load_calibration(self.calibration) if self.calibration else None
 
@@ -162,6 +169,10 @@ class Settings(BaseSettings):
                 f"SPECGATE_ADAPTIVE_MIN_WATERMARK ({self.adaptive_min_watermark}) must be <= "
                 f"SPECGATE_ADAPTIVE_MAX_WATERMARK ({self.adaptive_max_watermark})"
             )
+        try:
+            self.routing_topology()
+        except ValueError as exc:
+            raise ValueError(f"SPECGATE_SPECULATIVE_URL / SPECGATE_BASELINE_URL: {exc}") from None
         if self.protect_metrics and not self.admin_keys:
             raise ValueError("SPECGATE_PROTECT_METRICS needs SPECGATE_ADMIN_KEYS")
         if self.low_watermark > self.high_watermark:
@@ -170,6 +181,19 @@ class Settings(BaseSettings):
                 f"SPECGATE_HIGH_WATERMARK ({self.high_watermark})"
             )
         return self
+
+
+def _check_url(value: str) -> None:
+    shown = redact_url(value)
+    try:
+        parts = urlsplit(value)
+        port = parts.port  # raises on a port that is not a number in 0-65535
+    except ValueError as exc:
+        raise ValueError(f"{shown!r} is not a valid URL ({redact_url(str(exc))})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http:// or https:// URL with a host, got {shown!r}")
+    if port == 0 or parts.query or parts.fragment:
+        raise ValueError(f"must be a server's base URL (a port in 1-65535, no query or fragment), got {shown!r}")
 
 
 def redact_url(url: str) -> str:

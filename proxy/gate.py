@@ -12,7 +12,7 @@ from .config import Settings
 from .health import HealthMonitor
 from .metrics import Metrics
 from .probe import Prober
-from .routing import Router
+from .routing import Fleet
 from .upstream import Upstream
 
 
@@ -22,6 +22,6 @@ class Gate:
     metrics: Metrics
     upstream: Upstream
     health: HealthMonitor
-    router: Router
+    fleet: Fleet
     # Shadow probes (adaptive policy, SPECGATE_ADAPTIVE_PROBE_MODE=shadow); None otherwise.
     prober: Prober | None = None

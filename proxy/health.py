@@ -1,7 +1,8 @@
 """Health of each server, and the load and acceptance its engine reports.
 
-A background task polls `/health` and `/metrics` of both servers every `health_interval_s`, the
-two at once, so a slow `/health` never delays the load reading. A refused or failed connection is
+A background task polls `/health` of every server every `health_interval_s`, and another reads
+`/metrics` every `scrape_interval_s` (as often as 0.1 s: several gateways route on it), so a slow
+`/health` never delays the load reading. A refused or failed connection is
 the sure sign of a dead server; a slow `/health` is only a hint (SGLang runs a one-token
 generation for it, and a saturated llama-server answers it after the running batch), so timeouts
 mark a server down only after several in a row, and not at all while the server is answering
@@ -24,7 +25,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from .config import Settings
@@ -43,7 +44,8 @@ ACCEPT_WINDOW_S = 10.0
 
 @dataclass
 class BackendHealth:
-    name: Backend
+    name: str  # the server's name (its role's, when a role has one server)
+    role: Backend = "speculative"
     healthy: bool = False
     last_error: str | None = None
     consecutive_timeouts: int = 0
@@ -71,26 +73,28 @@ class HealthMonitor:
         metrics: Metrics,
         on_change: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
+        on_scrape: Callable[[str], None] = lambda server: None,
     ) -> None:
         self._settings = settings
         self._upstream = upstream
         self._metrics = metrics
         self.on_change = on_change
+        # Called just before a server's /metrics is read: what was sent until now is in the reading.
+        self.on_scrape = on_scrape
         self._clock = clock
         self._engine: Engine | None = None if settings.engine == "auto" else ENGINES[settings.engine]
         # Proxied traffic younger than this keeps a server with a timing-out /health up: as long as
         # the timeouts would have taken to mark it down.
         self.alive_window_s = TIMEOUTS_BEFORE_DOWN * (settings.health_interval_s + settings.health_timeout_s)
-        self.backends: dict[Backend, BackendHealth] = {b: BackendHealth(b) for b in BACKENDS}
+        self.backends: dict[str, BackendHealth] = {n: BackendHealth(n, role) for n, role in upstream.roles.items()}
+        self._roles = {role: [h for h in self.backends.values() if h.role == role] for role in BACKENDS}
 
-    def healthy(self, backend: Backend) -> bool:
-        return self.backends[backend].healthy
+    def healthy(self, server: str) -> bool:
+        return self.backends[server].healthy
 
-    def healthy_map(self) -> dict[Backend, bool]:
-        return {b: h.healthy for b, h in self.backends.items()}
-
-    def engine_loads(self) -> dict[Backend, int | None]:
-        return {b: h.engine_load for b, h in self.backends.items()}
+    def role_healthy(self, role: Backend) -> bool:
+        """Whether any server of the role is healthy."""
+        return any(h.healthy for h in self._roles[role])
 
     def signal_in_effect(self) -> tuple[str, str | None]:
         """The load signal the policy really uses, and why it differs from the configured one."""
@@ -105,10 +109,10 @@ class HealthMonitor:
             return "local", f"no engine load readable ({why}): counting this proxy's in-flight requests"
         return "mixed", f"engine load unreadable for {why}: that server counted by this proxy's in-flight requests"
 
-    def mark_down(self, backend: Backend, reason: str) -> None:
+    def mark_down(self, backend: str, reason: str) -> None:
         self._set(backend, False, reason)
 
-    def note_alive(self, backend: Backend) -> None:
+    def note_alive(self, backend: str) -> None:
         """A proxied request got bytes from this server just now."""
         h = self.backends[backend]
         h.last_alive = self._clock()
@@ -117,12 +121,13 @@ class HealthMonitor:
             h.consecutive_timeouts = 0
             self._set(backend, True, None)
 
-    def _set(self, backend: Backend, healthy: bool, error: str | None) -> None:
+    def _set(self, backend: str, healthy: bool, error: str | None) -> None:
         h = self.backends[backend]
         h.last_error = error
         if h.healthy != healthy:
             h.healthy = healthy
-            self._metrics.backend_up.labels(backend).set(1 if healthy else 0)
+            self._metrics.server_up.labels(backend).set(1 if healthy else 0)
+            self._metrics.backend_up.labels(h.role).set(1 if self.role_healthy(h.role) else 0)
             if healthy:
                 log.info("backend %s is up", backend)
             else:
@@ -130,15 +135,25 @@ class HealthMonitor:
             self.on_change()
 
     async def run(self) -> None:
+        """Poll /health every health_interval_s and scrape /metrics every scrape_interval_s."""
+        await asyncio.gather(self._every(self._settings.health_interval_s, self._poll), self._scrapes())
+
+    async def _scrapes(self) -> None:
+        s = self._settings
+        await self._every(s.scrape_interval_s or s.health_interval_s, self._scrape)
+
+    async def _every(self, interval_s: float, each: Callable[[str], Awaitable[None]]) -> None:
         while True:
-            await asyncio.sleep(self._settings.health_interval_s)
-            await self.poll_once()
+            await asyncio.sleep(interval_s)
+            await asyncio.gather(*(each(name) for name in self.backends))
+            self.on_change()
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(b) for b in BACKENDS), *(self._scrape(b) for b in BACKENDS))
+        names = list(self.backends)
+        await asyncio.gather(*(self._poll(n) for n in names), *(self._scrape(n) for n in names))
         self.on_change()
 
-    async def _poll(self, backend: Backend) -> None:
+    async def _poll(self, backend: str) -> None:
         s = self._settings
         probe = await self._upstream.get(backend, "/health", s.health_timeout_s)
         h = self.backends[backend]
@@ -159,10 +174,11 @@ class HealthMonitor:
         else:
             self._set(backend, False, describe_health(probe.status or 0, probe.body))
 
-    async def _scrape(self, backend: Backend) -> None:
+    async def _scrape(self, backend: str) -> None:
         """Read the engine's load and acceptance. Scraped under every load signal: the dashboard
         and /routing show the engine's view too."""
         h = self.backends[backend]
+        self.on_scrape(backend)
         probe = await self._upstream.get(backend, "/metrics", self._settings.health_timeout_s)
         now = self._clock()
         error: str | None = None
@@ -199,25 +215,33 @@ class HealthMonitor:
             if now - h._activity_since >= self._settings.engine_stale_s:
                 load = 0
         h.engine_load, h._reading_at = load, now
-        self._metrics.engine_load.labels(backend).set(load)
         accept = engine.accept_gauge_value(values)
         counters = engine.accept_counters(values)
         if accept is None and counters is not None:
             accept = h._acceptance.update(now, *counters)
         h.spec_accept_length = accept
-        self._metrics.accept_length.labels(backend).set(math.nan if accept is None else accept)
         if h.engine_signal_up is not True:
             h.engine_signal_up, h.engine_signal_error = True, None
-            self._metrics.engine_signal_up.labels(backend).set(1)
             log.info("engine load of %s readable (%s)", backend, engine.name)
+        self._publish(h)
+
+    def _publish(self, h: BackendHealth) -> None:
+        """The server's gauges, and its role's: load summed (-1 while any is unknown), acceptance
+        averaged over the servers that report one, signal up while every server's is."""
+        m = self._metrics
+        m.server_engine_load.labels(h.name).set(-1 if h.engine_load is None else h.engine_load)
+        peers = self._roles[h.role]
+        loads = [p.engine_load for p in peers]
+        m.engine_load.labels(h.role).set(-1 if None in loads else sum(v or 0 for v in loads))
+        accepts = [p.spec_accept_length for p in peers if p.spec_accept_length is not None]
+        m.accept_length.labels(h.role).set(sum(accepts) / len(accepts) if accepts else math.nan)
+        m.engine_signal_up.labels(h.role).set(1 if all(p.engine_signal_up for p in peers) else 0)
 
     def _signal_down(self, h: BackendHealth, error: str) -> None:
         h.engine_load, h._reading_at, h._activity, h.spec_accept_length = None, None, None, None
-        self._metrics.engine_load.labels(h.name).set(-1)
-        self._metrics.accept_length.labels(h.name).set(math.nan)
-        self._metrics.engine_signal_up.labels(h.name).set(0)
         was_up = h.engine_signal_up
         h.engine_signal_up, h.engine_signal_error = False, error
+        self._publish(h)
         if was_up is not False:  # once per outage
             level = logging.WARNING if self._settings.load_signal != "local" else logging.DEBUG
             log.log(

@@ -1,12 +1,14 @@
 """Every metric specgate exports, defined in one place on a per-app registry.
 
-Labels come only from small fixed sets (backend, reason, endpoint, status class, error kind), and
-every combination is created up front so dashboards see zeros instead of missing series.
+Labels come only from small fixed sets (backend, reason, endpoint, status class, error kind, and
+the configured server and group names), and every combination is created up front so dashboards
+see zeros instead of missing series.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -39,7 +41,13 @@ def code_class(status: int) -> str:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """Every metric, in one registry per app. `servers` and `groups` are the configured names
+    (proxy/topology.py): a bounded set, so labels by them are safe."""
+
+    def __init__(
+        self, servers: Sequence[str] = ("speculative", "baseline"), groups: Sequence[str] = ("group-0",)
+    ) -> None:
+        self.servers, self.groups = tuple(servers), tuple(groups)
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "specgate_requests",
@@ -71,7 +79,41 @@ class Metrics:
             "(0: it pays at no load; NaN: not known or another policy).",
             registry=r,
         )
-        self.backend_up = Gauge("specgate_backend_up", "1 when the backend is healthy.", ["backend"], registry=r)
+        self.backend_up = Gauge(
+            "specgate_backend_up", "1 when the backend (any server of the role) is healthy.", ["backend"], registry=r
+        )
+        # Per server and per group (several servers, proxy/topology.py).
+        self.server_up = Gauge("specgate_server_up", "1 when the server is healthy.", ["server"], registry=r)
+        self.server_inflight = Gauge(
+            "specgate_server_inflight", "Requests in flight from this gateway on each server.", ["server"], registry=r
+        )
+        self.server_requests = Counter(
+            "specgate_server_requests", "Requests sent to each server (retries included).", ["server"], registry=r
+        )
+        self.server_engine_load = Gauge(
+            "specgate_server_engine_load",
+            "Running + queued requests as the server's engine last reported them (-1: unknown).",
+            ["server"],
+            registry=r,
+        )
+        self.group_mode = Gauge(
+            "specgate_group_mode", "Each group's routing mode: 1 speculative, 0 baseline.", ["group"], registry=r
+        )
+        self.group_mode_switches = Counter(
+            "specgate_group_mode_switches", "Each group's routing mode switches.", ["group", "to"], registry=r
+        )
+        self.group_load = Gauge(
+            "specgate_group_load", "The load each group's policy compares with its watermarks.", ["group"], registry=r
+        )
+        self.group_watermark = Gauge(
+            "specgate_group_watermark", "Each group's watermarks in effect.", ["group", "level"], registry=r
+        )
+        self.group_crossover = Gauge(
+            "specgate_group_crossover_estimate",
+            "Adaptive policy: each group's crossover estimate (see specgate_crossover_estimate).",
+            ["group"],
+            registry=r,
+        )
         self.engine_load = Gauge(
             "specgate_engine_load",
             "Running plus queued requests the server reports (-1: unknown or stale).",
@@ -179,6 +221,16 @@ class Metrics:
             for ep in ENDPOINTS:
                 for code in CODE_CLASSES:
                     self.requests.labels(label, ep, code)
+        for server in self.servers:
+            self.server_up.labels(server).set(0)
+            self.server_inflight.labels(server).set(0)
+            self.server_requests.labels(server)
+            self.server_engine_load.labels(server).set(-1)
+        for group in self.groups:
+            self.group_mode.labels(group).set(1)
+            self.group_load.labels(group).set(0)
+            for mode in BACKENDS:
+                self.group_mode_switches.labels(group, mode)
         for outcome in SHADOW_OUTCOMES:
             self.shadow_probes.labels(outcome)
         self.mode.set(1)

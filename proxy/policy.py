@@ -29,12 +29,17 @@ where L is the load (in-flight requests over both servers, by the configured sig
 speculative server's own load, both measured before the new request is admitted. A backend that is
 down is never chosen: its share goes to the other (`only_healthy`); with both down there is no
 backend (`no_healthy_backend`). Running requests never move: only new requests are routed.
+
+With several servers (topology.py) these rules run once per group, on the group's own load: a
+paired group's two servers, or a pool's roles summed (a role is up while any of its servers is).
+Which group, and which server of a pooled role, is `least_loaded`: the least load, at random among
+near-ties.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -184,6 +189,24 @@ def probe_due(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig, loa
         return True
     wait = min(cfg.probe_s * 2.0**state.probes, max(cfg.probe_s, cfg.probe_max_s))
     return snapshot.now - max(idle, state.since) >= wait
+
+
+def near_ties(loads: Sequence[tuple[str, int]]) -> list[str]:
+    """The names whose load is within max(1, 10%) of the least: a choice among them is as good as
+    any. Choosing at random among them, not the first, is what keeps several gateways (or one
+    between two load readings) from all sending the next burst to the same server."""
+    if not loads:
+        return []
+    low = min(load for _, load in loads)
+    return [name for name, load in loads if load <= low + max(1, low // 10)]
+
+
+def least_loaded(loads: Sequence[tuple[str, int]], pick: float) -> str | None:
+    """The least-loaded name, `pick` in [0, 1) drawing among near-ties; None for no candidates."""
+    near = near_ties(loads)
+    if not near:
+        return None
+    return near[min(int(pick * len(near)), len(near) - 1)]
 
 
 def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:

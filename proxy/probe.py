@@ -78,34 +78,35 @@ def shadow_body(body: bytes, max_tokens: int) -> bytes | None:
 class Prober:
     """Sends shadow probes; the Router learns what they measured (Router.note_shadow)."""
 
-    def __init__(self, upstream: Upstream, router: Router, metrics: Metrics, max_tokens: int) -> None:
+    def __init__(self, upstream: Upstream, metrics: Metrics, max_tokens: int) -> None:
         self._upstream = upstream
-        self._router = router
         self._metrics = metrics
         self._max_tokens = max_tokens
+        # One copy at a time, whichever group it probes: they are rare, and this bounds them.
         self._task: asyncio.Task[None] | None = None
 
     @property
     def busy(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    def start(self, call: ProxyCall) -> bool:
-        """Send a copy of `call` unless one is under way or it cannot be copied; True if sent."""
+    def start(self, call: ProxyCall, router: Router) -> bool:
+        """Send a copy of `call` to the group's speculative server unless a copy is under way or it
+        cannot be copied; True if sent."""
         if self.busy or call.endpoint not in ("chat", "completions"):
             return False
         body = shadow_body(call.body, self._max_tokens)
         if body is None:
             return False
-        self._task = asyncio.get_running_loop().create_task(self._run(call, body), name="specgate-probe")
+        self._task = asyncio.get_running_loop().create_task(self._run(call, body, router), name="specgate-probe")
         return True
 
-    async def _run(self, call: ProxyCall, body: bytes) -> None:
-        lease = self._router.admit("speculative")
+    async def _run(self, call: ProxyCall, body: bytes, router: Router) -> None:
+        lease = router.admit("speculative")
         outcome = "error"
         resp = None
         try:
             headers = renamed(call.headers, call.request_id, call.request_id + "-probe")
-            resp = await self._upstream.send("speculative", call.target, body, headers)
+            resp = await self._upstream.send(lease.server, call.target, body, headers)
             parts: list[bytes] = []
             size = 0
             while chunk := await resp.read_chunk():
@@ -118,7 +119,7 @@ class Prober:
             if tokens is not None:
                 resp.release()
                 outcome = "ok"
-                self._router.note_shadow(tokens, content_events(data))
+                router.note_shadow(tokens, content_events(data))
             else:
                 outcome = "no_usage" if resp.status == 200 else "error"
         except UpstreamError as err:

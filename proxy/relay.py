@@ -29,6 +29,7 @@ from .inflight import Lease
 from .metrics import Endpoint, code_class
 from .policy import Backend, Reason, other
 from .probe import content_events
+from .routing import Router
 from .upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("specgate.relay")
@@ -235,7 +236,8 @@ class _Relay:
         self._send = send
         self._state = state
         self.lease: Lease | None = None
-        self.backend: Backend | None = None
+        self.backend: Backend | None = None  # the role; the server is the lease's
+        self.router: Router | None = None
         self.upstream: UpstreamResponse | None = None
         self.status = 0
         self.complete = False
@@ -247,9 +249,10 @@ class _Relay:
     async def run(self) -> None:
         gate = self.gate
         call = self.call
-        decision = gate.router.decide(can_probe=call.endpoint in ("chat", "completions"))
+        placed = gate.fleet.decide(can_probe=call.endpoint in ("chat", "completions"))
+        decision, self.router = placed.decision, placed.router
         if decision.shadow and gate.prober is not None:
-            gate.prober.start(call)
+            gate.prober.start(call, placed.router)
         if decision.backend is None:
             raise_error = ApiError(
                 503, "No healthy backend: both servers are down.", "server_error", "no_healthy_backend"
@@ -257,7 +260,8 @@ class _Relay:
             await self._error(raise_error, decision.reason)
             return
         self.backend = decision.backend
-        self.lease = gate.router.admit(decision.backend)
+        self.lease = placed.router.admit(decision.backend)
+        gate.metrics.child(gate.metrics.server_requests, self.lease.server).inc()
         reason: Reason = decision.reason
         first = await self._connect(reason)
         if first is None:
@@ -269,26 +273,28 @@ class _Relay:
         """Send upstream and wait for the first body byte, retrying once on the other server."""
         gate, call = self.gate, self.call
         for attempt in (0, 1):
-            assert self.backend is not None and self.lease is not None
-            backend = self.backend
+            assert self.backend is not None and self.lease is not None and self.router is not None
+            backend, server = self.backend, self.lease.server
             try:
-                self.upstream = await gate.upstream.send(backend, call.target, call.body, call.headers)
+                self.upstream = await gate.upstream.send(server, call.target, call.body, call.headers)
                 first = await self.upstream.read_chunk()
                 if self.upstream.status < 500:  # a server that fails everything it gets is no proof of life
-                    gate.health.note_alive(backend)
+                    gate.health.note_alive(server)
                 return first, reason
             except UpstreamError as err:
                 gate.metrics.upstream_errors.labels(backend, err.kind).inc()
                 if err.kind == "connect":
-                    gate.health.mark_down(backend, str(err))
+                    gate.health.mark_down(server, str(err))
                 self._drop_upstream()
                 alt = other(backend)
-                if attempt == 0 and err.retryable and gate.health.healthy(alt):
+                up = self.router.healthy_map()
+                if attempt == 0 and err.retryable and up[alt]:
                     log.warning("request %s: %s; retrying on %s", call.request_id, err, alt)
-                    self.lease = gate.router.failover(self.lease, alt)
+                    self.lease = self.router.failover(self.lease, alt)
+                    gate.metrics.child(gate.metrics.server_requests, self.lease.server).inc()
                     self.backend, reason = alt, "failover"
                     continue
-                if err.kind == "connect" and not (gate.health.healthy(backend) or gate.health.healthy(alt)):
+                if err.kind == "connect" and not (up[backend] or up[alt]):
                     api = ApiError(503, f"No healthy backend: {err}", "server_error", "no_healthy_backend")
                 elif err.kind == "timeout":
                     api = ApiError(504, f"Upstream timed out: {err}", "server_error", "upstream_timeout")
@@ -301,8 +307,8 @@ class _Relay:
     async def _relay(self, first: bytes, reason: Reason) -> None:
         gate, call = self.gate, self.call
         up = self.upstream
-        assert up is not None and self.backend is not None
-        backend = self.backend
+        assert up is not None and self.backend is not None and self.lease is not None and self.router is not None
+        backend, server, router = self.backend, self.lease.server, self.router
         self.status = up.status
         is_sse = up.content_type.startswith("text/event-stream")
         sse = SseRelay(call.strip_usage) if is_sse else None
@@ -321,8 +327,8 @@ class _Relay:
         # from streams that ran while the other server had nothing from us: the curves are of one
         # server alone, and on a shared GPU each slows the other (a switch's drain would read as
         # the new server being slow).
-        learn = timed and gate.router.adaptive is not None and gate.router.backend_load(other(backend)) == 0
-        start_load = gate.router.backend_load(backend) if learn else 0
+        learn = timed and router.adaptive is not None and router.backend_load(other(backend)) == 0
+        start_load = router.backend_load(backend) if learn else 0
         # A probe's acceptance is read from its own stream: tokens over content events, counted at
         # the end (an event may be split between reads).
         count = is_sse and reason == "probe"
@@ -357,7 +363,7 @@ class _Relay:
                 if timed:
                     inter_chunk.observe(t - now)
                 if t - alive_at >= ALIVE_EVERY_S and up.status < 500:
-                    gate.health.note_alive(backend)
+                    gate.health.note_alive(server)
                     alive_at = t
                 now = t
                 if count:
@@ -389,15 +395,10 @@ class _Relay:
             gate.metrics.child(gate.metrics.prompt_tokens, backend).inc(usage[0])
             gate.metrics.child(gate.metrics.output_tokens, backend).inc(usage[1])
             events = content_events(b"".join(probe_body)) if count else None
-            gate.router.note_output(backend, usage[1], events)
-            if (
-                learn
-                and usage[1] >= MIN_LEARN_TOKENS
-                and now > first_at
-                and not gate.router.backend_load(other(backend))
-            ):
-                load = (start_load + gate.router.backend_load(backend)) / 2
-                gate.router.observe(backend, load, (usage[1] - 1) / (now - first_at))
+            router.note_output(backend, usage[1], events)
+            if learn and usage[1] >= MIN_LEARN_TOKENS and now > first_at and not router.backend_load(other(backend)):
+                load = (start_load + router.backend_load(backend)) / 2
+                router.observe(backend, load, (usage[1] - 1) / (now - first_at))
         await self._last(out + tail if tail else out)
 
     async def _last(self, data: bytes) -> None:

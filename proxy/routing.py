@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from .health import HealthMonitor
 from .inflight import InflightTracker, Lease
 from .metrics import Metrics
 from .policy import (
+    BACKENDS,
     Backend,
     Decision,
     LoadSnapshot,
@@ -41,12 +43,16 @@ from .policy import (
     backend_load,
     decide,
     dwell_mode,
+    least_loaded,
     next_mode,
     total_load,
 )
+from .topology import Group, Topology
 
 log = logging.getLogger("specgate.routing")
 
+# One server of each role, named by its role.
+SOLO_GROUP = Group("group-0", {"speculative": ("speculative",), "baseline": ("baseline",)})
 # The adaptive estimate is recomputed at most this often (health polls and finished streams ask).
 UPDATE_EVERY_S = 0.25
 # A probe session sends at most this many requests.
@@ -141,6 +147,9 @@ class Adaptive:
 
 
 class Router:
+    """One group's router (a paired group, or the pool): its mode, its adaptive beliefs, and the
+    load and health of its servers. `Fleet` holds one per group; alone, it is the simple case."""
+
     def __init__(
         self,
         cfg: PolicyConfig,
@@ -149,14 +158,23 @@ class Router:
         adaptive: AdaptiveConfig | None = None,
         calibration: Calibration | None = None,
         clock: Callable[[], float] = time.monotonic,
+        group: Group = SOLO_GROUP,
+        tracker: InflightTracker | None = None,
+        rng: random.Random | None = None,
+        solo: bool = True,
     ) -> None:
         self.static_cfg = cfg
         self.cfg = cfg
+        self.group = group
         self._health = health
         self._metrics = metrics
         self._clock = clock
+        self._rng = rng or random.Random()
+        # Alone, it writes the gateway-wide gauges itself; among several groups, the fleet sums them.
+        self.solo = solo
+        self.last_load = 0
         self.state = PolicyState()  # no dwell before the first switch
-        self.tracker = InflightTracker(on_change=self._inflight_changed)
+        self.tracker = tracker or InflightTracker(on_change=self.server_changed)
         self._spec_idle_since: float | None = clock()
         self._probe_tokens = self._probe_requests = 0
         # A probe session's tokens and decode steps, from streams whose events count steps.
@@ -172,19 +190,49 @@ class Router:
             self.adaptive = Adaptive(adaptive or AdaptiveConfig(), calibration, static, clock())
             high, low = self.adaptive.watermarks()
             self.cfg = dataclasses.replace(cfg, high_watermark=high, low_watermark=low)
-            metrics.crossover_estimate.set(_nan(self.adaptive.estimate.crossover))
-        metrics.set_watermarks(self.cfg.high_watermark, self.cfg.low_watermark, cfg.spillover_limit)
-        metrics.set_mode(self.state.mode)
+        self._publish_watermarks()
+        self._publish_mode()
         self.refresh()
 
     def now(self) -> float:
         return self._clock()
 
+    def role_count(self, role: Backend) -> int:
+        """This gateway's requests in flight on the group's servers of `role`."""
+        return sum(self.tracker.count(s) for s in self.group.of(role))
+
+    def healthy_map(self) -> dict[Backend, bool]:
+        b = self._health.backends
+        return {role: any(b[s].healthy for s in self.group.of(role)) for role in BACKENDS}
+
+    def engine_loads(self) -> dict[Backend, int | None]:
+        """Each role's engine load: the servers' readings plus what was sent since (None: unknown)."""
+        out: dict[Backend, int | None] = {}
+        for role in BACKENDS:
+            total: int | None = 0
+            for s in self.group.of(role):
+                reading = self._health.backends[s].engine_load
+                if reading is None:
+                    total = None
+                    break
+                total = (total or 0) + reading + self.tracker.fresh(s)
+            out[role] = total
+        return out
+
+    def server_load(self, server: str) -> int:
+        """One server's load by the configured signal."""
+        local = self.tracker.count(server)
+        reading = self._health.backends[server].engine_load
+        if self.cfg.load_signal == "local" or reading is None:
+            return local
+        engine = reading + self.tracker.fresh(server)
+        return engine if self.cfg.load_signal == "engine" else max(local, engine)
+
     def snapshot(self) -> LoadSnapshot:
         return LoadSnapshot(
-            self.tracker.snapshot(),
-            self._health.engine_loads(),
-            self._health.healthy_map(),
+            {role: self.role_count(role) for role in BACKENDS},
+            self.engine_loads(),
+            self.healthy_map(),
             self._clock(),
             self._spec_idle_since,
         )
@@ -194,9 +242,9 @@ class Router:
         return total_load(self.snapshot(), self.cfg.load_signal)
 
     def backend_load(self, backend: Backend) -> int:
-        """The load on one server by the configured signal (what its curve is indexed by)."""
+        """The load on one role by the configured signal (what its curve is indexed by)."""
         if self.cfg.load_signal == "local":
-            return self.tracker.count(backend)
+            return self.role_count(backend)
         return backend_load(self.snapshot(), backend, self.cfg.load_signal)
 
     def decide(self, can_probe: bool = True) -> Decision:
@@ -217,14 +265,25 @@ class Router:
         self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
         return decision
 
+    def pick(self, backend: Backend) -> str:
+        """The group's server for a role: the least loaded healthy one, at random among near-ties
+        (a paired group has one)."""
+        servers = self.group.of(backend)
+        if len(servers) == 1:
+            return servers[0]
+        up = [s for s in servers if self._health.backends[s].healthy] or list(servers)
+        chosen = least_loaded([(s, self.server_load(s)) for s in up], self._rng.random())
+        assert chosen is not None
+        return chosen
+
     def admit(self, backend: Backend) -> Lease:
-        return self.tracker.acquire(backend)
+        return self.tracker.acquire(self.pick(backend))
 
     def failover(self, lease: Lease, to: Backend) -> Lease:
-        """Move a request that failed before its first byte to the other backend."""
+        """Move a request that failed before its first byte to the group's other role."""
         self._metrics.failovers.labels(lease.backend, to).inc()
         self._metrics.decisions.labels(to, "failover").inc()
-        new = self.tracker.acquire(to)
+        new = self.admit(to)
         lease.release()
         return new
 
@@ -239,9 +298,16 @@ class Router:
         self._update(now)
 
     def counts_steps(self) -> bool:
-        """Whether the speculative server's streams send one content event per decode step."""
-        name = self._health.backends["speculative"].engine
-        return name is not None and ENGINES[name].stream_steps
+        """Whether the speculative servers' streams send one content event per decode step."""
+        names = [self._health.backends[s].engine for s in self.group.of("speculative")]
+        return bool(names) and all(n is not None and ENGINES[n].stream_steps for n in names)
+
+    def engine_accept(self) -> float | None:
+        """The speculative servers' acceptance as their engines report it (their mean)."""
+        found = [
+            a for s in self.group.of("speculative") if (a := self._health.backends[s].spec_accept_length) is not None
+        ]
+        return sum(found) / len(found) if found else None
 
     def note_output(self, backend: Backend, tokens: int, events: int | None = None) -> None:
         """A response from `backend` ended with `tokens` output tokens (from its usage), in `events`
@@ -276,18 +342,23 @@ class Router:
         measured = self._stream_accept
         if measured is not None and now - measured[1] <= self.cfg.accept_fresh_s:
             return measured[0], "from probe streams"
-        return self._health.backends["speculative"].spec_accept_length, "live"
+        return self.engine_accept(), "live"
 
     def refresh(self) -> None:
         """Re-apply the hysteresis after load or health changed, so the mode gauge tells the truth."""
         if self.cfg.load_signal == "local":
             # The common case, on every admit and release: no snapshot to build.
-            load, spec_load = self.tracker.total, self.tracker.count("speculative")
+            spec_load = self.role_count("speculative")
+            load = spec_load + self.role_count("baseline")
         else:
             snap = self.snapshot()
             load = total_load(snap, self.cfg.load_signal)
             spec_load = backend_load(snap, "speculative", self.cfg.load_signal)
-        self._metrics.load.set(load)
+        self.last_load = load
+        if self.solo:
+            self._metrics.load.set(load)
+        else:
+            self._metrics.child(self._metrics.group_load, self.group.name).set(load)
         if self.cfg.policy == "threshold":
             self._set_state(next_mode(load, self.state, self.cfg))
         elif self.cfg.policy == "adaptive":
@@ -311,21 +382,122 @@ class Router:
             high, low = a.watermarks()
             log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
             self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)
-            self._metrics.set_watermarks(high, low, self.cfg.spillover_limit)
-        self._metrics.crossover_estimate.set(_nan(a.estimate.crossover))
+        self._publish_watermarks()
 
-    def _inflight_changed(self, backend: Backend, count: int) -> None:
-        self._metrics.child(self._metrics.inflight, backend).set(count)
-        if backend == "speculative":
-            self._spec_idle_since = self._clock() if count == 0 else None
+    def _publish_watermarks(self) -> None:
+        m, c = self._metrics, self.cfg
+        crossover = _nan(self.adaptive.estimate.crossover) if self.adaptive is not None else None
+        for level, value in (("high", c.high_watermark), ("low", c.low_watermark)):
+            m.child(m.group_watermark, self.group.name, level).set(value)
+        if crossover is not None:
+            m.child(m.group_crossover, self.group.name).set(crossover)
+        if self.solo or self.group.name == "group-0":
+            # The gateway-wide gauges show the first group's (with the threshold policy, every group's).
+            m.set_watermarks(c.high_watermark, c.low_watermark, c.spillover_limit)
+            if crossover is not None:
+                m.crossover_estimate.set(crossover)
+
+    def _publish_mode(self) -> None:
+        m = self._metrics
+        m.child(m.group_mode, self.group.name).set(1 if self.state.mode == "speculative" else 0)
+        if self.solo:
+            m.set_mode(self.state.mode)
+
+    def server_changed(self, server: str, count: int) -> None:
+        """A lease on one of the group's servers was taken or released."""
+        role = self.tracker.roles[server]
+        if self.solo:
+            self._metrics.child(self._metrics.inflight, role).set(self.role_count(role))
+        if role == "speculative":
+            self._spec_idle_since = self._clock() if self.role_count("speculative") == 0 else None
         self.refresh()
 
     def _set_state(self, state: PolicyState) -> None:
         if state.mode != self.state.mode:
-            log.info("routing mode %s -> %s (load %d)", self.state.mode, state.mode, self.load)
+            log.info("routing mode of %s: %s -> %s (load %d)", self.group.name, self.state.mode, state.mode, self.load)
             self._metrics.mode_switches.labels(state.mode).inc()
-            self._metrics.set_mode(state.mode)
+            self._metrics.child(self._metrics.group_mode_switches, self.group.name, state.mode).inc()
+            self.state = state
+            self._publish_mode()
         self.state = state
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a new request goes: the group's router and its decision (the server is picked at
+    admission, `Router.admit`)."""
+
+    decision: Decision
+    router: Router
+
+
+class Fleet:
+    """Every group's Router over one in-flight tracker of every server: which group a new request
+    goes to (the least loaded healthy one, at random among near-ties), and the gateway-wide
+    gauges summed over groups."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        cfg: PolicyConfig,
+        health: HealthMonitor,
+        metrics: Metrics,
+        adaptive: AdaptiveConfig | None = None,
+        calibration: Calibration | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.topology = topology
+        self._metrics = metrics
+        self._rng = rng or random.Random()
+        self.tracker = InflightTracker({s.name: s.role for s in topology.servers}, on_change=self._changed)
+        solo = len(topology.groups) == 1
+        self.routers = tuple(
+            Router(cfg, health, metrics, adaptive, calibration, clock, g, self.tracker, self._rng, solo)
+            for g in topology.groups
+        )
+        self._router_of = {s: r for r in self.routers for role in BACKENDS for s in r.group.of(role)}
+        self.solo = solo
+        self._publish()
+
+    @property
+    def adaptive(self) -> bool:
+        return self.routers[0].adaptive is not None
+
+    def router_of(self, server: str) -> Router:
+        return self._router_of[server]
+
+    def choose(self) -> Router:
+        if self.solo:
+            return self.routers[0]
+        up = [(r.group.name, r.load) for r in self.routers if any(r.healthy_map().values())]
+        name = least_loaded(up, self._rng.random())
+        return next((r for r in self.routers if r.group.name == name), self.routers[0])
+
+    def decide(self, can_probe: bool = True) -> Placement:
+        router = self.choose()
+        return Placement(router.decide(can_probe), router)
+
+    def refresh(self) -> None:
+        for r in self.routers:
+            r.refresh()
+        self._publish()
+
+    def _changed(self, server: str, count: int) -> None:
+        self._metrics.child(self._metrics.server_inflight, server).set(count)
+        self._router_of[server].server_changed(server, count)
+        if not self.solo:
+            self._publish()
+
+    def _publish(self) -> None:
+        if self.solo:
+            return
+        m = self._metrics
+        for role in BACKENDS:
+            m.child(m.inflight, role).set(sum(r.role_count(role) for r in self.routers))
+        m.load.set(sum(r.last_load for r in self.routers))
+        # The share of groups in speculative mode: 1 or 0 as with one group, between with several.
+        m.mode.set(sum(r.state.mode == "speculative" for r in self.routers) / len(self.routers))
 
 
 def _nan(value: float | None) -> float:

@@ -34,7 +34,7 @@ import httptools
 
 from .config import Settings
 from .metrics import ErrorKind
-from .policy import BACKENDS, Backend
+from .policy import Backend
 
 # Connection-scoped headers (RFC 9110 7.6.1) and those the proxy sets itself.
 HOP_BY_HOP = frozenset(
@@ -283,7 +283,7 @@ class _Conn(asyncio.Protocol):
 class _Server:
     """One server: where it is, and its pool of keep-alive connections."""
 
-    def __init__(self, backend: Backend, url: str, settings: Settings, auth: bytes | None) -> None:
+    def __init__(self, backend: str, url: str, settings: Settings, auth: bytes | None) -> None:
         parts = urlsplit(url)
         self.backend = backend
         self.url = url
@@ -444,17 +444,17 @@ class Upstream:
         self._trusted_seen: dict[str, bool] = {}
         key = settings.upstream_api_key
         auth = b"Bearer " + key.get_secret_value().encode("latin-1") if key else None
-        self._servers: dict[Backend, _Server] = {
-            "speculative": _Server("speculative", settings.speculative_url, settings, auth),
-            "baseline": _Server("baseline", settings.baseline_url, settings, auth),
-        }
+        topology = settings.routing_topology()
+        # Each server by its name (proxy/topology.py), with its role.
+        self.roles: dict[str, Backend] = {s.name: s.role for s in topology.servers}
+        self._servers: dict[str, _Server] = {s.name: _Server(s.name, s.url, settings, auth) for s in topology.servers}
 
-    def url(self, backend: Backend) -> str:
+    def url(self, backend: str) -> str:
         return self._servers[backend].url
 
     async def aclose(self) -> None:
-        for backend in BACKENDS:
-            self._servers[backend].close()
+        for server in self._servers.values():
+            server.close()
 
     def trusted(self, peer: str) -> bool:
         """Whether `peer` is one of SPECGATE_TRUSTED_PROXIES (remembered per address)."""
@@ -523,7 +523,7 @@ class Upstream:
         )
         return b"".join(out)
 
-    async def send(self, backend: Backend, target: bytes, body: bytes, headers: bytes) -> UpstreamResponse:
+    async def send(self, backend: str, target: bytes, body: bytes, headers: bytes) -> UpstreamResponse:
         """POST `body` to `target` (path and query, as the client sent them); wait for the headers."""
         server = self._servers[backend]
         head = server.head(b"POST", target, headers) + b"content-length: %d\r\n\r\n" % len(body)
@@ -562,7 +562,7 @@ class Upstream:
             server.slots.release()
             raise
 
-    async def get(self, backend: Backend, path: str, timeout_s: float) -> HealthProbe:
+    async def get(self, backend: str, path: str, timeout_s: float) -> HealthProbe:
         """A small GET with its own timeout (health, metrics, models)."""
         server = self._servers[backend]
         request = server.head(b"GET", path.encode("latin-1"), b"") + b"\r\n"

@@ -371,6 +371,47 @@ def panels() -> list[dict[str, Any]]:
             unit="none",
             thresholds=[{"color": "red", "value": None}, {"color": "green", "value": 2}],
         ),
+        row("Groups and servers (several servers: SPECGATE_TOPOLOGY)", 62),
+        timeseries(
+            "Mode per group",
+            "Each group's mode for new requests (1 speculative, 0 baseline): a paired group's two servers "
+            "switch together on the group's own load; a pool has one group. With several specgate replicas "
+            "each has its own view: the line is the lowest of them, so a dip means some replica sends that "
+            "group's new requests to its baseline.",
+            [("min by (group) (specgate_group_mode)", "{{group}}")],
+            (0, 63, 8, 8),
+            unit="none",
+        ),
+        timeseries(
+            "Load per group",
+            "The load each group's policy compares with its watermarks (largest over replicas), and the "
+            "group's high watermark.",
+            [
+                ("max by (group) (specgate_group_load)", "{{group}} load"),
+                ('max by (group) (specgate_group_watermark{level="high"})', "{{group}} high watermark"),
+            ],
+            (8, 63, 8, 8),
+            unit="short",
+        ),
+        timeseries(
+            "Requests per second per server",
+            "Requests specgate sent to each server (all replicas, retries included): groups and the servers "
+            "of a pool should share evenly.",
+            [(f"sum by (server) (rate(specgate_server_requests_total[{RATE}]))", "{{server}}")],
+            (16, 63, 8, 8),
+            unit="reqps",
+        ),
+        timeseries(
+            "In flight per server",
+            "Requests in flight on each server: specgate's own (summed over replicas) and the engine's "
+            "running + queued as last read (-1: unreadable).",
+            [
+                ("sum by (server) (specgate_server_inflight)", "{{server}} specgate"),
+                ("max by (server) (specgate_server_engine_load)", "{{server}} engine"),
+            ],
+            (0, 71, 24, 8),
+            unit="short",
+        ),
     ]
 
 

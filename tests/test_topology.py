@@ -1,0 +1,186 @@
+"""Several servers: the topology settings, group and server choice (least load, random among
+near-ties), the sent-since-scrape correction, and the per-server and per-group view."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from pydantic import ValidationError
+
+from proxy.config import Settings
+from proxy.health import HealthMonitor
+from proxy.metrics import Metrics
+from proxy.policy import PolicyConfig, least_loaded, near_ties
+from proxy.routing import Fleet
+from proxy.topology import build
+from proxy.upstream import Upstream
+
+S0, S1, B0, B1 = (f"http://127.0.0.1:{p}" for p in (30001, 30011, 30002, 30012))
+
+
+def test_lists_of_servers_name_and_group_them() -> None:
+    t = build(f"{S0},{S1}", f"{B0},{B1}", None)
+    assert t.kind == "paired"
+    assert t.names() == ("speculative-0", "speculative-1", "baseline-0", "baseline-1")
+    assert [(g.name, g.of("speculative"), g.of("baseline")) for g in t.groups] == [
+        ("group-0", ("speculative-0",), ("baseline-0",)),
+        ("group-1", ("speculative-1",), ("baseline-1",)),
+    ]
+    # One server a role keeps its role's name: the simple case, as before.
+    solo = build(S0, B0, None)
+    assert solo.names() == ("speculative", "baseline") and [g.name for g in solo.groups] == ["group-0"]
+    # Names given; unequal lists are pools unless paired is asked for.
+    pooled = build(f"eagle-a={S0}, eagle-b={S1}", B0, None)
+    assert pooled.kind == "pooled" and pooled.names() == ("eagle-a", "eagle-b", "baseline")
+    assert pooled.groups[0].name == "pool" and pooled.groups[0].of("speculative") == ("eagle-a", "eagle-b")
+    assert build(f"{S0},{S1}", f"{B0},{B1}", "pooled").groups[0].of("baseline") == ("baseline-0", "baseline-1")
+    with pytest.raises(ValueError, match="as many speculative as baseline"):
+        build(f"{S0},{S1}", B0, "paired")
+    with pytest.raises(ValueError, match="unique: x"):
+        build(f"x={S0}", f"x={B0}", None)
+    with pytest.raises(ValueError, match="server name"):
+        build(f"a b={S0}", B0, None)
+
+
+def test_bad_lists_are_refused_at_start_naming_the_setting() -> None:
+    with pytest.raises(ValidationError, match="SPECGATE_SPECULATIVE_URL / SPECGATE_BASELINE_URL"):
+        Settings(_env_file=None, speculative_url=f"{S0},{S1}", baseline_url=B0, topology="paired")
+    with pytest.raises(ValidationError, match="not-a-url"):
+        Settings(_env_file=None, speculative_url=f"{S0},not-a-url")
+    with pytest.raises(ValidationError, match="scrape_interval_s"):
+        Settings(_env_file=None, scrape_interval_s=0.05)
+    ok = Settings(_env_file=None, speculative_url=f" a={S0}/ , {S1} ", baseline_url=f"{B0},{B1}")
+    assert ok.speculative_url == f"a={S0},{S1}"
+    assert ok.routing_topology().names() == ("a", "speculative-1", "baseline-0", "baseline-1")
+
+
+def test_near_ties_are_within_one_or_a_tenth_of_the_least() -> None:
+    assert near_ties([("a", 0), ("b", 1), ("c", 2)]) == ["a", "b"]
+    assert near_ties([("a", 40), ("b", 44), ("c", 45)]) == ["a", "b"]
+    assert near_ties([]) == [] and least_loaded([], 0.5) is None
+    # The draw picks among them; a clear winner is always chosen.
+    assert [least_loaded([("a", 3), ("b", 3), ("c", 9)], p) for p in (0.0, 0.49, 0.5, 0.99)] == ["a", "a", "b", "b"]
+    assert {least_loaded([("a", 3), ("b", 7)], p) for p in (0.0, 0.99)} == {"a"}
+
+
+def fleet(
+    spec: str, base: str, topology: str | None = None, signal: str = "local", high: int = 16
+) -> tuple[Fleet, HealthMonitor]:
+    settings = Settings(
+        _env_file=None,
+        speculative_url=spec,
+        baseline_url=base,
+        topology=topology,
+        load_signal=signal,
+    )
+    t = settings.routing_topology()
+    metrics = Metrics(t.names(), [g.name for g in t.groups])
+    health = HealthMonitor(settings, Upstream(settings), metrics)
+    for h in health.backends.values():
+        h.healthy = True
+    cfg = PolicyConfig("threshold", high, high // 2, load_signal=signal)  # type: ignore[arg-type]
+    return Fleet(t, cfg, health, metrics, rng=random.Random(7)), health
+
+
+def test_a_request_goes_to_the_least_loaded_group_then_to_its_server_for_the_mode() -> None:
+    f, health = fleet(f"{S0},{S1}", f"{B0},{B1}", high=4)
+    g0, g1 = f.routers
+    held = [g0.admit("speculative") for _ in range(3)]
+    for _ in range(2):  # 3 against 0, then 1: group-1 is clearly the least loaded
+        p = f.decide()
+        assert p.router is g1 and p.decision.backend == "speculative"
+        held.append(p.router.admit(p.decision.backend))
+    assert g1.role_count("speculative") == 2
+    # Each group has its own mode: group-1 reaches its high watermark and turns to its baseline.
+    held += [g1.admit("speculative") for _ in range(3)]
+    assert g1.state.mode == "baseline" and g0.state.mode == "speculative"
+    p = f.decide()  # 3 against 5
+    assert p.router is g0 and p.decision.backend == "speculative"
+    assert g1.decide().backend == "baseline"
+    # A group whose servers are both down gets nothing.
+    for name in ("speculative-0", "baseline-0"):
+        health.backends[name].healthy = False
+    assert all(f.decide().router is g1 for _ in range(10))
+    for lease in held:
+        lease.release()
+    assert f.tracker.total == 0
+
+
+def test_equal_groups_share_the_load_at_random_not_in_a_herd() -> None:
+    f, _ = fleet(f"{S0},{S1}", f"{B0},{B1}", signal="engine", high=1000)
+    # Engine readings of 10 each and nothing sent since: a tie, every time.
+    for r in f.routers:
+        for s in ("speculative", "baseline"):
+            f.routers[0]._health.backends[r.group.of(s)[0]].engine_load = 10 if s == "speculative" else 0
+    chosen = Counter(f.decide().router.group.name for _ in range(400))
+    assert set(chosen) == {"group-0", "group-1"} and min(chosen.values()) > 150
+
+
+def test_requests_sent_since_the_last_scrape_count_on_top_of_the_engines_reading() -> None:
+    f, health = fleet(f"{S0},{S1}", B0, signal="engine", high=1000)
+    r = f.routers[0]
+    for name in ("speculative-0", "speculative-1", "baseline"):
+        health.backends[name].engine_load = 5
+    # A stale reading says 5 and 5: the next requests must not all go to one server.
+    leases = [r.admit("speculative") for _ in range(8)]
+    counts = Counter(lease.server for lease in leases)
+    assert abs(counts["speculative-0"] - counts["speculative-1"]) <= 2
+    assert r.server_load("speculative-0") == 5 + counts["speculative-0"]
+    for lease in leases:
+        lease.release()
+    assert f.tracker.fresh("speculative-0") == f.tracker.fresh("speculative-1") == 0
+    # Three sent to speculative-0, then its scrape: the reading includes them, nothing counts twice.
+    held = [f.tracker.acquire("speculative-0") for _ in range(3)]
+    assert r.server_load("speculative-0") == 8
+    f.tracker.scraped("speculative-0")
+    health.backends["speculative-0"].engine_load = 8
+    assert r.server_load("speculative-0") == 8 and f.tracker.fresh("speculative-0") == 0
+    # A request from before the scrape ends: the next reading drops it, not the correction.
+    held[0].release()
+    assert f.tracker.fresh("speculative-0") == 0 and f.tracker.count("speculative-0") == 2
+    after = f.tracker.acquire("speculative-0")
+    assert f.tracker.fresh("speculative-0") == 1 and r.server_load("speculative-0") == 9
+    after.release()
+    assert r.server_load("speculative-0") == 8
+    # The engine signal of the pool's role is the sum over its servers; `max` takes the larger of
+    # that and this gateway's own count.
+    assert r.engine_loads()["speculative"] == 8 + 5
+
+
+def test_a_pooled_role_spreads_over_its_servers() -> None:
+    f, _ = fleet(f"{S0},{S1}", f"{B0},{B1}", topology="pooled", high=1000)
+    (pool,) = f.routers
+    leases = [pool.admit("speculative") for _ in range(20)]
+    counts = Counter(lease.server for lease in leases)
+    assert counts == {"speculative-0": 10, "speculative-1": 10}
+    for lease in leases[::2]:
+        lease.release()
+    more = [pool.admit("speculative") for _ in range(10)]
+    assert Counter(lease.server for lease in more + leases[1::2]) == {"speculative-0": 10, "speculative-1": 10}
+    # A server that is down gets nothing while its peer is up.
+    pool._health.backends["speculative-0"].healthy = False
+    assert {pool.admit("speculative").server for _ in range(5)} == {"speculative-1"}
+
+
+def test_metrics_and_gauges_per_group_and_server() -> None:
+    f, _ = fleet(f"{S0},{S1}", f"{B0},{B1}", high=2)
+    g0, _ = f.routers
+    held = [g0.admit("speculative"), g0.admit("speculative")]
+    m = g0._metrics
+
+    def value(name: str, **labels: str) -> float:
+        v = m.registry.get_sample_value(name, labels)
+        assert v is not None, (name, labels)
+        return v
+
+    assert value("specgate_group_mode", group="group-0") == 0 and value("specgate_group_mode", group="group-1") == 1
+    assert value("specgate_group_mode_switches_total", group="group-0", to="baseline") == 1
+    assert value("specgate_server_inflight", server="speculative-0") == 2
+    assert value("specgate_inflight_requests", backend="speculative") == 2
+    assert value("specgate_routing_mode") == 0.5  # half the groups speculate
+    assert value("specgate_load") == 2 and value("specgate_group_load", group="group-0") == 2
+    for lease in held:
+        lease.release()
+    assert value("specgate_group_mode", group="group-0") == 1 and value("specgate_routing_mode") == 1
