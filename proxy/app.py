@@ -77,7 +77,8 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
         )
         fleet = Fleet(topology, cfg, health, metrics, adaptive, calibration)
         health.on_change = fleet.refresh
-        health.on_scrape = fleet.tracker.scraped
+        health.on_scrape = fleet.tracker.scraping
+        health.on_reading = fleet.tracker.scraped
         prober = None
         if settings.policy == "adaptive" and settings.adaptive_probe_mode == "shadow":
             prober = Prober(upstream, metrics, settings.adaptive_shadow_tokens)
@@ -171,7 +172,8 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
                 "url": redact_url(gate.upstream.url(name)),
                 "healthy": h.healthy,
                 "inflight": fleet.tracker.count(name),
-                "sent_since_scrape": fleet.tracker.fresh(name),
+                # Requests not this gateway's, as last read (the engine's count minus ours then).
+                "others": fleet.tracker.others(name),
                 "load": fleet.router_of(name).server_load(name),
                 "engine": h.engine,
                 "engine_load": h.engine_load,

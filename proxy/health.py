@@ -74,13 +74,15 @@ class HealthMonitor:
         on_change: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
         on_scrape: Callable[[str], None] = lambda server: None,
+        on_reading: Callable[[str, int], None] = lambda server, load: None,
     ) -> None:
         self._settings = settings
         self._upstream = upstream
         self._metrics = metrics
         self.on_change = on_change
-        # Called just before a server's /metrics is read: what was sent until now is in the reading.
+        # Called just before a server's /metrics is read, and with the engine load it gave.
         self.on_scrape = on_scrape
+        self.on_reading = on_reading
         self._clock = clock
         self._engine: Engine | None = None if settings.engine == "auto" else ENGINES[settings.engine]
         # Proxied traffic younger than this keeps a server with a timing-out /health up: as long as
@@ -215,6 +217,7 @@ class HealthMonitor:
             if now - h._activity_since >= self._settings.engine_stale_s:
                 load = 0
         h.engine_load, h._reading_at = load, now
+        self.on_reading(backend, load)
         accept = engine.accept_gauge_value(values)
         counters = engine.accept_counters(values)
         if accept is None and counters is not None:

@@ -1,9 +1,12 @@
 """In-flight accounting: each admitted request holds a lease, released exactly once on every path.
 
-Counts are per server. Beside the count, each server keeps how many of its leases were taken
-since its engine metrics were last scraped and are still open: the engine's reading cannot
-include them yet, so the engine signal adds them (several specgate replicas each see the engines'
-view plus their own latest requests, and a stale scrape does not send a burst to one server).
+Counts are per server. With the engine load signal, a server's load is what its engine last
+reported minus this gateway's own requests then (the others': other replicas', other clients'),
+plus this gateway's own requests now: its own part is always current, and only the others' is as
+old as the last scrape. A stale scrape then does not send a burst to one server, and requests that
+ended since it do not count twice. For placement (which group, which server of a pool) the
+others' part is smoothed over a few scrapes: every replica reads the same stale figure at once, and
+acting on each scrape in full would move them all to the same server together, then all away.
 """
 
 from __future__ import annotations
@@ -19,13 +22,12 @@ SOLO: dict[str, Backend] = {"speculative": "speculative", "baseline": "baseline"
 class Lease:
     """One request's slot on one server. `release()` is idempotent, so every exit path may call it."""
 
-    __slots__ = ("_epoch", "_released", "_tracker", "backend", "server")
+    __slots__ = ("_released", "_tracker", "backend", "server")
 
-    def __init__(self, tracker: InflightTracker, server: str, backend: Backend, epoch: int) -> None:
+    def __init__(self, tracker: InflightTracker, server: str, backend: Backend) -> None:
         self._tracker = tracker
         self.server = server
         self.backend = backend  # the server's role
-        self._epoch = epoch
         self._released = False
 
     @property
@@ -35,12 +37,16 @@ class Lease:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._tracker._release(self.server, self._epoch)
+            self._tracker._release(self.server)
 
     def __del__(self) -> None:
         # Last resort: a lease dropped without release (a bug elsewhere) must not leak the count.
         if not self._released:
             self.release()
+
+
+# Weight of each scrape in the smoothed count of the others' requests (placement only).
+OTHERS_SMOOTHING = 0.3
 
 
 class InflightTracker:
@@ -51,35 +57,41 @@ class InflightTracker:
     ) -> None:
         self.roles: dict[str, Backend] = dict(servers)
         self._counts: dict[str, int] = dict.fromkeys(servers, 0)
-        self._fresh: dict[str, int] = dict.fromkeys(servers, 0)
-        self._epoch: dict[str, int] = dict.fromkeys(servers, 0)
+        self._at_scrape: dict[str, int] = dict.fromkeys(servers, 0)
+        self._others: dict[str, int] = dict.fromkeys(servers, 0)
+        self._others_smooth: dict[str, float] = dict.fromkeys(servers, 0.0)
         self.on_change = on_change
 
     def acquire(self, server: str) -> Lease:
         self._counts[server] += 1
-        self._fresh[server] += 1
         if self.on_change is not None:
             self.on_change(server, self._counts[server])
-        return Lease(self, server, self.roles[server], self._epoch[server])
+        return Lease(self, server, self.roles[server])
 
-    def _release(self, server: str, epoch: int) -> None:
+    def _release(self, server: str) -> None:
         self._counts[server] -= 1
-        if epoch == self._epoch[server]:
-            self._fresh[server] -= 1
         if self.on_change is not None:
             self.on_change(server, self._counts[server])
 
-    def scraped(self, server: str) -> None:
-        """The server's engine metrics were just read: they include every request sent so far."""
-        self._epoch[server] += 1
-        self._fresh[server] = 0
+    def scraping(self, server: str) -> None:
+        """The server's /metrics is being read: its reading will include this many of ours."""
+        self._at_scrape[server] = self._counts[server]
+
+    def scraped(self, server: str, reading: int) -> None:
+        """The engine reported `reading` running + queued requests."""
+        others = max(0, reading - self._at_scrape[server])
+        self._others[server] = others
+        self._others_smooth[server] += OTHERS_SMOOTHING * (others - self._others_smooth[server])
 
     def count(self, server: str) -> int:
         return self._counts[server]
 
-    def fresh(self, server: str) -> int:
-        """Leases taken since the server's last scrape and still open."""
-        return self._fresh[server]
+    def others(self, server: str) -> int:
+        """Requests on the server that are not this gateway's, as last read."""
+        return self._others[server]
+
+    def others_smooth(self, server: str) -> float:
+        return self._others_smooth[server]
 
     def snapshot(self) -> dict[str, int]:
         return dict(self._counts)

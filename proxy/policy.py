@@ -191,17 +191,17 @@ def probe_due(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig, loa
     return snapshot.now - max(idle, state.since) >= wait
 
 
-def near_ties(loads: Sequence[tuple[str, int]]) -> list[str]:
+def near_ties(loads: Sequence[tuple[str, float]]) -> list[str]:
     """The names whose load is within max(1, 10%) of the least: a choice among them is as good as
     any. Choosing at random among them, not the first, is what keeps several gateways (or one
     between two load readings) from all sending the next burst to the same server."""
     if not loads:
         return []
     low = min(load for _, load in loads)
-    return [name for name, load in loads if load <= low + max(1, low // 10)]
+    return [name for name, load in loads if load <= low + max(1.0, low / 10)]
 
 
-def least_loaded(loads: Sequence[tuple[str, int]], pick: float) -> str | None:
+def least_loaded(loads: Sequence[tuple[str, float]], pick: float) -> str | None:
     """The least-loaded name, `pick` in [0, 1) drawing among near-ties; None for no candidates."""
     near = near_ties(loads)
     if not near:

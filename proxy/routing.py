@@ -206,27 +206,35 @@ class Router:
         return {role: any(b[s].healthy for s in self.group.of(role)) for role in BACKENDS}
 
     def engine_loads(self) -> dict[Backend, int | None]:
-        """Each role's engine load: the servers' readings plus what was sent since (None: unknown)."""
+        """Each role's engine load: the others' requests as last read plus ours now (None: unknown)."""
         out: dict[Backend, int | None] = {}
         for role in BACKENDS:
             total: int | None = 0
             for s in self.group.of(role):
-                reading = self._health.backends[s].engine_load
-                if reading is None:
+                if self._health.backends[s].engine_load is None:
                     total = None
                     break
-                total = (total or 0) + reading + self.tracker.fresh(s)
+                total = (total or 0) + self.tracker.others(s) + self.tracker.count(s)
             out[role] = total
         return out
 
     def server_load(self, server: str) -> int:
-        """One server's load by the configured signal."""
+        """One server's load by the configured signal (`max` is the engine's: it includes ours)."""
         local = self.tracker.count(server)
-        reading = self._health.backends[server].engine_load
-        if self.cfg.load_signal == "local" or reading is None:
+        if self.cfg.load_signal == "local" or self._health.backends[server].engine_load is None:
             return local
-        engine = reading + self.tracker.fresh(server)
-        return engine if self.cfg.load_signal == "engine" else max(local, engine)
+        return self.tracker.others(server) + local
+
+    def placement_load(self, server: str) -> float:
+        """One server's load for choosing among servers and groups: ours now, plus the others'
+        smoothed over scrapes under the engine signals (see inflight.py)."""
+        local = self.tracker.count(server)
+        if self.cfg.load_signal == "local" or self._health.backends[server].engine_load is None:
+            return local
+        return self.tracker.others_smooth(server) + local
+
+    def group_placement_load(self) -> float:
+        return sum(self.placement_load(s) for role in BACKENDS for s in self.group.of(role))
 
     def snapshot(self) -> LoadSnapshot:
         return LoadSnapshot(
@@ -272,7 +280,7 @@ class Router:
         if len(servers) == 1:
             return servers[0]
         up = [s for s in servers if self._health.backends[s].healthy] or list(servers)
-        chosen = least_loaded([(s, self.server_load(s)) for s in up], self._rng.random())
+        chosen = least_loaded([(s, self.placement_load(s)) for s in up], self._rng.random())
         assert chosen is not None
         return chosen
 
@@ -470,7 +478,7 @@ class Fleet:
     def choose(self) -> Router:
         if self.solo:
             return self.routers[0]
-        up = [(r.group.name, r.load) for r in self.routers if any(r.healthy_map().values())]
+        up = [(r.group.name, r.group_placement_load()) for r in self.routers if any(r.healthy_map().values())]
         name = least_loaded(up, self._rng.random())
         return next((r for r in self.routers if r.group.name == name), self.routers[0])
 

@@ -118,35 +118,49 @@ def test_equal_groups_share_the_load_at_random_not_in_a_herd() -> None:
     assert set(chosen) == {"group-0", "group-1"} and min(chosen.values()) > 150
 
 
-def test_requests_sent_since_the_last_scrape_count_on_top_of_the_engines_reading() -> None:
+def test_a_servers_engine_load_is_the_others_as_last_read_plus_ours_now() -> None:
     f, health = fleet(f"{S0},{S1}", B0, signal="engine", high=1000)
     r = f.routers[0]
+    t = f.tracker
     for name in ("speculative-0", "speculative-1", "baseline"):
         health.backends[name].engine_load = 5
-    # A stale reading says 5 and 5: the next requests must not all go to one server.
-    leases = [r.admit("speculative") for _ in range(8)]
-    counts = Counter(lease.server for lease in leases)
-    assert abs(counts["speculative-0"] - counts["speculative-1"]) <= 2
-    assert r.server_load("speculative-0") == 5 + counts["speculative-0"]
-    for lease in leases:
-        lease.release()
-    assert f.tracker.fresh("speculative-0") == f.tracker.fresh("speculative-1") == 0
-    # Three sent to speculative-0, then its scrape: the reading includes them, nothing counts twice.
-    held = [f.tracker.acquire("speculative-0") for _ in range(3)]
+        t.scraping(name)
+        t.scraped(name, 5)
+    assert r.server_load("speculative-0") == 5 and t.others("speculative-0") == 5
+    # Three of ours go to speculative-0: they count at once, before any scrape sees them.
+    held = [t.acquire("speculative-0") for _ in range(3)]
     assert r.server_load("speculative-0") == 8
-    f.tracker.scraped("speculative-0")
-    health.backends["speculative-0"].engine_load = 8
-    assert r.server_load("speculative-0") == 8 and f.tracker.fresh("speculative-0") == 0
-    # A request from before the scrape ends: the next reading drops it, not the correction.
+    # The scrape sees them (5 others + 3 ours): nothing counts twice.
+    t.scraping("speculative-0")
+    t.scraped("speculative-0", 8)
+    assert t.others("speculative-0") == 5 and r.server_load("speculative-0") == 8
+    # One of ours ends: gone at once, though the engine reading still holds it.
     held[0].release()
-    assert f.tracker.fresh("speculative-0") == 0 and f.tracker.count("speculative-0") == 2
-    after = f.tracker.acquire("speculative-0")
-    assert f.tracker.fresh("speculative-0") == 1 and r.server_load("speculative-0") == 9
-    after.release()
-    assert r.server_load("speculative-0") == 8
-    # The engine signal of the pool's role is the sum over its servers; `max` takes the larger of
-    # that and this gateway's own count.
-    assert r.engine_loads()["speculative"] == 8 + 5
+    assert r.server_load("speculative-0") == 7
+    # Under `local` only ours count; `max` is the engine's figure, which includes ours.
+    assert r.engine_loads() == {"speculative": 7 + 5, "baseline": 5}
+    # A server whose engine load is unreadable is counted by ours alone.
+    health.backends["speculative-1"].engine_load = None
+    assert r.server_load("speculative-1") == 0 and r.engine_loads()["speculative"] is None
+
+
+def test_placement_reads_the_others_smoothed_so_replicas_do_not_move_together() -> None:
+    f, health = fleet(f"{S0},{S1}", B0, signal="engine", high=1000)
+    r, t = f.routers[0], f.tracker
+    for name in ("speculative-0", "speculative-1"):
+        health.backends[name].engine_load = 0
+    # One scrape says another replica put 10 on speculative-0: its placement load moves by a
+    # share of that, the load the policy compares by all of it.
+    t.scraping("speculative-0")
+    t.scraped("speculative-0", 10)
+    assert r.server_load("speculative-0") == 10
+    assert r.placement_load("speculative-0") == pytest.approx(3.0)
+    # As it stands over scrapes, placement follows it.
+    for _ in range(10):
+        t.scraping("speculative-0")
+        t.scraped("speculative-0", 10)
+    assert r.placement_load("speculative-0") == pytest.approx(10.0, abs=0.5)
+    assert {r.admit("speculative").server for _ in range(5)} == {"speculative-1"}
 
 
 def test_a_pooled_role_spreads_over_its_servers() -> None:
