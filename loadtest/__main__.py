@@ -26,6 +26,8 @@ from .client import Target
 from .procs import Proc, free_port, start
 from .prompts import source
 from .report import calibration_text, compare_table, level_table, level_warnings, plot_compare, write_json
+from .scaleout import add_parser as add_scaleout_parser
+from .scaleout import cmd_scaleout
 from .shift import add_parser as add_shift_parser
 from .shift import cmd_shift
 from .slowloris import add_parser as add_slowloris_parser
@@ -177,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="run only the scenarios whose name contains TEXT (repeatable)")  # fmt: skip
     overhead.add_argument("--out", default=None, help="write every sample as JSON here")
     add_shift_parser(sub)
+    add_scaleout_parser(sub)
     add_slowloris_parser(sub)
     return parser
 
@@ -503,6 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_overhead(args)
     if args.command == "shift":
         return cmd_shift(args)
+    if args.command == "scaleout":
+        return cmd_scaleout(args)
     if args.command == "slowloris":
         return cmd_slowloris(args)
     if getattr(args, "prompts", "") is None:

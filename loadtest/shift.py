@@ -1054,3 +1054,12 @@ def cmd_shift(args: argparse.Namespace) -> int:
     write_json(out_dir / "shift.json", report)
     print(f"\nplot: {plot}   data: {out_dir / 'shift.json'}   ({time.monotonic() - started:.0f} s)")
     return 0
+
+
+# Public names of the helpers that other scenarios starting processes side by side use too (scaleout.py).
+wait_ready = _wait_ready
+proc_stat = _proc_stat
+self_cpu_s = _self_cpu_s
+say = _say
+ratio = _ratio
+yes_or = _yes_or
