@@ -1274,8 +1274,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--scrape-interval-s",
         type=positive,
-        default=None,
-        help="specgate's SPECGATE_SCRAPE_INTERVAL_S at time scale 1 (divided by the time scale; default: its own)",
+        default=0.2,
+        help="specgate's SPECGATE_SCRAPE_INTERVAL_S at time scale 1 (divided by the time scale; default 0.2, what "
+        "README recommends for several replicas)",
     )
     p.add_argument(
         "--live-gauges",

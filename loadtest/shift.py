@@ -350,7 +350,7 @@ def routing_sample(data: Mapping[str, Any], t: float) -> RoutingSample:
 
 
 async def _counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """Mode switches and routing decisions by reason, from specgate's /metrics."""
+    """Mode switches, routing decisions by reason and shadow probes, from specgate's /metrics."""
     async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
         text = await resp.text()
     out: dict[str, float] = {"switches": 0.0}
@@ -360,6 +360,9 @@ async def _counters(session: aiohttp.ClientSession, url: str) -> dict[str, float
                 out["switches"] += s.value
             elif s.name == "specgate_routing_decisions_total":
                 key = f"{s.labels.get('reason')}:{s.labels.get('backend')}"
+                out[key] = out.get(key, 0.0) + s.value
+            elif s.name == "specgate_shadow_probes_total":  # probes too: copies, not requests
+                key = f"probe:shadow-{s.labels.get('outcome')}"
                 out[key] = out.get(key, 0.0) + s.value
     return out
 
@@ -686,7 +689,7 @@ def level_table(plan: ShiftPlan, levels: Sequence[LevelReport]) -> str:
         f"from the phase's start (the first phase: the run's), until every later {plan.rolling_s:g} s window has "
         f">= {RATIO_TARGET:.0%} of the better server's tokens and the mode stays the better server's (not "
         "checked when they tie); mode s: until the mode stays the better server's, whatever the throughput; "
-        "switch a/s: mode switches of adaptive and static in the phase; probes: adaptive's)"
+        "switch a/s: mode switches of adaptive and static in the phase; probes: adaptive's, requests and shadow copies)"
     )
     return "\n".join(lines)
 
