@@ -174,6 +174,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
                 "inflight": fleet.tracker.count(name),
                 # Requests not this gateway's, as last read (the engine's count minus ours then).
                 "others": fleet.tracker.others(name),
+                "others_smoothed": round(fleet.tracker.others_smooth(name), 2),
                 "load": fleet.router_of(name).server_load(name),
                 "engine": h.engine,
                 "engine_load": h.engine_load,

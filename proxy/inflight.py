@@ -4,13 +4,16 @@ Counts are per server. With the engine load signal, a server's load is what its 
 reported minus this gateway's own requests then (the others': other replicas', other clients'),
 plus this gateway's own requests now: its own part is always current, and only the others' is as
 old as the last scrape. A stale scrape then does not send a burst to one server, and requests that
-ended since it do not count twice. For placement (which group, which server of a pool) the
-others' part is smoothed over a few scrapes: every replica reads the same stale figure at once, and
-acting on each scrape in full would move them all to the same server together, then all away.
+ended since it do not count twice. The others' part is also smoothed over about a second of
+scrapes: every replica reads the same stale figure at once, and placing requests by each scrape in
+full moved them all to the same group together, then all away. (The mode takes the larger of the
+two: routing.Router.server_load.)
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Mapping
 
 from .policy import Backend
@@ -45,16 +48,22 @@ class Lease:
             self.release()
 
 
-# Weight of each scrape in the smoothed count of the others' requests (placement only).
-OTHERS_SMOOTHING = 0.3
+# The others' requests are smoothed with this time constant: over a few scrapes at 0.2 s, hardly
+# at all at the 2 s default (one gateway: the others are rarely anything).
+OTHERS_TAU_S = 1.0
 
 
 class InflightTracker:
     """Per-server counts. `on_change(server, count)` runs after every change (metrics, mode)."""
 
     def __init__(
-        self, servers: Mapping[str, Backend] = SOLO, on_change: Callable[[str, int], None] | None = None
+        self,
+        servers: Mapping[str, Backend] = SOLO,
+        on_change: Callable[[str, int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._clock = clock
+        self._read_at: dict[str, float | None] = dict.fromkeys(servers, None)
         self.roles: dict[str, Backend] = dict(servers)
         self._counts: dict[str, int] = dict.fromkeys(servers, 0)
         self._at_scrape: dict[str, int] = dict.fromkeys(servers, 0)
@@ -80,8 +89,11 @@ class InflightTracker:
     def scraped(self, server: str, reading: int) -> None:
         """The engine reported `reading` running + queued requests."""
         others = max(0, reading - self._at_scrape[server])
+        now, last = self._clock(), self._read_at[server]
+        weight = 1.0 if last is None else 1.0 - math.exp(-max(0.0, now - last) / OTHERS_TAU_S)
+        self._read_at[server] = now
         self._others[server] = others
-        self._others_smooth[server] += OTHERS_SMOOTHING * (others - self._others_smooth[server])
+        self._others_smooth[server] += weight * (others - self._others_smooth[server])
 
     def count(self, server: str) -> int:
         return self._counts[server]

@@ -214,20 +214,24 @@ class Router:
                 if self._health.backends[s].engine_load is None:
                     total = None
                     break
-                total = (total or 0) + self.tracker.others(s) + self.tracker.count(s)
+                total = (total or 0) + self.server_load(s)
             out[role] = total
         return out
 
     def server_load(self, server: str) -> int:
-        """One server's load by the configured signal (`max` is the engine's: it includes ours)."""
+        """One server's load by the configured signal, as the mode compares it (`max` is the
+        engine's: it includes ours): the others' part is the larger of the last reading and its
+        smoothed value, so a rise counts at once and a fall only once it lasts (a flickering gauge,
+        llama-server's, or a group whose load wanders around a watermark, does not flap)."""
         local = self.tracker.count(server)
         if self.cfg.load_signal == "local" or self._health.backends[server].engine_load is None:
             return local
-        return self.tracker.others(server) + local
+        t = self.tracker
+        return max(t.others(server), round(t.others_smooth(server))) + local
 
     def placement_load(self, server: str) -> float:
-        """One server's load for choosing among servers and groups: ours now, plus the others'
-        smoothed over scrapes under the engine signals (see inflight.py)."""
+        """One server's load, unrounded, for choosing among servers and groups: ours now, plus the
+        others' (smoothed, see inflight.py) under the engine signals."""
         local = self.tracker.count(server)
         if self.cfg.load_signal == "local" or self._health.backends[server].engine_load is None:
             return local
@@ -458,7 +462,7 @@ class Fleet:
         self.topology = topology
         self._metrics = metrics
         self._rng = rng or random.Random()
-        self.tracker = InflightTracker({s.name: s.role for s in topology.servers}, on_change=self._changed)
+        self.tracker = InflightTracker({s.name: s.role for s in topology.servers}, self._changed, clock)
         solo = len(topology.groups) == 1
         self.routers = tuple(
             Router(cfg, health, metrics, adaptive, calibration, clock, g, self.tracker, self._rng, solo)

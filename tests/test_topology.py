@@ -3,6 +3,7 @@ near-ties), the sent-since-scrape correction, and the per-server and per-group v
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -65,8 +66,15 @@ def test_near_ties_are_within_one_or_a_tenth_of_the_least() -> None:
     assert {least_loaded([("a", 3), ("b", 7)], p) for p in (0.0, 0.99)} == {"a"}
 
 
+class Clock:
+    t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def fleet(
-    spec: str, base: str, topology: str | None = None, signal: str = "local", high: int = 16
+    spec: str, base: str, topology: str | None = None, signal: str = "local", high: int = 16, clock: Clock | None = None
 ) -> tuple[Fleet, HealthMonitor]:
     settings = Settings(
         _env_file=None,
@@ -81,7 +89,7 @@ def fleet(
     for h in health.backends.values():
         h.healthy = True
     cfg = PolicyConfig("threshold", high, high // 2, load_signal=signal)  # type: ignore[arg-type]
-    return Fleet(t, cfg, health, metrics, rng=random.Random(7)), health
+    return Fleet(t, cfg, health, metrics, clock=clock or Clock(), rng=random.Random(7)), health
 
 
 def test_a_request_goes_to_the_least_loaded_group_then_to_its_server_for_the_mode() -> None:
@@ -144,23 +152,41 @@ def test_a_servers_engine_load_is_the_others_as_last_read_plus_ours_now() -> Non
     assert r.server_load("speculative-1") == 0 and r.engine_loads()["speculative"] is None
 
 
-def test_placement_reads_the_others_smoothed_so_replicas_do_not_move_together() -> None:
-    f, health = fleet(f"{S0},{S1}", B0, signal="engine", high=1000)
+def test_the_others_are_smoothed_over_about_a_second_of_scrapes() -> None:
+    clock = Clock()
+    f, health = fleet(f"{S0},{S1}", B0, signal="engine", high=1000, clock=clock)
     r, t = f.routers[0], f.tracker
     for name in ("speculative-0", "speculative-1"):
         health.backends[name].engine_load = 0
-    # One scrape says another replica put 10 on speculative-0: its placement load moves by a
-    # share of that, the load the policy compares by all of it.
+        t.scraping(name)
+        t.scraped(name, 0)
+    # 0.2 s later a scrape says another replica put 10 on speculative-0: every replica reads it at
+    # once, so each moves a share of the way (1 - e^-0.2), not all of it together.
+    clock.t += 0.2
     t.scraping("speculative-0")
     t.scraped("speculative-0", 10)
+    assert t.others("speculative-0") == 10
+    assert r.placement_load("speculative-0") == pytest.approx(10 * (1 - math.exp(-0.2)))
+    # The mode counts a rise at once (the larger of the reading and its smoothed value).
     assert r.server_load("speculative-0") == 10
-    assert r.placement_load("speculative-0") == pytest.approx(3.0)
-    # As it stands over scrapes, placement follows it.
-    for _ in range(10):
+    # As it stands over a few seconds of scrapes, placement follows it too.
+    for _ in range(15):
+        clock.t += 0.2
         t.scraping("speculative-0")
         t.scraped("speculative-0", 10)
-    assert r.placement_load("speculative-0") == pytest.approx(10.0, abs=0.5)
+    assert r.placement_load("speculative-0") == pytest.approx(10, abs=0.5)
     assert {r.admit("speculative").server for _ in range(5)} == {"speculative-1"}
+    # A fall counts for the mode only as it lasts: one reading of 0 leaves most of the 10.
+    clock.t += 0.2
+    t.scraping("speculative-0")
+    t.scraped("speculative-0", 0)
+    assert r.server_load("speculative-0") == 8
+    # At the 2 s default interval one gateway hardly smooths: 86% of the way in one scrape.
+    before = t.others_smooth("speculative-0")
+    clock.t += 2.0
+    t.scraping("speculative-0")
+    t.scraped("speculative-0", 0)
+    assert r.placement_load("speculative-0") == pytest.approx(before * math.exp(-2.0))
 
 
 def test_a_pooled_role_spreads_over_its_servers() -> None:
