@@ -81,7 +81,7 @@ SERVERS = ("speculative", "baseline")
 
 RATIO_TARGET = 0.95  # a specgate's share of the better server's throughput, once settled
 TIE = 0.05  # servers closer than this: either meets the target, so no mode is "the" right one
-STEADY_TOLERANCE = 0.02  # without a shift: adaptive within this of static
+STEADY_TOLERANCE = 0.02  # without a shift: adaptive at most this far below static
 SETTLE_TARGET_S = 30.0  # at time scale 1
 ROLLING_S = 10.0  # window of the rolling throughput and of the settle test, at time scale 1
 SAMPLE_S = 0.5  # /routing sampling period, at time scale 1
@@ -742,12 +742,16 @@ def verdicts(plan: ShiftPlan, levels: Sequence[LevelReport]) -> list[str]:
         lines.append("(first phase, a cold start rather than a shift: " + "; ".join(cold) + ")")
     else:
         # Traffic that does not shift: adaptive should cost nothing against the static watermarks.
+        # Above static is no miss: static's watermarks may have been measured on other prompts.
         off = [
             f"{where(c, p)}: {fmt(p.adaptive_vs_static, 3)}"
             for c, p in phases
-            if not abs(p.adaptive_vs_static - 1.0) <= STEADY_TOLERANCE
+            if not p.adaptive_vs_static >= 1.0 - STEADY_TOLERANCE
         ]
-        lines.append(f"adaptive within {STEADY_TOLERANCE:.0%} of static on traffic that does not shift: {_yes_or(off)}")
+        lines.append(
+            f"adaptive within {STEADY_TOLERANCE:.0%} of static (or above it) on traffic that does not shift: "
+            f"{_yes_or(off)}"
+        )
     incon = [where(c, p) for c, p in phases if not p.conclusive]
     if incon:
         lines.append("* inconclusive (too few good requests on some target): " + "; ".join(incon))
