@@ -45,6 +45,16 @@ at time scale 1, at most every 0.2 s of wall time):
   increase from a level's start to the next level's start (the step and what follows it; target at
   most one). With one group and a specgate that exports no group metrics, specgate_mode_switches_total
   stands in; otherwise "n/a".
+- drift between replicas (specgate, reported, no target): each replica's /metrics is read at every
+  round of samples too: specgate_group_load (specgate_load with one group), the load its policy
+  compares with the watermarks, and specgate_server_inflight, its own requests. Per group and round,
+  the spread (max - min) of the replicas' loads: mean and p95 over the scored part (the worst
+  group's), and the largest over the whole level, step included, in requests and as a share of the
+  band high - low (README: keep the band wider than the drift). Against the truth: each replica's
+  load minus the group's servers' running + queued at the same round (trusted and aligned as for the
+  in-flight split; SGLang's gauges refresh at prefill and every 40 decode steps, so this truth lags
+  too), mean |error| and mean (bias); and minus the replicas' own in-flight added up (exact but for
+  the ms between their scrapes): the error of the others' part alone.
 - in-flight imbalance (pooled): each server's running + queued requests (sglang:num_running_reqs +
   num_queue_reqs), averaged over the scored part's periodic samples; per role, the busiest server's
   mean over the role's mean per server (target <= 1.3). SGLang's gauges freeze when a server goes idle,
@@ -95,7 +105,7 @@ from .procs import Proc, free_port, simulator_args, start
 from .prompts import Prompt, source
 from .report import fmt, write_json
 from .shift import Capture, CpuUse, cpu_use, proc_stat, ratio, say, self_cpu_s, wait_ready, yes_or
-from .stats import DEFAULT_MIN_REQUESTS, LevelStats, summarize
+from .stats import DEFAULT_MIN_REQUESTS, LevelStats, percentile, summarize
 from .sweep import ERROR_BACKOFF_S, first_model, make_session
 
 Topology = Literal["paired", "pooled"]
@@ -132,6 +142,9 @@ GATE_METRICS = (
     "specgate_group_mode_switches_total",
     "specgate_routing_mode",
     "specgate_mode_switches_total",
+    "specgate_group_load",
+    "specgate_load",
+    "specgate_server_inflight",
 )
 NO_GROUP_SWITCHES = "specgate exports no specgate_group_mode_switches_total"
 
@@ -275,6 +288,10 @@ class GateSample:
     modes: dict[str, str]  # group -> speculative | baseline
     switches: dict[str, float] | None  # group -> switches since start; None: not exported
     tick: bool
+    # group -> the load its policy compares with the watermarks (the replica's estimate); empty: not exported
+    loads: dict[str, float] = field(default_factory=dict)
+    # server -> this replica's own requests in flight there; None: not exported
+    own: dict[str, float] | None = None
 
 
 @dataclass
@@ -439,7 +456,15 @@ def gate_sample(text: str, groups: Sequence[str], t: float, tick: bool) -> GateS
             switches[g] = switches.get(g, 0.0) + v
     elif len(groups) == 1 and "specgate_mode_switches" in text:
         switches = {groups[0]: sum(v for _, v in found["specgate_mode_switches_total"])}
-    return GateSample(t, modes, switches, tick)
+    # One group (paired with one pair, or the pool) is the gateway's own: specgate_load is its load.
+    loads = {labels.get("group", ""): v for labels, v in found["specgate_group_load"]}
+    if not loads and len(groups) == 1 and found["specgate_load"]:
+        loads = {groups[0]: found["specgate_load"][0][1]}
+    # A server this replica has sent nothing yet has no sample: 0 in flight.
+    own = None
+    if "specgate_server_inflight" in text:
+        own = {labels.get("server", ""): v for labels, v in found["specgate_server_inflight"]}
+    return GateSample(t, modes, switches, tick, loads, own)
 
 
 async def _text(session: aiohttp.ClientSession, url: str) -> str:
@@ -670,6 +695,150 @@ def vs_better(gate: float, all_speculative: float, all_baseline: float) -> float
     return ratio(gate, best) if not math.isnan(best) else math.nan
 
 
+# Drift between replicas: each replica's estimate of a group's load against the others' and the truth.
+
+
+def spread(values: Sequence[float]) -> float | None:
+    """How far apart the replicas' views of one load are: max - min; None with fewer than two."""
+    return max(values) - min(values) if len(values) >= 2 else None
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of periodic samples: each group's requests in flight as its servers report them, and
+    what each replica believed then."""
+
+    t: float
+    truth: dict[str, float]  # by group: the servers' running + queued (trusted_inflight)
+    views: list[dict[str, float] | None]  # by replica: each group's load as its policy saw it; None: no sample
+    own: list[dict[str, float] | None]  # by replica: its own requests in flight on each group's servers
+
+    def gateways(self) -> dict[str, float] | None:
+        """Each group's requests in flight from all the replicas together (exact, but for the few ms
+        between their scrapes); None unless every replica's count was read."""
+        if not self.own or any(o is None for o in self.own):
+            return None
+        return {g: math.fsum(o.get(g, 0.0) for o in self.own if o is not None) for g in self.truth}
+
+
+def replica_rounds(
+    servers: Sequence[Server],
+    server_samples: Mapping[str, Sequence[ServerSample]],
+    replicas: Sequence[Sequence[GateSample]],
+    tolerance: float,
+) -> list[Round]:
+    """At each round of the servers' periodic samples (group_loads: trusted and aligned), each
+    replica's periodic sample nearest in time, if within `tolerance` seconds and it exported group
+    loads; its own in-flight added up by group."""
+    group_of = {s.name: s.group for s in servers}
+    ticks = [[x for x in replica if x.tick] for replica in replicas]
+    out = []
+    for t, truth in group_loads(servers, server_samples):
+        views: list[dict[str, float] | None] = []
+        own: list[dict[str, float] | None] = []
+        for replica in ticks:
+            x = nearest(replica, t)
+            if x is None or abs(x.t - t) > tolerance or not x.loads:
+                views.append(None)
+                own.append(None)
+                continue
+            views.append(dict(x.loads))
+            if x.own is None:
+                own.append(None)
+                continue
+            mine = dict.fromkeys(truth, 0.0)
+            for name, v in x.own.items():
+                if name in group_of:
+                    mine[group_of[name]] = mine.get(group_of[name], 0.0) + v
+            own.append(mine)
+        out.append(Round(t, truth, views, own))
+    return out
+
+
+def group_spreads(rounds: Sequence[Round], a: float, b: float) -> dict[str, list[float]]:
+    """Each group's spread of the replicas' loads (max - min), at every round inside [a, b] at which
+    every replica's view was read (with one replica, none)."""
+    out: dict[str, list[float]] = {}
+    for r in rounds:
+        if not a <= r.t <= b or any(v is None for v in r.views):
+            continue
+        for g in r.truth:
+            d = spread([v[g] for v in r.views if v is not None and g in v])
+            if d is not None:
+                out.setdefault(g, []).append(d)
+    return out
+
+
+def view_errors(
+    rounds: Sequence[Round], a: float, b: float, reference: Callable[[Round], Mapping[str, float] | None]
+) -> list[float]:
+    """Every replica's load of every group minus `reference`'s (the truth) at each round inside [a, b]."""
+    out: list[float] = []
+    for r in rounds:
+        ref = reference(r) if a <= r.t <= b else None
+        if ref is None:
+            continue
+        for view in r.views:
+            if view is not None:
+                out.extend(view[g] - ref[g] for g in ref if g in view)
+    return out
+
+
+def error_summary(errors: Sequence[float]) -> tuple[float, float]:
+    """(mean absolute error, mean signed error: the bias); NaN when empty."""
+    if not errors:
+        return math.nan, math.nan
+    return math.fsum(abs(e) for e in errors) / len(errors), math.fsum(errors) / len(errors)
+
+
+@dataclass(frozen=True)
+class Drift:
+    """How the replicas' views of each group's load compared, over one level."""
+
+    rounds: int  # rounds in the scored part with every replica's view
+    spread_mean: dict[str, float]  # by group, over the scored part: max - min of the replicas' loads
+    spread_p95: dict[str, float]
+    spread_max: dict[str, float]
+    worst_mean: float  # the largest of the groups'
+    worst_p95: float
+    level_max: float  # the largest spread of any group over the whole level, its step included
+    # A replica's group load minus the group's servers' running + queued (SGLang's gauges: refreshed at
+    # prefill and every 40 decode steps, so themselves a little old): mean |error|, mean (bias).
+    error_abs: float
+    error_bias: float
+    error_samples: int
+    # The same against the replicas' own requests in flight added up (no engine lag): the others' part's error.
+    gateway_error_abs: float
+    gateway_error_bias: float
+
+
+def drift_of(rounds: Sequence[Round], start: float, a: float, b: float) -> Drift | None:
+    """The drift figures over [a, b] (the scored part; `start`: the level's start). None without a
+    round at which two or more replicas' views were read."""
+    spreads = group_spreads(rounds, a, b)
+    whole = group_spreads(rounds, start, b)
+    if not spreads:
+        return None
+    errors = view_errors(rounds, a, b, lambda r: r.truth)
+    gateway = view_errors(rounds, a, b, Round.gateways)
+    mean = {g: math.fsum(x) / len(x) for g, x in sorted(spreads.items())}
+    p95 = {g: percentile(x, 95) for g, x in sorted(spreads.items())}
+    return Drift(
+        rounds=max(len(x) for x in spreads.values()),
+        spread_mean=mean,
+        spread_p95=p95,
+        spread_max={g: max(x) for g, x in sorted(spreads.items())},
+        worst_mean=max(mean.values()),
+        worst_p95=max(p95.values()),
+        level_max=max(max(x) for x in whole.values()),
+        error_abs=error_summary(errors)[0],
+        error_bias=error_summary(errors)[1],
+        error_samples=len(errors),
+        gateway_error_abs=error_summary(gateway)[0],
+        gateway_error_bias=error_summary(gateway)[1],
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Scoring a run
 
@@ -691,6 +860,9 @@ class ConfigLevel:
     switches: list[dict[str, int] | None]  # by replica: each group's switches from this level's start to the next's
     modes_at_end: list[dict[str, str]]  # by replica: each group's mode at the level's end
     cpu_busy: float  # the machine's mean CPU use (all cores) over the level, shared by the batch
+    # specgate: how its replicas' views of each group's load compared with each other and the servers
+    # (None: another configuration, one replica, or no samples).
+    drift: Drift | None = None
 
     @property
     def conclusive(self) -> bool:
@@ -785,6 +957,9 @@ def score_config(plan: ScaleoutPlan, run: ConfigRun, k: int) -> ConfigLevel:
         switches=[switches_between(replica, start, end) for replica in run.gate_samples],
         modes_at_end=modes,
         cpu_busy=_cpu_busy(run.cpu_samples, start, end),
+        drift=drift_of(replica_rounds(run.servers, samples, run.gate_samples, plan.sample_s / 2), start, w0, end)
+        if run.name == "specgate"
+        else None,
     )
 
 
@@ -831,6 +1006,17 @@ def _imb(x: float | None) -> str:
     return "idle" if x is None else fmt(x, 2)
 
 
+def _signed(x: float) -> str:
+    return "-" if math.isnan(x) else f"{round(x, 1) + 0.0:+.1f}"  # + 0.0: no "-0.0"
+
+
+def _drift_text(d: Drift | None) -> tuple[str, str]:
+    """(drift mean/p95, error |mean|/bias) for the table."""
+    if d is None:
+        return "-", "-"
+    return f"{fmt(d.worst_mean)}/{fmt(d.worst_p95)}", f"{fmt(d.error_abs)}/{_signed(d.error_bias)}"
+
+
 def level_table(plan: ScaleoutPlan, levels: Sequence[LevelReport]) -> str:
     groups = plan.group_names()
     paired = plan.topology == "paired"
@@ -841,7 +1027,7 @@ def level_table(plan: ScaleoutPlan, levels: Sequence[LevelReport]) -> str:
     )
     head = (
         f"{'streams':>7} {'specgate':>9} {'all-spec':>9} {'all-base':>9} {'sg/better':>9} {middle} "
-        f"{'switches per replica':>20} {'modes at end':>14} {'CPU':>4}"
+        f"{'switches per replica':>20} {'modes at end':>14} {'drift m/p95':>11} {'err |m|/bias':>12} {'CPU':>4}"
     )
     lines = [head, "-" * len(head)]
     for lv in levels:
@@ -864,10 +1050,11 @@ def level_table(plan: ScaleoutPlan, levels: Sequence[LevelReport]) -> str:
                 lv.configs["all-baseline"].role_imbalance.get("baseline")
             )
             mid = f"{spec:>20} {base:>20}"
+        drift, err = _drift_text(sg.drift)
         lines.append(
             f"{lv.concurrency:>7} {tput('specgate'):>9} {tput('all-speculative'):>9} {tput('all-baseline'):>9} "
             f"{fmt(lv.vs_better, 3) + star:>9} {mid} {_switch_text(sg.switches, groups):>20} "
-            f"{_mode_text(sg.modes_at_end, groups):>14} {fmt(sg.cpu_busy * 100, 0) + '%':>4}"
+            f"{_mode_text(sg.modes_at_end, groups):>14} {drift:>11} {err:>12} {fmt(sg.cpu_busy * 100, 0) + '%':>4}"
         )
     where = "group" if paired else "pool"
     lines.append(
@@ -883,8 +1070,12 @@ def level_table(plan: ScaleoutPlan, levels: Sequence[LevelReport]) -> str:
             "configuration of that role (idle: under 0.5 in flight); "
         )
         + f"switches per replica: specgate's mode switches from the level's start to the next's, each {where} "
-        f"(| between {where}s); modes at end: s speculative, b baseline, one letter a replica; CPU: the machine's, "
-        "all cores)"
+        f"(| between {where}s); modes at end: s speculative, b baseline, one letter a replica; "
+        f"drift m/p95: at each round of samples, the spread (max - min) of specgate's replicas' load of a {where} "
+        f"(what each one's policy compares with the watermarks), mean/p95 over the scored part, the worst {where}'s; "
+        f"err |m|/bias: each replica's load of a {where} minus its servers' running + queued at the same round "
+        "(SGLang's gauges refresh at prefill and every 40 decode steps: the truth is itself a little old), mean "
+        "|error|/mean; in requests; CPU: the machine's, all cores)"
     )
     return "\n".join(lines)
 
@@ -897,6 +1088,31 @@ def _verdict(label: str, misses: Sequence[str], inconclusive: Sequence[str], sco
     if inconclusive:
         text += f"; inconclusive at {'; '.join(inconclusive)}"
     return text
+
+
+def drift_lines(levels: Sequence[LevelReport], high: int, low: int) -> list[str]:
+    """The largest drift between replicas, in requests and as a share of the watermarks' band (README
+    advises keeping the band wider than the drift), and the error against the replicas' own counts."""
+    band = high - low
+    drifts = [(lv.concurrency, d) for lv in levels if (d := lv.configs["specgate"].drift) is not None]
+    label = "drift between specgate's replicas (reported, no target; README: keep high - low wider than it)"
+    if not drifts:
+        return [f"{label}: n/a (one replica, or no samples)"]
+
+    def of_band(x: float, named: bool = False) -> str:
+        if band <= 0:
+            return f"no band: high = low = {high}"
+        return f"{x / band:.0%} of the band" + (f" high - low = {high} - {low} = {band}" if named else "")
+
+    c_p95, p95 = max(((c, d.worst_p95) for c, d in drifts), key=lambda x: x[1])
+    c_max, top = max(((c, d.level_max) for c, d in drifts), key=lambda x: x[1])
+    gateway = ", ".join(f"c={c} {fmt(d.gateway_error_abs)}/{_signed(d.gateway_error_bias)}" for c, d in drifts)
+    return [
+        f"{label}: largest p95 {fmt(p95)} requests at c={c_p95} ({of_band(p95, named=True)}); largest single "
+        f"spread {fmt(top, 0)} at c={c_max}, its level step included ({of_band(top)})",
+        "error of each replica's group load against the replicas' own requests in flight added up (exact but "
+        f"for the ms between their scrapes, no engine lag: the others' part's error), |mean|/bias: {gateway}",
+    ]
 
 
 def verdicts(plan: ScaleoutPlan, levels: Sequence[LevelReport]) -> list[str]:
@@ -1172,13 +1388,16 @@ def run_batch(plan: ScaleoutPlan, names: Sequence[str], wm: Watermarks, quiet: b
 
 def samples_of(run: ConfigRun) -> dict[str, Any]:
     """What the samplers recorded, compactly: by server [t, running, queued, generated, requests, tick];
-    by replica [t, modes, switches, tick]."""
+    by replica [t, modes, switches, tick, group loads, own in flight by server]."""
     return {
         "servers": {
             name: [[round(x.t, 3), x.running, x.queued, x.generated, x.requests, x.tick] for x in samples]
             for name, samples in run.server_samples.items()
         },
-        "replicas": [[[round(x.t, 3), x.modes, x.switches, x.tick] for x in samples] for samples in run.gate_samples],
+        "replicas": [
+            [[round(x.t, 3), x.modes, x.switches, x.tick, x.loads, x.own] for x in samples]
+            for samples in run.gate_samples
+        ],
     }
 
 
@@ -1226,6 +1445,7 @@ def run_scaleout(
         "levels": levels,
         "cpu": cpu,
         "verdicts": verdicts(plan, levels),
+        "drift": drift_lines(levels, *config_watermarks("specgate", wm)),
         "warnings": warnings(plan, levels, cpu),
         "samples": {name: samples_of(run) for name, run in runs.items()},
     }, runs
@@ -1376,6 +1596,8 @@ def cmd_scaleout(args: argparse.Namespace) -> int:
     print(level_table(plan, levels))
     print()
     for line in report["verdicts"]:
+        print(line)
+    for line in report["drift"]:
         print(line)
     for line in profile_lines(plan, levels):
         print(line)

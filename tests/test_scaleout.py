@@ -1,6 +1,7 @@
 """`python -m loadtest scaleout`: the scoring on known inputs (split evenness, switches per level step,
-in-flight imbalance, the ratio to the better configuration, reading specgate's and the servers'
-/metrics), and one short real run for each topology. The runs check where requests went, at the
+in-flight imbalance, the ratio to the better configuration, the drift between replicas and their
+error against the servers, reading specgate's and the servers' /metrics), and one short real run for
+each topology. The runs check where requests went, at the
 servers; the throughput targets are the scenario's to report, not a test's to assert."""
 
 from __future__ import annotations
@@ -18,18 +19,26 @@ import pytest
 from loadtest import scaleout
 from loadtest.scaleout import (
     GateSample,
+    Round,
     Server,
     ServerSample,
+    drift_lines,
+    drift_of,
+    error_summary,
     gate_sample,
     group_loads,
     group_shares,
+    group_spreads,
     imbalance,
     instant_deviation,
     mean_inflight,
+    replica_rounds,
     server_sample,
     split_deviation,
+    spread,
     supports_groups,
     switches_between,
+    view_errors,
     vs_better,
 )
 from loadtest.simulator.profile import load_profile
@@ -168,6 +177,134 @@ def test_ratio_is_to_the_better_fixed_configuration() -> None:
     assert math.isnan(vs_better(95.0, 0.0, 0.0))
 
 
+# ---------------------------------------------------------------------------------------------
+# Drift between replicas
+
+
+def test_spread_is_how_far_apart_the_replicas_views_are() -> None:
+    assert spread([3.0, 5.0, 4.0]) == 2.0
+    assert spread([7.0, 7.0]) == 0.0
+    assert spread([4.0]) is None  # one replica: nothing to drift from
+    assert spread([]) is None
+
+
+def view(t: float, loads: dict[str, float], own: dict[str, float] | None = None, tick: bool = True) -> GateSample:
+    return GateSample(t, {}, None, tick, loads, own)
+
+
+PAIRS = [
+    Server("speculative-0", "speculative", "group-0", ""),
+    Server("baseline-0", "baseline", "group-0", ""),
+    Server("speculative-1", "speculative", "group-1", ""),
+    Server("baseline-1", "baseline", "group-1", ""),
+]
+
+
+def test_replica_rounds_align_each_replicas_view_with_the_servers_round() -> None:
+    samples = {
+        "speculative-0": [tick(t, 3.0, 10.0 * t) for t in range(4)],
+        "baseline-0": [tick(t + 0.003, 1.0, 10.0 * t) for t in range(4)],
+        "speculative-1": [tick(t + 0.001, 6.0, 10.0 * t) for t in range(4)],
+        # Idle after t=1: its gauge still reads 2 but counts 0 (trusted_inflight).
+        "baseline-1": [tick(t + 0.002, 2.0, 10.0 * min(t, 1)) for t in range(4)],
+    }
+    own = {"speculative-0": 1.0, "baseline-0": 1.0, "speculative-1": 2.0}
+    r0 = [view(t + 0.01, {"group-0": 4.0, "group-1": 7.0}, own) for t in range(4)]
+    # Replica 1: a boundary sample (not periodic) right at t=2, and its periodic one there too late.
+    r1 = [
+        view(1.02, {"group-0": 5.0, "group-1": 6.0}, {}),
+        view(2.0, {"group-0": 99.0, "group-1": 99.0}, {}, tick=False),
+        view(2.4, {"group-0": 99.0, "group-1": 99.0}, {}),
+        view(3.0, {"group-0": 5.0, "group-1": 6.0}, None),  # exports no own in-flight
+    ]
+    rounds = replica_rounds(PAIRS, samples, [r0, r1], tolerance=0.25)
+    assert [r.t for r in rounds] == [1.0, 2.0, 3.0]
+    assert rounds[0].truth == {"group-0": 4.0, "group-1": 8.0}
+    assert rounds[1].truth == {"group-0": 4.0, "group-1": 6.0}
+    assert rounds[0].views == [{"group-0": 4.0, "group-1": 7.0}, {"group-0": 5.0, "group-1": 6.0}]
+    assert rounds[1].views == [{"group-0": 4.0, "group-1": 7.0}, None]
+    # Own in flight added up by group; a replica that has sent nothing yet has none.
+    assert rounds[0].own == [{"group-0": 2.0, "group-1": 2.0}, {"group-0": 0.0, "group-1": 0.0}]
+    assert rounds[0].gateways() == {"group-0": 2.0, "group-1": 2.0}
+    assert rounds[1].gateways() is None and rounds[2].gateways() is None
+
+
+def rnd(t: float, truth: dict[str, float], *views: dict[str, float] | None) -> Round:
+    return Round(t, truth, list(views), [None] * len(views))
+
+
+def test_spreads_need_every_replicas_view_and_stay_in_the_window() -> None:
+    rounds = [
+        rnd(1.0, {"g": 10.0}, {"g": 9.0}, {"g": 12.0}, {"g": 10.0}),
+        rnd(2.0, {"g": 10.0}, {"g": 10.0}, None, {"g": 10.0}),  # a replica missing: no spread
+        rnd(3.0, {"g": 10.0}, {"g": 11.0}, {"g": 10.0}, {"g": 10.0}),
+        rnd(9.0, {"g": 10.0}, {"g": 0.0}, {"g": 20.0}, {"g": 10.0}),
+    ]
+    assert group_spreads(rounds, 0.0, 5.0) == {"g": [3.0, 1.0]}
+    assert group_spreads(rounds, 0.0, 10.0) == {"g": [3.0, 1.0, 20.0]}
+    assert group_spreads([rnd(1.0, {"g": 1.0}, {"g": 1.0})], 0.0, 5.0) == {}  # one replica
+
+
+def test_errors_are_each_replicas_view_minus_the_truth() -> None:
+    rounds = [
+        rnd(1.0, {"a": 10.0, "b": 4.0}, {"a": 12.0, "b": 4.0}, {"a": 9.0, "b": 5.0}),
+        rnd(2.0, {"a": 10.0, "b": 4.0}, {"a": 10.0, "b": 2.0}, None),  # a missing view counts nothing
+        rnd(7.0, {"a": 0.0, "b": 0.0}, {"a": 50.0, "b": 50.0}, {"a": 50.0, "b": 50.0}),  # outside
+    ]
+    errors = view_errors(rounds, 0.0, 5.0, lambda r: r.truth)
+    assert errors == [2.0, 0.0, -1.0, 1.0, 0.0, -2.0]
+    mae, bias = error_summary(errors)
+    assert mae == pytest.approx(1.0) and bias == pytest.approx(0.0)
+    assert error_summary([3.0, 1.0]) == (2.0, 2.0)  # over-counting: a positive bias
+    assert error_summary([-3.0, 1.0]) == (2.0, -1.0)
+    assert all(math.isnan(x) for x in error_summary([]))
+    assert view_errors(rounds, 0.0, 5.0, lambda r: None) == []
+
+
+def test_drift_figures_of_a_level() -> None:
+    # Two replicas, one group: spreads 0, 1, ..., 20 over the scored part [10, 40] (p95 19.0, linear
+    # interpolation), and 30 at the level step before it (t=5), which only the level's maximum sees.
+    rounds = [Round(5.0, {"g": 10.0}, [{"g": 0.0}, {"g": 30.0}], [None, None])]
+    for i in range(21):
+        own = [{"g": 4.0}, {"g": 6.0}]
+        rounds.append(Round(10.0 + i, {"g": 10.0}, [{"g": 10.0 + i}, {"g": 10.0}], list(own)))
+    d = drift_of(rounds, 0.0, 10.0, 40.0)
+    assert d is not None
+    assert d.rounds == 21
+    assert d.spread_mean == {"g": pytest.approx(10.0)} and d.worst_mean == pytest.approx(10.0)
+    assert d.spread_p95 == {"g": pytest.approx(19.0)} and d.worst_p95 == pytest.approx(19.0)
+    assert d.spread_max == {"g": 20.0} and d.level_max == 30.0
+    # The first replica over-counts by i, the second is exact: 42 errors, mean i / 2.
+    assert d.error_samples == 42
+    assert d.error_abs == pytest.approx(5.0) and d.error_bias == pytest.approx(5.0)
+    # The replicas' own in flight add up to the truth here: the same error against them.
+    assert d.gateway_error_abs == pytest.approx(5.0) and d.gateway_error_bias == pytest.approx(5.0)
+    # The worst group's figures make the table's.
+    two = [Round(10.0 + i, {"a": 1.0, "b": 1.0}, [{"a": 1.0, "b": 1.0 + i}, {"a": 2.0, "b": 1.0}], [None, None])
+           for i in range(3)]  # fmt: skip
+    d2 = drift_of(two, 0.0, 10.0, 20.0)
+    assert d2 is not None
+    assert d2.spread_mean == {"a": 1.0, "b": 1.0} and d2.spread_max == {"a": 1.0, "b": 2.0}
+    assert d2.worst_p95 == pytest.approx(1.9) and math.isnan(d2.gateway_error_abs)
+    assert drift_of([rnd(11.0, {"g": 1.0}, {"g": 1.0})], 0.0, 10.0, 20.0) is None  # one replica
+
+
+def test_drift_lines_name_the_largest_drift_as_a_share_of_the_band() -> None:
+    def level(c: int, d: scaleout.Drift | None) -> Any:
+        sg = argparse.Namespace(drift=d)
+        return argparse.Namespace(concurrency=c, configs={"specgate": sg})
+
+    def drift(p95: float, top: float) -> scaleout.Drift:
+        return scaleout.Drift(10, {"g": 1.0}, {"g": p95}, {"g": top}, 1.0, p95, top, 1.0, 0.5, 20, 0.4, -0.2)
+
+    lines = drift_lines([level(2, None), level(10, drift(2.5, 3.0)), level(20, drift(1.0, 6.0))], 19, 14)
+    assert "largest p95 2.5 requests at c=10 (50% of the band high - low = 19 - 14 = 5)" in lines[0]
+    assert "largest single spread 6 at c=20" in lines[0] and "(120% of the band" in lines[0]
+    assert "c=10 0.4/-0.2, c=20 0.4/-0.2" in lines[1]
+    assert "n/a" in drift_lines([level(2, None)], 19, 14)[0]
+    assert "no band" in drift_lines([level(10, drift(2.5, 3.0))], 8, 8)[0]
+
+
 SIM_METRICS = """\
 # HELP sglang:num_running_reqs The number of running requests.
 # TYPE sglang:num_running_reqs gauge
@@ -194,6 +331,13 @@ specgate_group_mode_switches_total{group="group-1",to="baseline"} 2.0
 specgate_group_mode_switches_total{group="group-1",to="speculative"} 1.0
 specgate_routing_mode 1.0
 specgate_mode_switches_total{to="baseline"} 9.0
+specgate_load 21.0
+specgate_load_signal_fallback 0.0
+specgate_group_load{group="group-0"} 12.0
+specgate_group_load{group="group-1"} 9.0
+# HELP specgate_server_inflight Requests in flight from this gateway on each server.
+specgate_server_inflight{server="speculative-0"} 3.0
+specgate_server_inflight{server="baseline-1"} 2.0
 """
 UNGROUPED = """\
 # HELP specgate_mode_switches_total Routing mode switches.
@@ -209,6 +353,9 @@ def test_specgates_modes_and_switches_by_group() -> None:
     assert s.modes == {"group-0": "speculative", "group-1": "baseline"}
     # group-0 has switched never: its labelled counter has no sample yet, and counts 0.
     assert s.switches == {"group-0": 0.0, "group-1": 3.0}
+    # Each group's load (the gateway-wide sum is not one), and this replica's own in flight by server.
+    assert s.loads == {"group-0": 12.0, "group-1": 9.0}
+    assert s.own == {"speculative-0": 3.0, "baseline-1": 2.0}
 
 
 def test_without_group_metrics_one_group_reads_the_ungrouped_series_and_more_read_none() -> None:
@@ -216,6 +363,10 @@ def test_without_group_metrics_one_group_reads_the_ungrouped_series_and_more_rea
     assert one.modes == {"group-0": "baseline"} and one.switches == {"group-0": 3.0}
     two = gate_sample(UNGROUPED, ["group-0", "group-1"], 1.0, tick=True)
     assert two.modes == {} and two.switches is None
+    # One group is the gateway's: specgate_load is its load; with more, the sum is no group's.
+    pool = gate_sample(UNGROUPED + "specgate_load 7.0\n", ["pool"], 1.0, tick=True)
+    assert pool.loads == {"pool": 7.0} and pool.own is None
+    assert gate_sample(UNGROUPED + "specgate_load 7.0\n", ["group-0", "group-1"], 1.0, tick=True).loads == {}
     fresh = gate_sample("# HELP specgate_mode_switches_total x\nspecgate_routing_mode 1.0\n", ["group-0"], 0.0, True)
     assert fresh.switches == {"group-0": 0.0}
 
@@ -268,10 +419,19 @@ def run_cli(out: Path, *extra: str) -> dict[str, Any]:
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     report: dict[str, Any] = orjson.loads((out / "scaleout.json").read_bytes())
     assert report["verdicts"] and isinstance(report["warnings"], list)
+    assert "drift m/p95" in done.stdout and report["drift"][0] in done.stdout
     for level in report["levels"]:
         for name, cl in level["configs"].items():
             assert cl["tok_s"] > 0 and cl["stats"]["completed"] > 0, (level["concurrency"], name)
             assert cl["stats"]["errors"] == 0, (level["concurrency"], name, cl["stats"]["error_samples"])
+            # The drift is specgate's replicas', read at every round of samples of the scored part.
+            drift = cl["drift"]
+            if name != "specgate":
+                assert drift is None, name
+                continue
+            assert drift is not None and drift["rounds"] >= 5, (level["concurrency"], drift)
+            assert drift["error_samples"] > 0 and drift["error_abs"] >= 0 and drift["gateway_error_abs"] >= 0
+            assert 0 <= max(drift["worst_mean"], drift["worst_p95"]) <= drift["level_max"]
     return report
 
 
