@@ -79,6 +79,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
         health.on_change = fleet.refresh
         health.on_scrape = fleet.tracker.scraping
         health.on_reading = fleet.tracker.scraped
+        health.own = fleet.tracker.count
         prober = None
         if settings.policy == "adaptive" and settings.adaptive_probe_mode == "shadow":
             prober = Prober(upstream, metrics, settings.adaptive_shadow_tokens)

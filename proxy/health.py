@@ -16,7 +16,9 @@ is in effect (the policy then counts that server by this proxy's own in-flight r
 
 SGLang refreshes its gauges every 40 decode steps and keeps them when idle, so a server that went
 quiet can report running requests forever. For engines that do this, values that have not moved
-for `engine_stale_s` are read as an idle server: engine load 0.
+for `engine_stale_s` are read as an idle server: engine load 0; and after IDLE_HINT_S already when
+this gateway has nothing in flight there (a server whose batch emptied between two refreshes: with
+several replicas, each balancing its own requests, none of ours there means few of anyone's).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ log = logging.getLogger("specgate.health")
 
 # Consecutive /health timeouts that mark a server down (unless it is answering proxied requests).
 TIMEOUTS_BEFORE_DOWN = 3
+# Engine gauges frozen this long, on a server with none of this gateway's requests, read as idle.
+IDLE_HINT_S = 2.0
 # Acceptance from counters is averaged over this long: a few scrapes, enough drafts to mean something.
 ACCEPT_WINDOW_S = 10.0
 
@@ -75,6 +79,7 @@ class HealthMonitor:
         clock: Callable[[], float] = time.monotonic,
         on_scrape: Callable[[str], None] = lambda server: None,
         on_reading: Callable[[str, int], None] = lambda server, load: None,
+        own: Callable[[str], int] = lambda server: 0,
     ) -> None:
         self._settings = settings
         self._upstream = upstream
@@ -83,6 +88,8 @@ class HealthMonitor:
         # Called just before a server's /metrics is read, and with the engine load it gave.
         self.on_scrape = on_scrape
         self.on_reading = on_reading
+        # This gateway's requests in flight on a server.
+        self.own = own
         self._clock = clock
         self._engine: Engine | None = None if settings.engine == "auto" else ENGINES[settings.engine]
         # Proxied traffic younger than this keeps a server with a timing-out /health up: as long as
@@ -214,7 +221,11 @@ class HealthMonitor:
             activity = engine.activity_of(values)
             if activity != h._activity:
                 h._activity, h._activity_since = activity, now
-            if now - h._activity_since >= self._settings.engine_stale_s:
+            frozen_s = now - h._activity_since
+            # Frozen a short while with nothing of ours on it: a server that emptied between two
+            # refreshes (its last gauges can say 20 running for seconds). Ours there would move them.
+            idle_hint = frozen_s >= min(IDLE_HINT_S, self._settings.engine_stale_s) and self.own(backend) == 0
+            if frozen_s >= self._settings.engine_stale_s or idle_hint:
                 load = 0
         h.engine_load, h._reading_at = load, now
         self.on_reading(backend, load)

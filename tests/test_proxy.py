@@ -378,6 +378,16 @@ def test_stale_idle_engine_gauges_do_not_pin_the_load(stack: StartStack) -> None
     wait_for(lambda: routing(s)["backends"]["speculative"]["engine_load"] == 0)
 
 
+def test_frozen_gauges_of_a_server_with_none_of_our_requests_read_idle_soon(stack: StartStack) -> None:
+    # The batch emptied between two refreshes: the gauges say 1 running, for as long as the server
+    # stays quiet. With nothing of ours on it that reads idle after ~2 s, long before the stale limit.
+    s = stack(SPECGATE_LOAD_SIGNAL="max", SPECGATE_ENGINE_STALE_S="60")
+    client(s.url).completions.create(model="m", prompt="p", max_tokens=3)
+    assert scrape(s.spec.url)["sglang:num_running_reqs"] == 1
+    wait_for(lambda: routing(s)["backends"]["speculative"]["engine_load"] == 0, timeout_s=8)
+    assert scrape(s.spec.url)["sglang:num_running_reqs"] == 1  # still frozen: specgate read through it
+
+
 def test_sigterm_lets_running_streams_finish(stack: StartStack) -> None:
     s = stack(sim_args=("--time-scale", "1"))
     body = {"prompt": "p", "max_tokens": 40, "stream": True}  # ~0.5 s at the seed profile's speed
