@@ -16,9 +16,10 @@ is in effect (the policy then counts that server by this proxy's own in-flight r
 
 SGLang refreshes its gauges every 40 decode steps and keeps them when idle, so a server that went
 quiet can report running requests forever. For engines that do this, values that have not moved
-for `engine_stale_s` are read as an idle server: engine load 0; and after IDLE_HINT_S already when
-this gateway has nothing in flight there (a server whose batch emptied between two refreshes: with
-several replicas, each balancing its own requests, none of ours there means few of anyone's).
+for `engine_stale_s` are read as an idle server: engine load 0; and sooner, when this gateway has
+nothing in flight there and they have stood still several times longer than they usually do while
+the server works (a server whose batch emptied between two refreshes: with several replicas, each
+balancing its own requests, none of ours there means few of anyone's).
 """
 
 from __future__ import annotations
@@ -40,8 +41,12 @@ log = logging.getLogger("specgate.health")
 
 # Consecutive /health timeouts that mark a server down (unless it is answering proxied requests).
 TIMEOUTS_BEFORE_DOWN = 3
-# Engine gauges frozen this long, on a server with none of this gateway's requests, read as idle.
+# Engine gauges frozen this long (at least), and IDLE_HINT_GAPS times longer than they usually
+# stay put while the server works, on a server with none of this gateway's requests: read as idle.
 IDLE_HINT_S = 2.0
+IDLE_HINT_GAPS = 4.0
+# Weight of each new gap between moves in the usual one.
+ACTIVITY_SMOOTHING = 0.2
 # Acceptance from counters is averaged over this long: a few scrapes, enough drafts to mean something.
 ACCEPT_WINDOW_S = 10.0
 
@@ -66,6 +71,7 @@ class BackendHealth:
     _reading_at: float | None = field(default=None, repr=False)
     _activity: tuple[float, ...] | None = field(default=None, repr=False)
     _activity_since: float = field(default=0.0, repr=False)
+    _moves_every_s: float = field(default=0.0, repr=False)
     _acceptance: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(ACCEPT_WINDOW_S), repr=False)
 
 
@@ -218,14 +224,21 @@ class HealthMonitor:
             return
         h.engine = engine.name
         if engine.freezes_when_idle:
+            stale_s = self._settings.engine_stale_s
             activity = engine.activity_of(values)
             if activity != h._activity:
+                if h._activity is not None:
+                    # How often this server's values move while it works (SGLang: every 40 decode
+                    # steps, and at each prefill and finish).
+                    gap = min(now - h._activity_since, stale_s)
+                    h._moves_every_s += ACTIVITY_SMOOTHING * (gap - h._moves_every_s)
                 h._activity, h._activity_since = activity, now
             frozen_s = now - h._activity_since
-            # Frozen a short while with nothing of ours on it: a server that emptied between two
-            # refreshes (its last gauges can say 20 running for seconds). Ours there would move them.
-            idle_hint = frozen_s >= min(IDLE_HINT_S, self._settings.engine_stale_s) and self.own(backend) == 0
-            if frozen_s >= self._settings.engine_stale_s or idle_hint:
+            # Frozen several times longer than its values usually stay put, with nothing of ours on
+            # it: a server whose batch emptied between two refreshes (its last gauges can say 20
+            # running for as long as it stays idle). Ours there would keep them moving.
+            hint_s = min(stale_s, max(IDLE_HINT_S, IDLE_HINT_GAPS * h._moves_every_s))
+            if frozen_s >= stale_s or (frozen_s >= hint_s and self.own(backend) == 0):
                 load = 0
         h.engine_load, h._reading_at = load, now
         self.on_reading(backend, load)
