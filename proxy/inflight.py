@@ -98,6 +98,10 @@ class InflightTracker:
     def count(self, server: str) -> int:
         return self._counts[server]
 
+    def was_read(self, server: str) -> bool:
+        """Whether the server's engine load was ever read."""
+        return self._read_at[server] is not None
+
     def others(self, server: str) -> int:
         """Requests on the server that are not this gateway's, as last read."""
         return self._others[server]

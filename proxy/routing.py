@@ -209,43 +209,35 @@ class Router:
         """Each role's engine load: the others' requests as last read plus ours now (None: unknown)."""
         out: dict[Backend, int | None] = {}
         for role in BACKENDS:
-            total: int | None = 0
-            for s in self.group.of(role):
-                if self._health.backends[s].engine_load is None:
-                    total = None
-                    break
-                total = (total or 0) + self.server_load(s)
-            out[role] = total
+            servers = self.group.of(role)
+            if all(self._health.backends[s].engine_load is None and not self.tracker.was_read(s) for s in servers):
+                out[role] = None  # never read: the policy counts ours (backend_load)
+            else:
+                out[role] = sum(self.server_load(s) for s in servers)
         return out
 
     def server_load(self, server: str) -> int:
         """One server's load by the configured signal, as the mode compares it (`max` is the
-        engine's: it includes ours). The others' part of a server that the group's mode sends
-        requests to is the larger of the last reading and its smoothed value: a rise counts at
-        once, a fall only once it lasts (a flickering gauge, llama-server's, or a group whose load
-        wanders around a watermark, does not flap). The other role's server only drains (no
-        replica in that mode sends to it), so there a fall counts at once: its gauges lag its
-        drain, and counting them in full made each switch look like twice the load."""
+        engine's: it includes ours): the others' part is the larger of the last reading and its
+        smoothed value, so a rise counts at once and a fall only once it lasts (a flickering gauge,
+        llama-server's, or a group whose load wanders around a watermark, does not flap)."""
         local = self.tracker.count(server)
-        if self.cfg.load_signal == "local" or self._health.backends[server].engine_load is None:
+        if self.cfg.load_signal == "local" or not self.tracker.was_read(server):
             return local
         t = self.tracker
-        raw, smooth = t.others(server), round(t.others_smooth(server))
-        active = self.tracker.roles[server] == self.state.mode
-        return (max(raw, smooth) if active else min(raw, smooth)) + local
+        if self._health.backends[server].engine_load is None:
+            # Unreadable now: the others as they last stood, not nothing (with several replicas
+            # ours alone is a fraction, and reading it as the whole would flip the mode at full load).
+            return round(t.others_smooth(server)) + local
+        return max(t.others(server), round(t.others_smooth(server))) + local
 
     def placement_load(self, server: str) -> float:
         """One server's load, unrounded, for choosing among servers and groups: ours now, plus the
-        others' (smoothed, see inflight.py; for a draining server the lower of that and the last
-        reading) under the engine signals."""
+        others' (smoothed, see inflight.py) under the engine signals."""
         local = self.tracker.count(server)
-        if self.cfg.load_signal == "local" or self._health.backends[server].engine_load is None:
+        if self.cfg.load_signal == "local" or not self.tracker.was_read(server):
             return local
-        t = self.tracker
-        smooth = t.others_smooth(server)
-        if self.tracker.roles[server] != self.state.mode:
-            smooth = min(smooth, t.others(server))
-        return smooth + local
+        return self.tracker.others_smooth(server) + local
 
     def group_placement_load(self) -> float:
         return sum(self.placement_load(s) for role in BACKENDS for s in self.group.of(role))

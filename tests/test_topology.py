@@ -147,9 +147,12 @@ def test_a_servers_engine_load_is_the_others_as_last_read_plus_ours_now() -> Non
     assert r.server_load("speculative-0") == 7
     # Under `local` only ours count; `max` is the engine's figure, which includes ours.
     assert r.engine_loads() == {"speculative": 7 + 5, "baseline": 5}
-    # A server whose engine load is unreadable is counted by ours alone.
+    # A server whose engine load turns unreadable keeps the others as they last stood (ours alone
+    # would be a fraction of the load with several replicas); one never read is counted by ours.
     health.backends["speculative-1"].engine_load = None
-    assert r.server_load("speculative-1") == 0 and r.engine_loads()["speculative"] is None
+    assert r.server_load("speculative-1") == 5 and r.engine_loads()["speculative"] == 7 + 5
+    f2, _ = fleet(S0, B0, signal="engine")
+    assert f2.routers[0].engine_loads() == {"speculative": None, "baseline": None}
 
 
 def test_the_others_are_smoothed_over_about_a_second_of_scrapes() -> None:
