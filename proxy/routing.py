@@ -369,10 +369,9 @@ class Router:
             load = total_load(snap, self.cfg.load_signal)
             spec_load = backend_load(snap, "speculative", self.cfg.load_signal)
         self.last_load = load
+        self._metrics.child(self._metrics.group_load, self.group.name).set(load)
         if self.solo:
             self._metrics.load.set(load)
-        else:
-            self._metrics.child(self._metrics.group_load, self.group.name).set(load)
         if self.cfg.policy == "threshold":
             self._set_state(next_mode(load, self.state, self.cfg))
         elif self.cfg.policy == "adaptive":
