@@ -83,7 +83,6 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import subprocess
 import sys
 import textwrap
 import time
@@ -104,7 +103,18 @@ from .client import RequestResult, Target, stream_request
 from .procs import Proc, free_port, simulator_args, start
 from .prompts import Prompt, source
 from .report import fmt, write_json
-from .shift import Capture, CpuUse, cpu_use, proc_stat, ratio, say, self_cpu_s, wait_ready, yes_or
+from .shift import (
+    Capture,
+    CpuUse,
+    calibrate_fresh_pair,
+    cpu_use,
+    proc_stat,
+    ratio,
+    say,
+    self_cpu_s,
+    wait_ready,
+    yes_or,
+)
 from .stats import DEFAULT_MIN_REQUESTS, LevelStats, percentile, summarize
 from .sweep import ERROR_BACKOFF_S, first_model, make_session
 
@@ -368,28 +378,14 @@ def _start_servers(plan: ScaleoutPlan, run: ConfigRun) -> list[tuple[Proc, str]]
 
 def calibrate_pair(plan: ScaleoutPlan, out_dir: Path, quiet: bool) -> Path:
     """Calibrate one fresh simulated pair with diverse prompts; the watermarks come from its file."""
-    spec_port, base_port = free_port(), free_port()
-    spec, base = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{base_port}"
-    pair = start("simulators-calibration", _pair_args(plan, spec_port, base_port))
-    path = out_dir / "calibration.json"
-    try:
-        wait_ready([(pair, spec + "/health"), (pair, base + "/health")])
-        args = [
-            sys.executable, "-m", "loadtest", "calibrate", "--speculative", spec, "--baseline", base,
-            "--prompts", "diverse", "--seed", str(plan.seed), "--max-tokens", str(plan.max_tokens),
-            "--concurrency", ",".join(map(str, CALIBRATE_LEVELS)),
-            "--duration-s", f"{CALIBRATE_DURATION_S / plan.time_scale:g}",
-            "--min-requests", str(plan.min_requests),
-            "--save", str(path), "--out", str(out_dir / "calibration-sweep.json"), "--quiet",
-        ]  # fmt: skip
-        say(f"calibrating a fresh pair at {', '.join(map(str, CALIBRATE_LEVELS))} streams...", quiet)
-        done = subprocess.run(args, capture_output=True, text=True, check=False)
-        (out_dir / "calibration.txt").write_text(done.stdout + done.stderr)
-        if done.returncode != 0 or not path.exists():
-            raise RuntimeError(f"calibrate failed (exit {done.returncode}); see {out_dir / 'calibration.txt'}")
-    finally:
-        pair.stop()
-    return path
+    return calibrate_fresh_pair(
+        lambda spec_port, base_port: _pair_args(plan, spec_port, base_port),
+        CALIBRATE_LEVELS,
+        ["--seed", str(plan.seed), "--max-tokens", str(plan.max_tokens), "--min-requests", str(plan.min_requests)],
+        CALIBRATE_DURATION_S / plan.time_scale,
+        out_dir,
+        quiet,
+    )
 
 
 def watermarks_from(path: Path, plan: ScaleoutPlan) -> Watermarks:

@@ -54,7 +54,7 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -244,20 +244,38 @@ def start_targets(plan: ShiftPlan, calibration: str) -> Running:
 
 def calibrate_first(plan: ShiftPlan, out_dir: Path, quiet: bool) -> Path:
     """Calibrate a fresh simulated pair with diverse prompts; the file specgate will load."""
+    levels = sorted({*CALIBRATE_LEVELS, *plan.levels})
+    return calibrate_fresh_pair(
+        lambda spec_port, base_port: _pair_args(plan, spec_port, base_port),
+        levels,
+        ["--seed", str(plan.seed), "--max-tokens", str(plan.max_tokens), "--min-requests", str(plan.min_requests)],
+        CALIBRATE_DURATION_S / plan.time_scale,
+        out_dir,
+        quiet,
+    )
+
+
+def calibrate_fresh_pair(
+    pair_args: Callable[[int, int], list[str]],
+    levels: Sequence[int],
+    extra: Sequence[str],
+    duration_s: float,
+    out_dir: Path,
+    quiet: bool,
+) -> Path:
+    """Start a simulated pair (`pair_args(speculative_port, baseline_port)`), run `loadtest calibrate
+    --save` on it with diverse prompts at `levels`, stop it; the calibration file's path. `extra`:
+    more calibrate arguments (seed, tokens, minimum requests). Its output goes to calibration.txt."""
     spec_port, base_port = free_port(), free_port()
     spec, base = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{base_port}"
-    pair = start("simulators-calibration", _pair_args(plan, spec_port, base_port))
+    pair = start("simulators-calibration", pair_args(spec_port, base_port))
     path = out_dir / "calibration.json"
-    levels = sorted({*CALIBRATE_LEVELS, *plan.levels})
     try:
         _wait_ready([(pair, spec + "/health"), (pair, base + "/health")])
         args = [
             sys.executable, "-m", "loadtest", "calibrate", "--speculative", spec, "--baseline", base,
-            "--prompts", "diverse", "--seed", str(plan.seed), "--max-tokens", str(plan.max_tokens),
-            "--concurrency", ",".join(map(str, levels)),
-            "--duration-s", f"{CALIBRATE_DURATION_S / plan.time_scale:g}",
-            "--min-requests", str(plan.min_requests),
-            "--save", str(path), "--out", str(out_dir / "calibration-sweep.json"), "--quiet",
+            "--prompts", "diverse", "--concurrency", ",".join(map(str, levels)), "--duration-s", f"{duration_s:g}",
+            *extra, "--save", str(path), "--out", str(out_dir / "calibration-sweep.json"), "--quiet",
         ]  # fmt: skip
         _say(f"calibrating a fresh pair with diverse prompts at {', '.join(map(str, levels))} streams...", quiet)
         done = subprocess.run(args, capture_output=True, text=True, check=False)

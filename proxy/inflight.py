@@ -109,9 +109,6 @@ class InflightTracker:
     def others_smooth(self, server: str) -> float:
         return self._others_smooth[server]
 
-    def snapshot(self) -> dict[str, int]:
-        return dict(self._counts)
-
     @property
     def total(self) -> int:
         return sum(self._counts.values())

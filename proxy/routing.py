@@ -210,7 +210,7 @@ class Router:
         out: dict[Backend, int | None] = {}
         for role in BACKENDS:
             servers = self.group.of(role)
-            if all(self._health.backends[s].engine_load is None and not self.tracker.was_read(s) for s in servers):
+            if not any(self.tracker.was_read(s) for s in servers):
                 out[role] = None  # never read: the policy counts ours (backend_load)
             else:
                 out[role] = sum(self.server_load(s) for s in servers)
@@ -472,10 +472,6 @@ class Fleet:
         self._router_of = {s: r for r in self.routers for role in BACKENDS for s in r.group.of(role)}
         self.solo = solo
         self._publish()
-
-    @property
-    def adaptive(self) -> bool:
-        return self.routers[0].adaptive is not None
 
     def router_of(self, server: str) -> Router:
         return self._router_of[server]

@@ -49,12 +49,6 @@ class Topology:
     servers: tuple[Server, ...]
     groups: tuple[Group, ...]
 
-    def server(self, name: str) -> Server:
-        for s in self.servers:
-            if s.name == name:
-                return s
-        raise KeyError(name)
-
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.servers)
 
