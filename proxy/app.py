@@ -176,6 +176,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
                 # Requests not this gateway's, as last read (the engine's count minus ours then).
                 "others": fleet.tracker.others(name),
                 "others_smoothed": round(fleet.tracker.others_smooth(name), 2),
+                "others_balance": round(fleet.tracker.others_balance(name), 2),
                 "load": fleet.router_of(name).server_load(name),
                 "engine": h.engine,
                 "engine_load": h.engine_load,

@@ -4,10 +4,10 @@ Counts are per server. With the engine load signal, a server's load is what its 
 reported minus this gateway's own requests then (the others': other replicas', other clients'),
 plus this gateway's own requests now: its own part is always current, and only the others' is as
 old as the last scrape. A stale scrape then does not send a burst to one server, and requests that
-ended since it do not count twice. The others' part is also smoothed over about a second of
-scrapes: every replica reads the same stale figure at once, and placing requests by each scrape in
-full moved them all to the same group together, then all away. (The mode takes the larger of the
-two: routing.Router.server_load.)
+ended since it do not count twice. The others' part is also smoothed: over about a second for
+the mode (which takes the larger of the reading and that: routing.Router.server_load), over several
+for placement, because every replica reads the same stale figure at once, and placing requests by
+it moved them all to the same group together, then all away (see BALANCE_TAU_S).
 """
 
 from __future__ import annotations
@@ -48,9 +48,17 @@ class Lease:
             self.release()
 
 
-# The others' requests are smoothed with this time constant: over a few scrapes at 0.2 s, hardly
-# at all at the 2 s default (one gateway: the others are rarely anything).
+# The others' requests are smoothed with this time constant for the mode: over a few scrapes at
+# 0.2 s, hardly at all at the 2 s default (one gateway: the others are rarely anything).
 OTHERS_TAU_S = 1.0
+# ...and with this one for placement. Every replica reads the same engine figure, up to a second
+# old (SGLang refreshes its gauges at prefill and every 40 decode steps), and a request lasts about
+# as long: placing by it with a short time constant is feedback with a delay as long as the thing
+# it controls, and the replicas' requests sloshed between groups together, 3/17 then 19/1 every
+# two seconds. Each replica's own requests, known exactly and at once, keep its share even; the
+# others' part only needs to catch what persists (another client, a replica that routes
+# differently), so it may be slow. Five seconds brought the measured sloshing down; see README.
+BALANCE_TAU_S = 5.0
 
 
 class InflightTracker:
@@ -69,6 +77,7 @@ class InflightTracker:
         self._at_scrape: dict[str, int] = dict.fromkeys(servers, 0)
         self._others: dict[str, int] = dict.fromkeys(servers, 0)
         self._others_smooth: dict[str, float] = dict.fromkeys(servers, 0.0)
+        self._others_balance: dict[str, float] = dict.fromkeys(servers, 0.0)
         self.on_change = on_change
 
     def acquire(self, server: str) -> Lease:
@@ -90,10 +99,11 @@ class InflightTracker:
         """The engine reported `reading` running + queued requests."""
         others = max(0, reading - self._at_scrape[server])
         now, last = self._clock(), self._read_at[server]
-        weight = 1.0 if last is None else 1.0 - math.exp(-max(0.0, now - last) / OTHERS_TAU_S)
+        gap = math.inf if last is None else max(0.0, now - last)
         self._read_at[server] = now
         self._others[server] = others
-        self._others_smooth[server] += weight * (others - self._others_smooth[server])
+        self._others_smooth[server] += _weight(gap, OTHERS_TAU_S) * (others - self._others_smooth[server])
+        self._others_balance[server] += _weight(gap, BALANCE_TAU_S) * (others - self._others_balance[server])
 
     def count(self, server: str) -> int:
         return self._counts[server]
@@ -107,8 +117,18 @@ class InflightTracker:
         return self._others[server]
 
     def others_smooth(self, server: str) -> float:
+        """The others' requests smoothed over about a second: what the mode reads as they fall."""
         return self._others_smooth[server]
+
+    def others_balance(self, server: str) -> float:
+        """The others' requests smoothed over several seconds: what placement adds to ours."""
+        return self._others_balance[server]
 
     @property
     def total(self) -> int:
         return sum(self._counts.values())
+
+
+def _weight(gap: float, tau: float) -> float:
+    """An exponential moving average's step for a reading `gap` seconds after the last one."""
+    return 1.0 - math.exp(-gap / tau)

@@ -72,6 +72,10 @@ REASONS: tuple[Reason, ...] = (
 )
 
 
+# Loads within this many requests of the least are ties, broken at random.
+NEAR_TIE = 0.5
+
+
 def other(backend: Backend) -> Backend:
     return "baseline" if backend == "speculative" else "speculative"
 
@@ -192,13 +196,17 @@ def probe_due(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig, loa
 
 
 def near_ties(loads: Sequence[tuple[str, float]]) -> list[str]:
-    """The names whose load is within max(1, 10%) of the least: a choice among them is as good as
-    any. Choosing at random among them, not the first, is what keeps several gateways (or one
-    between two load readings) from all sending the next burst to the same server."""
+    """The names whose load is within NEAR_TIE of the least: a choice among them is as good as
+    any. Choosing at random among them, not the first, is what keeps several gateways from all
+    sending the next request to the same server. The band is narrow because the loads it compares
+    are this gateway's own requests now plus a slow average of the others' (inflight.py): each
+    choice moves the chooser's own figure at once, so no gateway herds between load readings, and
+    a wider band (a tenth of the load, at first) let each of three replicas lean two requests the
+    same way at random, which is what the groups' loads then wandered by."""
     if not loads:
         return []
     low = min(load for _, load in loads)
-    return [name for name, load in loads if load <= low + max(1.0, low / 10)]
+    return [name for name, load in loads if load <= low + NEAR_TIE]
 
 
 def least_loaded(loads: Sequence[tuple[str, float]], pick: float) -> str | None:

@@ -233,11 +233,11 @@ class Router:
 
     def placement_load(self, server: str) -> float:
         """One server's load, unrounded, for choosing among servers and groups: ours now, plus the
-        others' (smoothed, see inflight.py) under the engine signals."""
+        others' (slowly smoothed, see inflight.py) under the engine signals."""
         local = self.tracker.count(server)
         if self.cfg.load_signal == "local" or not self.tracker.was_read(server):
             return local
-        return self.tracker.others_smooth(server) + local
+        return self.tracker.others_balance(server) + local
 
     def group_placement_load(self) -> float:
         return sum(self.placement_load(s) for role in BACKENDS for s in self.group.of(role))

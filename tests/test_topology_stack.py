@@ -90,6 +90,8 @@ def test_two_paired_groups_share_the_load_each_with_its_own_mode(simulator: Star
         "speculative-1": "group-1",
         "baseline-1": "group-1",
     }
+    # What each replica adds to its own requests: the others' as last read, and both averages.
+    assert {"inflight", "others", "others_smoothed", "others_balance"} <= set(r["servers"]["speculative-0"])
     # Eight streams over two groups: about four each, past each group's high watermark of 3.
     seen = load(url, 8, 4)
     assert set(seen) == {"speculative", "baseline"}
