@@ -22,3 +22,11 @@ def positive(raw: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{raw} must be > 0")
     return value
+
+
+def non_negative(raw: str) -> float:
+    """A number >= 0."""
+    value = float(raw)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{raw} must be >= 0")
+    return value

@@ -98,7 +98,7 @@ from proxy.calibration import CalibrationError
 from proxy.calibration import load as load_calibration
 from proxy.config import Settings
 
-from .args import levels, positive
+from .args import levels, non_negative, positive
 from .client import RequestResult, Target, stream_request
 from .procs import Proc, free_port, simulator_args, start
 from .prompts import Prompt, source
@@ -187,6 +187,8 @@ class ScaleoutPlan:
     min_requests: int = DEFAULT_MIN_REQUESTS
     # specgate's SPECGATE_SCRAPE_INTERVAL_S at time scale 1; None: its default (where it has one).
     scrape_interval_s: float | None = None
+    # specgate's SPECGATE_LOW_WATERMARK_HOLD_S at time scale 1 (README: 2 with several replicas).
+    low_hold_s: float = 2.0
     # The simulators refresh their gauges on every scrape instead of SGLang's cadence (every prefill
     # and every 40 decode steps): what routing would do with fresh engine counts.
     live_gauges: bool = False
@@ -266,6 +268,8 @@ def gate_env(plan: ScaleoutPlan, servers: Sequence[Server], port: int, high: int
         every = plan.scrape_interval_s if plan.scrape_interval_s is not None else fields["scrape_interval_s"].default
         if every is not None:
             env["SPECGATE_SCRAPE_INTERVAL_S"] = f"{max(MIN_SCRAPE_INTERVAL_S, float(every) / t):g}"
+    if "low_watermark_hold_s" in fields:
+        env["SPECGATE_LOW_WATERMARK_HOLD_S"] = f"{plan.low_hold_s / t:g}"
     return env
 
 
@@ -1355,6 +1359,7 @@ def describe(plan: ScaleoutPlan) -> str:
         f"{plan.spread}, configurations {'one after another' if plan.sequential else 'side by side'}"
         + (", live gauges" if plan.live_gauges else "")
         + (f", scrape interval {plan.scrape_interval_s:g} s" if plan.scrape_interval_s is not None else "")
+        + (f", low-watermark hold {plan.low_hold_s:g} s" if "low_watermark_hold_s" in Settings.model_fields else "")
     )
 
 
@@ -1495,6 +1500,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "README recommends for several replicas)",
     )
     p.add_argument(
+        "--low-hold-s",
+        type=non_negative,
+        default=2.0,
+        help="specgate's SPECGATE_LOW_WATERMARK_HOLD_S at time scale 1 (divided by the time scale; default 2, what "
+        "README recommends for several replicas; 0: speculation returns at the first low reading)",
+    )
+    p.add_argument(
         "--live-gauges",
         action="store_true",
         help="the simulators' gauges fresh at every scrape, not SGLang's cadence (every prefill and 40 decode steps)",
@@ -1559,6 +1571,7 @@ def plan_of(args: argparse.Namespace) -> tuple[ScaleoutPlan, Watermarks | None]:
         seed=args.seed,
         min_requests=args.min_requests,
         scrape_interval_s=args.scrape_interval_s,
+        low_hold_s=args.low_hold_s,
         live_gauges=args.live_gauges,
     )
     if args.high is not None:

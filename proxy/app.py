@@ -59,6 +59,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
             low,
             settings.spillover_limit,
             settings.load_signal,
+            low_hold_s=settings.low_watermark_hold_s,
             min_dwell_s=settings.adaptive_min_dwell_s if settings.policy == "adaptive" else 0.0,
             probe_s=settings.adaptive_probe_s,
             probe_max_s=settings.adaptive_probe_max_s,

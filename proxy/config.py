@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     # 0 sends everything to the baseline (what `loadtest calibrate` says when speculation never pays).
     high_watermark: int = Field(16, ge=0)
     low_watermark: int = Field(8, ge=0)
+    # threshold and adaptive: the load must stay at or below the low watermark this long before
+    # speculation returns (0: at once). See policy.py for why only that way.
+    low_watermark_hold_s: float = Field(0.0, ge=0)
     # spillover: the speculative server takes new requests while it has fewer than this in flight.
     spillover_limit: int = Field(8, ge=1)
     load_signal: LoadSignal = "local"

@@ -3,9 +3,14 @@
 threshold (one mode for new requests, with hysteresis):
 
     mode' = baseline     if mode = speculative and L >= high
-          = speculative  if mode = baseline    and L <= low
+          = speculative  if mode = baseline    and L <= low (for low_hold_s, when set)
           = mode         otherwise
     backend = mode'
+
+The hold (SPECGATE_LOW_WATERMARK_HOLD_S, 0 by default) is asymmetric on purpose: leaving
+speculation early costs little, since the baseline serves a light load well, but a request sent to
+the speculative server during a dip of a second stays there for its whole length, and the load is
+back by then (reason return_hold while the load waits out the hold).
 
 spillover (the speculative server as a bounded first choice):
 
@@ -52,6 +57,7 @@ Reason = Literal[
     "light_load",  # speculative: the load is below the high watermark / spillover limit
     "heavy_load",  # baseline: the load reached the high watermark
     "hysteresis_hold",  # baseline: the load fell, but not yet to the low watermark
+    "return_hold",  # baseline: the load is at or below the low watermark, but not yet for low_hold_s
     "spillover",  # baseline: the speculative server holds its limit
     "dwell_hold",  # adaptive: the watermarks call for a switch, but the mode is younger than min_dwell_s
     "probe",  # adaptive: one request to the idle speculative server, to re-measure its acceptance
@@ -63,6 +69,7 @@ REASONS: tuple[Reason, ...] = (
     "light_load",
     "heavy_load",
     "hysteresis_hold",
+    "return_hold",
     "spillover",
     "dwell_hold",
     "probe",
@@ -87,6 +94,8 @@ class PolicyConfig:
     low_watermark: int = 8
     spillover_limit: int = 8
     load_signal: LoadSignal = "local"
+    # The load must stay at or below the low watermark this long before speculation returns.
+    low_hold_s: float = 0.0
     # adaptive only: the watermarks above are the live ones (the Router replaces them).
     min_dwell_s: float = 0.0
     probe_s: float = 0.0  # 0: never probe
@@ -120,6 +129,8 @@ class PolicyState:
     since: float = float("-inf")
     probes: int = 0
     probing: bool = False
+    # In baseline mode: since when the load has been at or below the low watermark (None: it is not).
+    low_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -146,16 +157,26 @@ def total_load(snapshot: LoadSnapshot, signal: LoadSignal) -> int:
     return sum(backend_load(snapshot, b, signal) for b in BACKENDS)
 
 
-def next_mode(load: int, state: PolicyState, cfg: PolicyConfig) -> PolicyState:
+def next_mode(load: int, state: PolicyState, cfg: PolicyConfig, now: float = 0.0) -> PolicyState:
     """The threshold policy's hysteresis, also applied when requests finish. A high watermark of 0
     means speculation never pays: everything goes to the baseline."""
     if cfg.high_watermark == 0:
         return PolicyState("baseline")
     if state.mode == "speculative" and load >= cfg.high_watermark:
         return PolicyState("baseline")
-    if state.mode == "baseline" and load <= cfg.low_watermark:
-        return PolicyState("speculative")
+    if state.mode == "baseline":
+        if load > cfg.low_watermark:
+            return state if state.low_since is None else dataclasses.replace(state, low_since=None)
+        since = now if state.low_since is None else state.low_since
+        if now - since >= cfg.low_hold_s:
+            return PolicyState("speculative")
+        return state if state.low_since is not None else dataclasses.replace(state, low_since=since)
     return state
+
+
+def return_held(load: int, state: PolicyState, cfg: PolicyConfig) -> bool:
+    """Whether the state stays in baseline mode only because the low watermark's hold runs."""
+    return state.mode == "baseline" and state.low_since is not None and load <= cfg.low_watermark
 
 
 def dwell_mode(
@@ -166,9 +187,9 @@ def dwell_mode(
     speculative server has had no traffic for accept_fresh_s, so what the watermarks say of it
     may be minutes old; a probe session re-measures it first, unless probes are off). Returns the
     state and whether a switch was held back."""
-    nxt = next_mode(load, state, cfg)
+    nxt = next_mode(load, state, cfg, now)
     if nxt.mode == state.mode:
-        return state, False
+        return nxt, False
     if now - state.since < cfg.min_dwell_s:
         return state, True
     if nxt.mode == "speculative" and not fresh and cfg.probe_s > 0:
@@ -221,22 +242,14 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
     load = total_load(snapshot, cfg.load_signal)
     reason: Reason
     if cfg.policy == "threshold":
-        state = next_mode(load, state, cfg)
+        state = next_mode(load, state, cfg, snapshot.now)
         choice: Backend = state.mode
-        if choice == "speculative":
-            reason = "light_load"
-        else:
-            reason = "heavy_load" if load >= cfg.high_watermark else "hysteresis_hold"
+        reason = _reason(choice, load, state, cfg)
     elif cfg.policy == "adaptive":
         fresh = accept_fresh(snapshot.speculative_idle_since, snapshot.now, cfg)
         state, held = dwell_mode(load, state, cfg, snapshot.now, fresh)
         choice = state.mode
-        if held:
-            reason = "dwell_hold"
-        elif choice == "speculative":
-            reason = "light_load"
-        else:
-            reason = "heavy_load" if load >= cfg.high_watermark else "hysteresis_hold"
+        reason = "dwell_hold" if held else _reason(choice, load, state, cfg)
         if probe_due(snapshot, state, cfg, load):
             # A session's first probe counts toward the wait before the next session.
             probes = state.probes if state.probing else state.probes + 1
@@ -252,6 +265,14 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
         reason = "light_load" if choice == "speculative" else "spillover"
         state = PolicyState(choice)
     return _checked(choice, reason, state, snapshot, load)
+
+
+def _reason(choice: Backend, load: int, state: PolicyState, cfg: PolicyConfig) -> Reason:
+    if choice == "speculative":
+        return "light_load"
+    if load >= cfg.high_watermark:
+        return "heavy_load"
+    return "return_hold" if return_held(load, state, cfg) else "hysteresis_hold"
 
 
 def _checked(choice: Backend, reason: Reason, state: PolicyState, snapshot: LoadSnapshot, load: int) -> Decision:

@@ -373,7 +373,7 @@ class Router:
         if self.solo:
             self._metrics.load.set(load)
         if self.cfg.policy == "threshold":
-            self._set_state(next_mode(load, self.state, self.cfg))
+            self._set_state(next_mode(load, self.state, self.cfg, self._clock()))
         elif self.cfg.policy == "adaptive":
             now = self._clock()
             self._update(now)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from proxy.policy import (
@@ -55,6 +57,32 @@ def test_threshold_sequence_never_flips_inside_the_band() -> None:
         state = next_mode(load, state, THRESHOLD)
         modes.append(state.mode[0])
     assert "".join(modes) == "ssssbbbbbbbsssb"
+
+
+def test_speculation_returns_only_once_the_load_has_stayed_low_for_the_hold() -> None:
+    cfg = dataclasses.replace(THRESHOLD, low_hold_s=2.0)
+    state = PolicyState("baseline")
+    trace = []
+    # (time, load): a dip of a second to the low watermark, back inside the band, then a fall that
+    # lasts: the hold starts again at 2.9 and runs out at 4.9.
+    for now, load in [(0, 12), (1, 4), (1.5, 3), (2.0, 5), (2.9, 4), (3.5, 2), (4.8, 4), (4.9, 4), (5.0, 9)]:
+        state = next_mode(load, state, cfg, float(now))
+        trace.append(state.mode[0])
+    assert "".join(trace) == "bbbbbbbss"
+    state = PolicyState("baseline")
+    for now, load in [(10, 4), (11, 0), (11.99, 3)]:
+        state = next_mode(load, state, cfg, now)
+        assert state.mode == "baseline" and state.low_since == 10
+    assert next_mode(4, state, cfg, 12.0).mode == "speculative"
+    # Leaving speculation is never held.
+    assert next_mode(10, PolicyState("speculative"), cfg, 0.0).mode == "baseline"
+    # A decision while the hold runs says so, and still goes to the baseline.
+    held = decide(LoadSnapshot({"speculative": 0, "baseline": 3}, {}, dict(UP), now=20.0), PolicyState("baseline"), cfg)  # type: ignore[arg-type]
+    assert (held.backend, held.reason, held.state.low_since) == ("baseline", "return_hold", 20.0)
+    later = decide(LoadSnapshot({"speculative": 0, "baseline": 3}, {}, dict(UP), now=22.0), held.state, cfg)  # type: ignore[arg-type]
+    assert (later.backend, later.reason) == ("speculative", "light_load")
+    # Without a hold (the default), the first low reading switches, as before.
+    assert next_mode(4, PolicyState("baseline"), THRESHOLD, 0.0).mode == "speculative"
 
 
 @pytest.mark.parametrize(

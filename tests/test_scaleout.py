@@ -375,8 +375,8 @@ def args(**overrides: Any) -> argparse.Namespace:
     base: dict[str, Any] = dict(
         topology="paired", groups=2, replicas=3, speculative_servers=2, baseline_servers=2, profile="crossover",
         concurrency=(2, 5), level_s=10.0, settle_s=3.0, time_scale=1.0, spread="request", sequential=False,
-        max_tokens=64, seed=0, min_requests=10, scrape_interval_s=None, live_gauges=False, high=20, low=15,
-        calibration=None,
+        max_tokens=64, seed=0, min_requests=10, scrape_interval_s=None, low_hold_s=2.0, live_gauges=False,
+        high=20, low=15, calibration=None,
     )  # fmt: skip
     base.update(overrides)
     return argparse.Namespace(**base)
@@ -400,6 +400,13 @@ def test_plan_refuses_what_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> Non
         scaleout.plan_of(args(topology="pooled"))
     plan, wm = scaleout.plan_of(args(groups=1))
     assert plan.group_names() == ["group-0"] and wm is not None and (wm.high, wm.low) == (20, 15)
+
+
+def test_replicas_get_the_scaled_hold_and_scrape_interval() -> None:
+    plan, _ = scaleout.plan_of(args(time_scale=4.0, low_hold_s=2.0, scrape_interval_s=0.8))
+    env = scaleout.gate_env(plan, [], 8000, 19, 14)
+    assert env["SPECGATE_LOW_WATERMARK_HOLD_S"] == "0.5" and env["SPECGATE_SCRAPE_INTERVAL_S"] == "0.2"
+    assert "low-watermark hold 2 s" in scaleout.describe(plan)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ near-ties), the sent-since-scrape correction, and the per-server and per-group v
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -254,3 +255,25 @@ def test_metrics_and_gauges_per_group_and_server() -> None:
     for lease in held:
         lease.release()
     assert value("specgate_group_mode", group="group-0") == 1 and value("specgate_routing_mode") == 1
+
+
+def test_a_group_returns_to_speculation_once_its_load_stayed_low_for_the_hold() -> None:
+    clock = Clock()
+    f, _ = fleet(S0, B0, high=4, clock=clock)
+    (r,) = f.routers
+    r.cfg = dataclasses.replace(r.cfg, low_hold_s=2.0)
+    modes = []
+    held = [r.admit("speculative") for _ in range(4)]
+    modes.append(r.state.mode)
+    for lease in held[1:]:
+        lease.release()  # down to 1, under the low watermark of 2: the hold starts
+    clock.t += 1.9
+    f.refresh()
+    modes.append(r.state.mode)
+    assert r.decide().reason == "return_hold"
+    # The periodic refresh switches once the hold has run out, with no request needed.
+    clock.t += 0.2
+    f.refresh()
+    modes.append(r.state.mode)
+    assert modes == ["baseline", "baseline", "speculative"]
+    held[0].release()

@@ -132,3 +132,27 @@ def test_pooled_roles_spread_over_their_servers(simulator: StartSim, procs: list
         assert sent[a] > 0 and sent[b] > 0 and abs(sent[a] - sent[b]) <= max(3, 0.4 * (sent[a] + sent[b])), sent
     assert sum(sent.values()) == 30
     assert by_label(url, "specgate_inflight_requests", "backend") == {"speculative": 0.0, "baseline": 0.0}
+
+
+def test_speculation_returns_only_after_the_low_watermark_hold(simulator: StartSim, procs: list[Proc]) -> None:
+    spec, base = simulator("speculative", "--time-scale", "20"), simulator("baseline", "--time-scale", "20")
+    url = gateway(
+        procs,
+        [spec],
+        [base],
+        SPECGATE_HIGH_WATERMARK="3",
+        SPECGATE_LOW_WATERMARK="1",
+        SPECGATE_LOW_WATERMARK_HOLD_S="60",
+    )
+    assert "baseline" in load(url, 6, 2)
+    # The load is gone, but not for a minute: the next request still goes to the baseline, held.
+    assert load(url, 1, 1) == ["baseline"]
+    assert httpx.get(url + "/routing").json()["mode"] == "baseline"
+    text = httpx.get(url + "/metrics").text
+    held = [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "specgate_routing_decisions_total" and s.labels["reason"] == "return_hold"
+    ]
+    assert sum(held) >= 1
