@@ -161,7 +161,8 @@ def next_mode(load: int, state: PolicyState, cfg: PolicyConfig, now: float = 0.0
     """The threshold policy's hysteresis, also applied when requests finish. A high watermark of 0
     means speculation never pays: everything goes to the baseline."""
     if cfg.high_watermark == 0:
-        return PolicyState("baseline")
+        # Kept as it is when already there: an adaptive probe session lives in this state.
+        return state if state.mode == "baseline" else PolicyState("baseline")
     if state.mode == "speculative" and load >= cfg.high_watermark:
         return PolicyState("baseline")
     if state.mode == "baseline":
