@@ -426,13 +426,12 @@ class Router:
         self.refresh()
 
     def _set_state(self, state: PolicyState) -> None:
-        if state.mode != self.state.mode:
-            log.info("routing mode of %s: %s -> %s (load %d)", self.group.name, self.state.mode, state.mode, self.load)
+        before, self.state = self.state.mode, state
+        if state.mode != before:
+            log.info("routing mode of %s: %s -> %s (load %d)", self.group.name, before, state.mode, self.load)
             self._metrics.mode_switches.labels(state.mode).inc()
             self._metrics.child(self._metrics.group_mode_switches, self.group.name, state.mode).inc()
-            self.state = state
             self._publish_mode()
-        self.state = state
 
 
 @dataclass(frozen=True)
