@@ -21,11 +21,26 @@ from proxy.calibration import parse, to_json
 
 from .acceptance import AcceptanceMeter, redact
 from .args import levels as _levels
-from .calibrate import Crossover, Recommendation, calibrate, calibration_file, crossovers
+from .calibrate import (
+    EXIT_NO_RECOMMENDATION,
+    Crossover,
+    Recommendation,
+    calibrate,
+    calibration_file,
+    crossovers,
+)
 from .client import Target
 from .procs import Proc, free_port, start
 from .prompts import source
-from .report import calibration_text, compare_table, level_table, level_warnings, plot_compare, write_json
+from .report import (
+    calibration_text,
+    compare_table,
+    describe_crossover,
+    level_table,
+    level_warnings,
+    plot_compare,
+    write_json,
+)
 from .scaleout import add_parser as add_scaleout_parser
 from .scaleout import cmd_scaleout
 from .shift import add_parser as add_shift_parser
@@ -43,6 +58,9 @@ REAL_DEMO_LEVELS, REAL_DEMO_DURATION_S, REAL_DEMO_MAX_TOKENS = "1,2,4,6,8", 20.0
 
 
 RESERVED_NAMES = ("speculative", "baseline", "specgate")
+# --max-duration-s by default: generous, since it is spent only on levels short of good requests
+# (the lowest, whose requests take longest), and a level cut short is thrown away.
+MAX_DURATION_FACTOR = 10.0
 
 
 def _extra(raw: str) -> tuple[str, str]:
@@ -71,6 +89,13 @@ def _load_options(p: argparse.ArgumentParser, levels: str = DEFAULT_LEVELS) -> N
     group = p.add_mutually_exclusive_group()
     group.add_argument("--duration-s", type=float, default=30.0, help="measurement window per level (default 30)")
     group.add_argument("--requests", type=int, default=None, help="or: requests measured per level")
+    p.add_argument(
+        "--max-duration-s",
+        type=float,
+        default=None,
+        help=f"a level's window runs on past --duration-s, up to this long, until it has the good requests "
+        f"--min-requests asks for from at least half its streams (default {MAX_DURATION_FACTOR:g} x --duration-s)",
+    )
     p.add_argument(
         "--warmup-s",
         type=float,
@@ -211,9 +236,23 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _max_duration(args: argparse.Namespace) -> float | None:
+    """The longest a level's window may run (None with --requests, which sets its own end)."""
+    if args.requests:
+        return None
+    if args.max_duration_s is None:
+        return float(args.duration_s) * MAX_DURATION_FACTOR
+    if args.max_duration_s < args.duration_s:
+        raise ValueError(f"--max-duration-s {args.max_duration_s:g} is shorter than --duration-s {args.duration_s:g}")
+    return float(args.max_duration_s)
+
+
 def _plan(args: argparse.Namespace) -> LevelPlan:
     return LevelPlan(
-        duration_s=None if args.requests else args.duration_s, requests=args.requests, warmup_s=args.warmup_s
+        duration_s=None if args.requests else args.duration_s,
+        requests=args.requests,
+        warmup_s=args.warmup_s,
+        max_duration_s=_max_duration(args),
     )
 
 
@@ -245,6 +284,13 @@ async def sweep_targets(
         except TargetUnreachable as exc:
             raise TargetUnreachable(f"{name}: {exc}") from None
     plan = _plan(args)
+    if plan.max_duration_s is not None and args.min_requests > 0:
+        print(
+            f"each level measures {plan.duration_s:g} s, extended up to {plan.max_duration_s:g} s (--max-duration-s) "
+            f"until it has {args.min_requests} good requests (--min-requests) from at least half its streams",
+            file=sys.stderr,
+            flush=True,
+        )
     out: dict[str, list[LevelStats]] = {name: [] for name in targets}
     from tqdm import tqdm
 
@@ -266,9 +312,14 @@ async def sweep_targets(
                 )
                 bar.close()
                 out[name].append(stats)
+                window = (
+                    f", window {stats.duration_s:.1f} s (extended +{stats.extended_s:.1f} s)"
+                    if stats.extended_s
+                    else ""
+                )
                 print(
                     f"{name:>11} c={c:<4} {stats.output_tok_s:>10,.1f} tok/s  {stats.completed} ok, "
-                    f"{stats.errors} errors, {stats.client_errors} client errors",
+                    f"{stats.errors} errors, {stats.client_errors} client errors{window}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -306,6 +357,8 @@ async def cmd_compare(args: argparse.Namespace) -> int:
     for name, rows in sweeps.items():
         print(level_table(name, rows) + "\n")
     print(compare_table(sweeps))
+    print(f"\nthroughput (output tok/s):  {describe_crossover(tp)}")
+    print(f"per-request latency (TPOT): {describe_crossover(lat)}")
     plot_compare(args.plot, sweeps, tp)
     print(f"\nplot: {args.plot}")
     if args.out:
@@ -342,6 +395,10 @@ async def cmd_calibrate(args: argparse.Namespace) -> int:
         write_json(
             args.out, {"settings": _settings(args), "sweeps": sweeps, "crossover": [tp, lat], "recommendation": rec}
         )
+    if not rec.made:
+        if args.save:
+            print(f"loadtest: {args.save} not written: no recommendation to save", file=sys.stderr)
+        return EXIT_NO_RECOMMENDATION
     if meter is not None:
         if meter.engine is not None:
             meter.finish()
@@ -371,6 +428,7 @@ def _calibration_settings(
         "extra_body": args.extra_body or {},
         "levels": list(args.concurrency),
         "duration_s": None if args.requests else args.duration_s,
+        "max_duration_s": _max_duration(args),
         "requests": args.requests,
         "warmup_s": args.warmup_s,
         "min_requests": args.min_requests,
@@ -415,6 +473,11 @@ async def cmd_demo(args: argparse.Namespace) -> int:
         urls = _real_pair(servers, args) if args.real else _simulated_pair(procs, args)
         sweeps = await sweep_targets(urls, args)
         tp, lat, rec = _recommendation(sweeps)
+        if not rec.made:
+            # specgate with watermarks nobody measured would be a demonstration of nothing.
+            print(compare_table(sweeps) + "\n")
+            print(calibration_text(tp, lat, rec))
+            return EXIT_NO_RECOMMENDATION
         env = {
             "SPECGATE_HOST": "127.0.0.1",
             "SPECGATE_PORT": str(proxy_port),

@@ -1,8 +1,25 @@
 """Where speculation stops paying, and the watermarks that follow from it. Pure functions.
 
-Only conclusive levels count: one where either server had too few good requests (see
-stats.min_ok_requests) is left out as if it had not been measured, and the recommendation names it.
-`calibration_file` makes what `calibrate --save` writes (format: proxy/calibration.py).
+An inconclusive level is unknown, never evidence. A level where either server had too few good
+requests (see stats.min_ok_requests) counts as not measured, and a verdict may rest only on levels
+measured conclusively:
+
+- "crosses" at x: speculation ahead at a conclusive level a and behind at the next planned level b,
+  conclusive too; x interpolated linearly between them (the arithmetic specgate's adaptive policy
+  uses). Below a and above b the levels' values could not change that crossing: speculation's
+  advantage falls with load, so an unknown level under one where it was ahead is taken to be ahead.
+- "never_pays": the lowest planned level conclusive, the baseline ahead there and at every other
+  conclusive level (one where speculation is ahead says the sweep contradicts itself).
+- "always_pays": the highest planned level conclusive, speculation ahead at every conclusive level.
+- "unknown": none of these can be told, because an inconclusive level lies where its value would
+  change the verdict (between the last level ahead and the first behind, under the lowest level
+  behind, above the highest level ahead), or the levels disagree; "no_data": no level conclusive.
+
+The recommendation speculates only where speculation pays on both counts (throughput and TPOT):
+below the earlier of the two crossovers. It is made only when that earlier crossover's watermark is
+known whatever the unknown levels hold; otherwise there is none (`Recommendation.made` is False),
+and `calibrate` prints no watermarks and writes no file. `calibration_file` makes what
+`calibrate --save` writes (format: proxy/calibration.py).
 """
 
 from __future__ import annotations
@@ -10,20 +27,40 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from proxy.adaptive import Verdict, crossing, hysteresis_low
+from proxy.adaptive import hysteresis_low
 from proxy.calibration import Calibration, Curve
 
 from .stats import LevelStats
+
+# `calibrate`'s exit status when the levels measured do not decide the watermarks: no recommendation.
+EXIT_NO_RECOMMENDATION = 3
+
+# The adaptive policy's verdicts, and "unknown": inconclusive levels where they would change it.
+CrossVerdict = Literal["crosses", "never_pays", "always_pays", "no_data", "unknown"]
 
 
 @dataclass(frozen=True)
 class Crossover:
     metric: str
-    verdict: Verdict
+    verdict: CrossVerdict
     # Interpolated concurrency where the speculative advantage reaches zero ("crosses" only).
     at: float | None = None
+    # "unknown": the crossover lies above `above` (the highest conclusive level with speculation
+    # ahead; None: no such level under `below`) and at or below `below` (the lowest conclusive level
+    # with it behind; None: none), and `why` says which levels left it unknown.
+    above: int | None = None
+    below: int | None = None
+    why: str = ""
+
+
+def _levels_text(levels: Sequence[int]) -> str:
+    return ", ".join(str(c) for c in levels)
+
+
+def _were(levels: Sequence[int]) -> str:
+    return f"{_levels_text(levels)} {'was' if len(levels) == 1 else 'were'} not measured conclusively"
 
 
 def find_crossover(
@@ -33,77 +70,146 @@ def find_crossover(
     baseline: Sequence[float],
     higher_is_better: bool = True,
 ) -> Crossover:
-    """The first level where speculation no longer beats the baseline, interpolated linearly
-    (the arithmetic specgate's adaptive policy uses too)."""
-    c = crossing(levels, speculative, baseline, higher_is_better)
-    return Crossover(metric, c.verdict, c.at if c.verdict == "crosses" else None)
+    """Where speculation stops beating the baseline on one metric, from the levels measured (NaN:
+    not measured conclusively). See the module's docstring for the rule."""
+    sign = 1.0 if higher_is_better else -1.0
+    adv = [sign * (s - b) for s, b in zip(speculative, baseline, strict=True)]  # NaN: not measured
+    known = [i for i, a in enumerate(adv) if not math.isnan(a)]
+    if not known:
+        return Crossover(metric, "no_data", why=f"no level measured {metric} conclusively on both servers")
+    behind = next((i for i in known if adv[i] <= 0), None)
+    if behind is None:
+        top = known[-1]
+        if top == len(levels) - 1:
+            return Crossover(metric, "always_pays")
+        above = levels[top + 1 :]
+        return Crossover(metric, "unknown", above=levels[top], why=(
+            f"speculation was ahead at every conclusive level up to {levels[top]} streams, and {_were(above)}"
+        ))  # fmt: skip
+    ahead_before = [i for i in known if i < behind]
+    if not ahead_before:
+        if behind > 0:
+            return Crossover(metric, "unknown", below=levels[behind], why=(
+                f"the baseline was ahead from {levels[behind]} streams, the lowest conclusive level, and "
+                f"{_were(levels[:behind])}"
+            ))  # fmt: skip
+        ahead_later = [levels[i] for i in known if adv[i] > 0]
+        if ahead_later:
+            return Crossover(metric, "unknown", why=(
+                f"the baseline was ahead at {levels[0]} streams but speculation at {_levels_text(ahead_later)}: the "
+                "levels disagree (speculation's advantage falls with load; are --speculative and --baseline the "
+                "right way round?)"
+            ))  # fmt: skip
+        return Crossover(metric, "never_pays")
+    a = ahead_before[-1]
+    if behind > a + 1:
+        return Crossover(metric, "unknown", above=levels[a], below=levels[behind], why=(
+            f"speculation was ahead at {levels[a]} and behind at {levels[behind]} streams, and "
+            f"{_were(levels[a + 1 : behind])}"
+        ))  # fmt: skip
+    a0, a1 = adv[a], adv[behind]
+    c0, c1 = levels[a], levels[behind]
+    return Crossover(metric, "crosses", c0 + (c1 - c0) * a0 / (a0 - a1))
 
 
 @dataclass(frozen=True)
 class Recommendation:
-    high: int
-    low: int
-    verdict: Verdict
+    # None: no recommendation (the verdict is "unknown" or "no_data").
+    high: int | None
+    low: int | None
+    verdict: CrossVerdict
     explanation: str
-    # Levels left out because a server had too few good requests there.
+    # Levels not measured conclusively (a server had too few good requests there).
     inconclusive_levels: tuple[int, ...] = ()
 
+    @property
+    def made(self) -> bool:
+        return self.high is not None
+
     def env_lines(self) -> str:
+        if not self.made:
+            return ""
         return f"SPECGATE_POLICY=threshold\nSPECGATE_HIGH_WATERMARK={self.high}\nSPECGATE_LOW_WATERMARK={self.low}\n"
 
 
-def _levels_text(levels: Sequence[int]) -> str:
-    return ", ".join(str(c) for c in levels)
+def watermark_range(c: Crossover, max_level: int) -> tuple[float, float]:
+    """The high watermarks the crossover allows, whatever its unknown levels hold: (least, most).
+
+    The watermark is floor(crossover) (at least 1); never paying is 0; paying at every level is the
+    highest level measured (no more: nothing was measured above it)."""
+    if c.verdict == "crosses" and c.at is not None:
+        h = float(max(1, math.floor(c.at + 1e-9)))  # 1e-9: as the adaptive policy's high_for
+        return h, h
+    if c.verdict == "never_pays":
+        return 0.0, 0.0
+    if c.verdict == "always_pays":
+        return float(max_level), float(max_level)
+    lo = 0.0 if c.above is None else float(c.above)
+    hi = math.inf if c.below is None else float(c.below)
+    return lo, hi
 
 
 def recommend(
     throughput: Crossover, latency: Crossover, max_level: int, inconclusive: Sequence[int] = ()
 ) -> Recommendation:
-    """Speculate only where it pays on both counts: below the earlier of the two crossovers.
+    """Speculate only where it pays on both counts: below the earlier of the two crossovers, made
+    only when the unknown levels cannot move that watermark.
 
-    `max_level` is the highest level the crossovers were found from; `inconclusive` the levels
-    they were not, for want of good requests.
+    `max_level` is the highest level planned; `inconclusive` the levels not measured conclusively.
     """
     left_out = tuple(inconclusive)
     note = (
-        f" Left out for too few good requests: {_levels_text(left_out)} concurrent streams; measure them again "
-        "(a longer --duration-s, or see their errors) before trusting the watermarks near them."
+        f" Not measured conclusively: {_levels_text(left_out)} concurrent streams (too few good requests); "
+        "they could not change this verdict."
         if left_out
         else ""
     )
-    verdicts = {throughput.verdict, latency.verdict}
-    if "no_data" in verdicts:
-        if left_out:
+    ranges = [(c, watermark_range(c, max_level)) for c in (throughput, latency)]
+    least = min(lo for _, (lo, _) in ranges)
+    most = min(hi for _, (_, hi) in ranges)
+    if least != most:
+        if all(c.verdict == "no_data" for c, _ in ranges):
             why = (
                 f"No level had enough good requests on both servers to conclude anything (too few at "
-                f"{_levels_text(left_out)} concurrent streams). Measure again with a longer --duration-s, or "
-                "look at the errors; specgate's default watermarks stay until then."
+                f"{_levels_text(left_out)} concurrent streams)."
+                if left_out
+                else "Not enough successful requests to compare the servers."
             )
-        else:
-            why = "Not enough successful requests to compare the servers."
-        return Recommendation(16, 8, "no_data", why, left_out)
-    if "never_pays" in verdicts:
+            return Recommendation(None, None, "no_data", why + _MEASURE_AGAIN, left_out)
+        names = {"output_tok_s": "throughput", "mean_tpot_ms": "TPOT"}
+        whys = [f"on {names.get(c.metric, c.metric)}, {c.why}" for c, (lo, _) in ranges if c.why and lo < most]
+        return Recommendation(
+            None,
+            None,
+            "unknown",
+            "The crossover is not bracketed by conclusive levels: " + "; ".join(whys) + "." + _MEASURE_AGAIN,
+            left_out,
+        )
+    decided = [c for c, (lo, hi) in ranges if lo == hi == least]
+    c = next((x for x in decided if x.verdict == "never_pays"), None) or next(
+        (x for x in decided if x.verdict == "crosses"), decided[0]
+    )
+    high = int(least)
+    if c.verdict == "never_pays":
         which = "throughput" if throughput.verdict == "never_pays" else "per-request latency (TPOT)"
         return Recommendation(
             0,
             0,
             "never_pays",
-            f"Speculation never paid: the baseline was ahead on {which} from the lowest level measured. "
-            "Send everything to the baseline (a high watermark of 0 does that)." + note,
+            f"Speculation never paid: the baseline was ahead on {which} from the lowest level measured, and at "
+            "every conclusive level. Send everything to the baseline (a high watermark of 0 does that)." + note,
             left_out,
         )
-    crossings = [c.at for c in (throughput, latency) if c.verdict == "crosses" and c.at is not None]
-    if not crossings:
+    if c.verdict == "always_pays":
         return Recommendation(
-            max_level,
-            hysteresis_low(max_level),
+            high,
+            hysteresis_low(high),
             "always_pays",
-            f"Speculation paid at every level measured, up to {max_level} concurrent streams. Measure higher "
+            f"Speculation paid at every level measured, up to {high} concurrent streams. Measure higher "
             "levels before raising the high watermark further." + note,
             left_out,
         )
-    at = min(crossings)
-    high = max(1, math.floor(at))
+    at = c.at if c.at is not None else float(high)
     return Recommendation(
         high,
         hysteresis_low(high),
@@ -112,6 +218,12 @@ def recommend(
         f"from {high} in flight and return to speculation at {hysteresis_low(high)}." + note,
         left_out,
     )
+
+
+_MEASURE_AGAIN = (
+    " No watermarks are recommended: measure those levels again (a longer --max-duration-s, or see their "
+    "errors); specgate's watermarks stay as they are until then."
+)
 
 
 def inconclusive_levels(*sweeps: Sequence[LevelStats]) -> tuple[int, ...]:
@@ -145,8 +257,7 @@ def calibrate(
     """The crossovers and the watermarks, from conclusive levels only."""
     tp, lat = crossovers(speculative, baseline)
     left_out = inconclusive_levels(speculative, baseline)
-    measured = [s.concurrency for s in speculative if s.concurrency not in left_out]
-    return tp, lat, recommend(tp, lat, max(measured, default=0), left_out)
+    return tp, lat, recommend(tp, lat, max((s.concurrency for s in speculative), default=0), left_out)
 
 
 def calibration_file(
@@ -160,7 +271,11 @@ def calibration_file(
     """The reusable calibration: both servers' curves over the levels both measured conclusively (a
     level without a positive throughput on either is left out too), the speculative server's
     acceptance at each (NaN where it reported none) and their mean, and the recommendation as made.
-    Raises ValueError when no level is left: there are no curves to write."""
+    Raises ValueError when no level is left (there are no curves to write) or no recommendation
+    was made (curves without the levels that left it unknown would let the adaptive policy conclude
+    what calibrate would not)."""
+    if not rec.made:
+        raise ValueError("no recommendation was made: " + rec.explanation)
 
     def usable(r: LevelStats) -> bool:
         return r.conclusive and math.isfinite(r.output_tok_s) and round(r.output_tok_s, 2) > 0
@@ -184,8 +299,8 @@ def calibration_file(
         speculative=curve([s for s, _ in keep], accept),
         baseline=curve([b for _, b in keep]),
         accept_length=round(math.fsum(measured) / len(measured), 3) if measured else None,
-        high_watermark=rec.high,
-        low_watermark=rec.low,
+        high_watermark=rec.high or 0,
+        low_watermark=rec.low or 0,
         verdict=rec.verdict,
         explanation=rec.explanation,
         inconclusive_levels=tuple(s.concurrency for s in speculative if s.concurrency not in levels),

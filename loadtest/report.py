@@ -17,10 +17,23 @@ def fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:,.{digits}f}"
 
 
+def target_verdict(label: str, misses: Sequence[str], inconclusive: Sequence[str], scored: int) -> str:
+    """A target's line: NO with the misses among conclusive figures; yes only when every figure was
+    conclusive and met it; otherwise unknown, since an inconclusive figure is no evidence either way."""
+    unknown = f"inconclusive at {'; '.join(inconclusive)}" if inconclusive else ""
+    if misses:
+        return f"{label}: NO ({'; '.join(misses)})" + (f"; {unknown}" if unknown else "")
+    if not unknown:
+        return f"{label}: yes" if scored else f"{label}: unknown (nothing measured)"
+    if not scored:
+        return f"{label}: unknown ({unknown})"
+    return f"{label}: unknown (met at the {scored} conclusive; {unknown})"
+
+
 def level_table(title: str, rows: Sequence[LevelStats]) -> str:
     """One target's levels; an inconclusive level is starred, and a note under the table says why."""
     head = (
-        f"{'conc':>5} {'out tok/s':>10} {'req/s':>7} {'TTFT mean':>9} {'med':>7} {'p99':>7} "
+        f"{'conc':>5} {'window':>7} {'out tok/s':>10} {'req/s':>7} {'TTFT mean':>9} {'med':>7} {'p99':>7} "
         f"{'ITL mean':>8} {'med':>6} {'p95':>6} {'p99':>6} {'TPOT':>6} {'E2E mean':>9} {'med':>8} "
         f"{'err':>4} {'cerr':>4}  backends"
     )
@@ -28,15 +41,21 @@ def level_table(title: str, rows: Sequence[LevelStats]) -> str:
     for r in rows:
         share = ", ".join(f"{b} {v:.0%}" for b, v in r.backend_share.items())
         lines.append(
-            f"{_conc(r):>5} {fmt(r.output_tok_s):>10} {fmt(r.request_per_s, 2):>7} {fmt(r.mean_ttft_ms):>9} "
+            f"{_conc(r):>5} {_window(r):>7} {fmt(r.output_tok_s):>10} {fmt(r.request_per_s, 2):>7} "
+            f"{fmt(r.mean_ttft_ms):>9} "
             f"{fmt(r.median_ttft_ms):>7} {fmt(r.p99_ttft_ms):>7} {fmt(r.mean_itl_ms):>8} {fmt(r.median_itl_ms):>6} "
             f"{fmt(r.p95_itl_ms):>6} {fmt(r.p99_itl_ms):>6} {fmt(r.mean_tpot_ms):>6} {fmt(r.mean_e2e_ms):>9} "
             f"{fmt(r.median_e2e_ms):>8} {r.errors:>4} {r.client_errors:>4}  {share}"
         )
-    lines.append("(times in ms; out tok/s from usage over the measurement window; err: the server's errors, "
-                 "cerr: the client's, requests that failed before the server answered)")  # fmt: skip
+    lines.append("(times in ms; window: the measurement window in s, + where it ran past --duration-s for want of "
+                 "good requests; out tok/s from usage over the window; err: the server's errors, cerr: the client's, "
+                 "requests that failed before the server answered)")  # fmt: skip
     lines += level_warnings(rows)
     return "\n".join(lines)
+
+
+def _window(r: LevelStats) -> str:
+    return f"{r.duration_s:.1f}" + ("+" if r.extended_s else "")
 
 
 def _conc(r: LevelStats) -> str:
@@ -49,8 +68,10 @@ def level_warnings(rows: Sequence[LevelStats], name: str = "") -> list[str]:
     out = []
     for r in rows:
         if not r.conclusive:
+            longer = f", in a window extended to {r.duration_s:.1f} s (--max-duration-s)" if r.extended_s else ""
             why = (
                 f"{r.completed} good requests, {r.min_ok} needed (--min-requests, and at least half the streams)"
+                + longer
                 if r.completed < r.min_ok
                 else f"{r.client_errors} of its requests failed on the client's side, so the server was not "
                 f"under the load of {r.concurrency} streams"
@@ -100,6 +121,13 @@ def compare_table(sweeps: Mapping[str, Sequence[LevelStats]]) -> str:
             width = max(10, len(name))
             line += f" {_star(e.output_tok_s, e):>{width}} {fmt(ratio, 3) + ('' if all_conclusive else '*'):>9}"
         lines.append(line)
+    longer = [
+        f"{name} " + ", ".join(f"c={r.concurrency} {r.duration_s:.1f}" for r in extended)
+        for name, rows in sweeps.items()
+        if (extended := [r for r in rows if r.extended_s])
+    ]
+    if longer:
+        lines.append("windows run past --duration-s for want of good requests (s): " + "; ".join(longer))
     for name, rows in sweeps.items():
         # Only what explains the stars: the per-target tables and the progress lines say the rest.
         lines += [w for w in level_warnings(rows, name) if w.startswith("*")]
@@ -110,23 +138,25 @@ def _star(value: float, r: LevelStats) -> str:
     return fmt(value) if r.conclusive else fmt(value) + "*"
 
 
-def calibration_text(throughput: Crossover, latency: Crossover, rec: Recommendation) -> str:
-    def describe(c: Crossover) -> str:
-        if c.verdict == "crosses":
-            return f"speculation stops paying at ~{c.at:.1f} streams"
-        return {
-            "never_pays": "speculation never pays",
-            "always_pays": "speculation pays at every level",
-            "no_data": "no data",
-        }[c.verdict]
+def describe_crossover(c: Crossover) -> str:
+    if c.verdict == "crosses":
+        return f"speculation stops paying at ~{c.at:.1f} streams"
+    return {
+        "never_pays": "speculation never pays",
+        "always_pays": "speculation pays at every level",
+        "no_data": "no data",
+        "unknown": f"unknown: {c.why}",
+    }[c.verdict]
 
+
+def calibration_text(throughput: Crossover, latency: Crossover, rec: Recommendation) -> str:
     text = (
-        f"throughput (output tok/s):  {describe(throughput)}\n"
-        f"per-request latency (TPOT): {describe(latency)}\n\n{rec.explanation}\n\n"
+        f"throughput (output tok/s):  {describe_crossover(throughput)}\n"
+        f"per-request latency (TPOT): {describe_crossover(latency)}\n\n{rec.explanation}\n\n"
     )
-    if rec.verdict == "no_data":
-        # Nothing was measured to recommend from: printing watermarks to paste would pass off
-        # specgate's defaults as a finding.
+    if not rec.made:
+        # Nothing was concluded to recommend from: printing watermarks to paste (specgate's defaults,
+        # or 0) would pass an unknown off as a finding.
         return text + "Nothing to paste: no watermarks follow from these measurements.\n"
     return text + f"Paste into specgate's environment:\n\n{rec.env_lines()}"
 

@@ -35,7 +35,9 @@ at time scale 1, at most every 0.2 s of wall time):
   first --settle-s seconds), summed over the configuration's servers; the load generator's own count
   is reported beside it. specgate / better: specgate's over the higher of all-speculative's and
   all-baseline's (target >= 0.95). A level is inconclusive where any configuration had too few good
-  requests (stats.min_ok_requests; client errors are never the servers').
+  requests (stats.min_ok_requests; client errors are never the servers'). An inconclusive figure is
+  neither a miss nor a pass: a target met at every conclusive level reads "unknown" while any is
+  inconclusive (report.target_verdict).
 - group split (paired): each group's share of the output tokens over the scored part; "within 15% of
   even" means every group's share s satisfies |s * G - 1| <= 0.15 (the deviation printed).
 - in-flight split (paired, reported, no target): the same deviation of the requests in flight in
@@ -102,7 +104,7 @@ from .args import levels, non_negative, positive
 from .client import RequestResult, Target, stream_request
 from .procs import Proc, free_port, simulator_args, start
 from .prompts import Prompt, source
-from .report import fmt, write_json
+from .report import fmt, target_verdict, write_json
 from .shift import (
     Capture,
     CpuUse,
@@ -113,7 +115,6 @@ from .shift import (
     say,
     self_cpu_s,
     wait_ready,
-    yes_or,
 )
 from .stats import DEFAULT_MIN_REQUESTS, LevelStats, percentile, summarize
 from .sweep import ERROR_BACKOFF_S, first_model, make_session
@@ -1080,16 +1081,6 @@ def level_table(plan: ScaleoutPlan, levels: Sequence[LevelReport]) -> str:
     return "\n".join(lines)
 
 
-def _verdict(label: str, misses: Sequence[str], inconclusive: Sequence[str], scored: int) -> str:
-    if scored == 0:
-        text = f"{label}: inconclusive" + (f" ({'; '.join(inconclusive)})" if inconclusive else "")
-        return text
-    text = f"{label}: {yes_or(misses)}"
-    if inconclusive:
-        text += f"; inconclusive at {'; '.join(inconclusive)}"
-    return text
-
-
 def drift_lines(levels: Sequence[LevelReport], high: int, low: int) -> list[str]:
     """The largest drift between replicas, in requests and as a share of the watermarks' band (README
     advises keeping the band wider than the drift), and the error against the replicas' own counts."""
@@ -1125,7 +1116,7 @@ def verdicts(plan: ScaleoutPlan, levels: Sequence[LevelReport]) -> list[str]:
     ]
     incon = [f"c={lv.concurrency}" for lv in levels if not lv.conclusive]
     lines.append(
-        _verdict(
+        target_verdict(
             f"specgate >= {RATIO_TARGET}x the better of all-speculative and all-baseline at every level",
             low,
             incon,
@@ -1150,7 +1141,7 @@ def verdicts(plan: ScaleoutPlan, levels: Sequence[LevelReport]) -> list[str]:
                     if not cl.split_deviation <= SPLIT_TOLERANCE:
                         shares = "/".join(f"{v:.0%}" for v in cl.group_shares.values())
                         misses.append(f"c={lv.concurrency} {name}: {shares} (dev {fmt(cl.split_deviation, 2)})")
-            lines.append(_verdict(label, misses, incon, scored))
+            lines.append(target_verdict(label, misses, incon, scored))
     unit = "group" if plan.topology == "paired" else "pool"
     label = f"at most {MAX_SWITCHES} mode switch per replica and {unit} per level step (specgate)"
     sw = [(lv, lv.configs["specgate"].switches) for lv in levels]
@@ -1165,7 +1156,7 @@ def verdicts(plan: ScaleoutPlan, levels: Sequence[LevelReport]) -> list[str]:
             for g, n in s.items()
             if n > MAX_SWITCHES
         ]
-        lines.append(_verdict(label, many, [], len(sw)))
+        lines.append(target_verdict(label, many, [], len(sw)))
     if plan.topology == "pooled":
         label = (
             f"each role's busiest server within {IMBALANCE_TARGET}x the role's mean in-flight (levels where the "
@@ -1183,7 +1174,7 @@ def verdicts(plan: ScaleoutPlan, levels: Sequence[LevelReport]) -> list[str]:
                     scored += 1
                     if not x <= IMBALANCE_TARGET:
                         misses.append(f"c={lv.concurrency} {name} {role}: {fmt(x, 2)}")
-        lines.append(_verdict(label, misses, incon, scored))
+        lines.append(target_verdict(label, misses, incon, scored))
     return lines
 
 

@@ -18,8 +18,9 @@ Without --calibration, a fresh simulated pair is calibrated first with diverse p
 Scoring. Each phase's first --settle-s seconds (after a shift, or the start) are not scored; over
 the rest, each target's output tok/s counts the tokens produced inside that window
 (stats.tokens_in_window), and a figure is inconclusive under the same rule as a sweep's level
-(stats.min_ok_requests; client errors are never the server's). Each specgate is compared with the
-better of the two servers alone in that phase, and adaptive with static.
+(stats.min_ok_requests; client errors are never the server's), and is neither a miss nor a pass of
+any target (report.target_verdict). Each specgate is compared with the better of the two servers
+alone in that phase, and adaptive with static.
 
 Settle time (after a shift, and from the start for the first phase): the earliest time t after the
 phase began such that (a) every ROLLING_S (10 s at time scale 1) window starting at or after t and
@@ -68,10 +69,11 @@ from proxy.calibration import load as load_calibration
 from proxy.config import Settings
 
 from .args import levels, positive
+from .calibrate import EXIT_NO_RECOMMENDATION
 from .client import RequestResult, Target, stream_request
 from .procs import Proc, free_port, http_status, start
 from .prompts import Prompt, source
-from .report import fmt, write_json
+from .report import fmt, target_verdict, write_json
 from .stats import DEFAULT_MIN_REQUESTS, LevelStats, summarize
 from .sweep import ERROR_BACKOFF_S, first_model, make_session
 
@@ -280,6 +282,13 @@ def calibrate_fresh_pair(
         _say(f"calibrating a fresh pair with diverse prompts at {', '.join(map(str, levels))} streams...", quiet)
         done = subprocess.run(args, capture_output=True, text=True, check=False)
         (out_dir / "calibration.txt").write_text(done.stdout + done.stderr)
+        if done.returncode == EXIT_NO_RECOMMENDATION:
+            # Inconclusive levels left the crossover unknown: a scenario run on made-up watermarks
+            # would measure nothing worth reporting.
+            raise RuntimeError(
+                f"calibrate could not bracket the crossover with conclusive levels, so there are no watermarks to "
+                f"run with; see {out_dir / 'calibration.txt'}"
+            )
         if done.returncode != 0 or not path.exists():
             raise RuntimeError(f"calibrate failed (exit {done.returncode}); see {out_dir / 'calibration.txt'}")
     finally:
@@ -725,31 +734,39 @@ def _settle_text(x: float | None) -> str:
 
 
 def verdicts(plan: ShiftPlan, levels: Sequence[LevelReport]) -> list[str]:
-    """The issue's targets, each with the figures that decide it."""
+    """The issue's targets, each with the figures that decide it. A throughput figure from a phase
+    with too few good requests is no evidence: such a phase is neither a miss nor a pass."""
     phases = [(lv.concurrency, p) for lv in levels for p in lv.phases]
     shifts = [(c, p) for c, p in phases if p.index > 0]
+    measured = [(c, p) for c, p in phases if p.conclusive]
 
     def where(c: int, p: PhaseReport) -> str:
         return f"c={c} phase {p.index + 1} ({p.source})"
 
+    incon = [where(c, p) for c, p in phases if not p.conclusive]
     low = [
         f"{where(c, p)}: {fmt(p.vs_better['adaptive'], 3)}"
-        for c, p in phases
+        for c, p in measured
         if not p.vs_better["adaptive"] >= RATIO_TARGET
     ]
-    lines = [f"adaptive >= {RATIO_TARGET}x the better server in every phase once settled: {_yes_or(low)}"]
+    lines = [
+        target_verdict(
+            f"adaptive >= {RATIO_TARGET}x the better server in every phase once settled", low, incon, len(measured)
+        )
+    ]
     if plan.shifting:
         target = plan.settle_target_s
+        # Which server was better, and so when the adaptive settled, is unknown in an inconclusive phase.
+        scored = [(c, p) for c, p in shifts if p.conclusive]
         late = [
             f"{where(c, p)}: {_settle_text(p.settle_s['adaptive'])}"
-            for c, p in shifts
+            for c, p in scored
             if not _within(p.settle_s["adaptive"], target)
         ]
         scale = f", here {plan.time_scale:g}" if plan.time_scale != 1 else ""
-        lines.append(
-            f"adaptive settled within {target:g} s of every shift ({SETTLE_TARGET_S:g} s at time scale 1{scale}): "
-            + _yes_or(late)
-        )
+        label = f"adaptive settled within {target:g} s of every shift ({SETTLE_TARGET_S:g} s at time scale 1{scale})"
+        unsettled = [where(c, p) for c, p in shifts if not p.conclusive]
+        lines.append(target_verdict(label, late, unsettled, len(scored)))
         many = [f"{where(c, p)}: {p.switches['adaptive']}" for c, p in shifts if (p.switches["adaptive"] or 0) > 1]
         lines.append(f"adaptive at most one mode switch per shift: {_yes_or(many)}")
         cold = [
@@ -763,14 +780,11 @@ def verdicts(plan: ShiftPlan, levels: Sequence[LevelReport]) -> list[str]:
         # Above static is no miss: static's watermarks may have been measured on other prompts.
         off = [
             f"{where(c, p)}: {fmt(p.adaptive_vs_static, 3)}"
-            for c, p in phases
+            for c, p in measured
             if not p.adaptive_vs_static >= 1.0 - STEADY_TOLERANCE
         ]
-        lines.append(
-            f"adaptive within {STEADY_TOLERANCE:.0%} of static (or above it) on traffic that does not shift: "
-            f"{_yes_or(off)}"
-        )
-    incon = [where(c, p) for c, p in phases if not p.conclusive]
+        label = f"adaptive within {STEADY_TOLERANCE:.0%} of static (or above it) on traffic that does not shift"
+        lines.append(target_verdict(label, off, incon, len(measured)))
     if incon:
         lines.append("* inconclusive (too few good requests on some target): " + "; ".join(incon))
     return lines

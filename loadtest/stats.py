@@ -90,6 +90,9 @@ class LevelStats:
     # (CLIENT_ERROR_SHARE), make it inconclusive. 0: the check was off.
     min_ok: int = 0
     conclusive: bool = True
+    # How long the window ran on past its planned length to collect enough good requests (0: it
+    # did not; sweep.LevelPlan.max_duration_s).
+    extended_s: float = 0.0
 
 
 def summarize(

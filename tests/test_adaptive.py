@@ -57,7 +57,7 @@ def calibration(accept: float | None = 3.0, tpot: bool = False) -> Calibration:
     ("spec", "base", "higher"),
     [
         (SPEC, BASE, True),
-        (BASE, SPEC, True),  # never pays
+        (tuple(b * 0.5 for b in BASE), BASE, True),  # never pays
         (tuple(s * 3 for s in SPEC), BASE, True),  # always pays
         ((10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0), (12.0, 18.0, 25.0, 40.0, 55.0, 60.0, 90.0, 95.0), False),
     ],

@@ -102,3 +102,60 @@ def test_compare_with_extra_targets(simulator: StartSim, tmp_path: Path) -> None
     gone = f"gone=http://127.0.0.1:{free_port()}"
     proc = loadtest("compare", "--speculative", spec.url, "--baseline", base.url, "--extra", gone, *QUICK)
     assert proc.returncode == 2 and "gone:" in proc.stderr and "cannot reach" in proc.stderr, proc.stderr
+
+
+# A pair that crosses at 7 streams, speculation 1.6x ahead at 1-4 (issue: calibrate recommended 0 on
+# levels it had itself called inconclusive). At a quarter-second window, its low levels finish too
+# few requests unless the window runs on.
+X7_PROFILE = """concurrency,speculative_tok_s,baseline_tok_s
+1,142,88
+2,258,172
+4,451,334
+7,600,600
+12,700,950
+24,760,1500
+"""
+X7_ARGS = ["--concurrency", "1,2,4,7,12", "--duration-s", "0.25", "--max-tokens", "64", "--quiet"]
+
+
+def _x7_pair(simulator: StartSim, tmp_path: Path) -> tuple[str, str]:
+    profile = tmp_path / "x7.csv"
+    profile.write_text(X7_PROFILE)
+    args = ("--profile", str(profile), "--time-scale", "4")
+    return simulator("speculative", *args).url, simulator("baseline", *args).url
+
+
+def test_calibrate_extends_short_windows_and_brackets_the_crossover(simulator: StartSim, tmp_path: Path) -> None:
+    spec, base = _x7_pair(simulator, tmp_path)
+    out, save = tmp_path / "cal.json", tmp_path / "calibration.json"
+    proc = loadtest("calibrate", "--speculative", spec, "--baseline", base, *X7_ARGS, "--out", str(out),
+                    "--save", str(save))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    for role in ("speculative", "baseline"):
+        rows = data["sweeps"][role]
+        assert all(r["conclusive"] for r in rows), rows
+        # One stream finishes a 64-token request in 0.11-0.18 s: ten of them need a longer window.
+        assert rows[0]["extended_s"] > 0 and rows[0]["duration_s"] > 0.25 + rows[0]["extended_s"] - 0.1
+        assert rows[0]["duration_s"] <= 2.5 + 0.5  # --max-duration-s: 10 x --duration-s
+    rec = data["recommendation"]
+    assert rec["verdict"] == "crosses" and 4 <= rec["high"] <= 7, rec  # within one level of 7
+    assert f"SPECGATE_HIGH_WATERMARK={rec['high']}" in proc.stdout
+    assert "windows run past --duration-s for want of good requests" in proc.stdout
+    assert "extended up to 2.5 s (--max-duration-s)" in proc.stderr
+    assert save.exists()
+
+
+def test_calibrate_refuses_when_the_levels_cannot_bracket_the_crossover(simulator: StartSim, tmp_path: Path) -> None:
+    spec, base = _x7_pair(simulator, tmp_path)
+    out, save = tmp_path / "cal.json", tmp_path / "calibration.json"
+    # No room to run on: the lowest levels stay short of good requests, as in the issue's run.
+    proc = loadtest("calibrate", "--speculative", spec, "--baseline", base, *X7_ARGS, "--max-duration-s", "0.25",
+                    "--out", str(out), "--save", str(save))  # fmt: skip
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    rec = json.loads(out.read_text())["recommendation"]
+    # Unknown where some levels were conclusive, no data where none was: either way, no watermarks.
+    assert rec["verdict"] in ("unknown", "no_data") and rec["high"] is None and rec["low"] is None, rec
+    assert "No watermarks are recommended" in proc.stdout
+    assert "SPECGATE_HIGH_WATERMARK" not in proc.stdout and "Nothing to paste" in proc.stdout
+    assert not save.exists() and f"{save} not written" in proc.stderr

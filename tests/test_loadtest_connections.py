@@ -154,7 +154,7 @@ def test_calibrate_recommends_nothing_from_a_level_with_too_few_good_requests(
     assert rec["verdict"] == "crosses" and 4 <= rec["high"] < 40
     assert row(proc.stdout, 1).split()[1].endswith("*")  # the speculative figure at level 1
     assert "speculative c=1 is inconclusive" in proc.stdout
-    assert "Left out for too few good requests: 1 concurrent streams" in proc.stdout
+    assert "Not measured conclusively: 1 concurrent streams" in proc.stdout
     assert f"SPECGATE_HIGH_WATERMARK={rec['high']}" in proc.stdout
 
 
@@ -164,10 +164,12 @@ def test_calibrate_with_no_conclusive_level_says_so_and_recommends_nothing(
     spec, base = misleading_pair
     out = tmp_path / "cal.json"
     proc = loadtest("calibrate", "--speculative", spec, "--baseline", base, "--concurrency", "1,4",
-                    "--max-tokens", "16", "--min-requests", "100000", *QUICK, "--out", str(out))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+                    "--max-tokens", "16", "--min-requests", "100000", "--max-duration-s", "1", *QUICK,
+                    "--out", str(out))  # fmt: skip
+    assert proc.returncode == 3, proc.stderr  # no recommendation
     rec = json.loads(out.read_text())["recommendation"]
     assert rec["verdict"] == "no_data" and rec["inconclusive_levels"] == [1, 4]
+    assert rec["high"] is None and rec["low"] is None
     assert "No level had enough good requests" in proc.stdout
     assert "SPECGATE_HIGH_WATERMARK" not in proc.stdout
 
