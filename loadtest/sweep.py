@@ -163,10 +163,11 @@ async def run_level(
                 await asyncio.sleep(0.01)
         else:
             await asyncio.sleep(plan.duration_s or 0.0)
-            if plan.max_duration_s is not None and not has_enough():
+            room = plan.max_duration_s is not None and plan.max_duration_s > (plan.duration_s or 0.0)
+            if room and not has_enough():
                 extending.append(time.monotonic())
                 report(phase())
-                while not has_enough() and time.monotonic() < t0 + plan.max_duration_s:  # noqa: ASYNC110
+                while not has_enough() and time.monotonic() < t0 + (plan.max_duration_s or 0.0):  # noqa: ASYNC110
                     await asyncio.sleep(0.01)
         window.append(time.monotonic())
         stop.set()

@@ -159,3 +159,5 @@ def test_calibrate_refuses_when_the_levels_cannot_bracket_the_crossover(simulato
     assert "No watermarks are recommended" in proc.stdout
     assert "SPECGATE_HIGH_WATERMARK" not in proc.stdout and "Nothing to paste" in proc.stdout
     assert not save.exists() and f"{save} not written" in proc.stderr
+    # No room was given to run on, and none is reported.
+    assert "windows run past" not in proc.stdout and "extended" not in proc.stderr
