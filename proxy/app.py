@@ -118,7 +118,15 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
                 await prober.aclose()
             await upstream.aclose()
 
-    api = app = FastAPI(title="specgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # No redirect_slashes: its 307 builds Location from the client's Host header.
+    api = app = FastAPI(
+        title="specgate",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:

@@ -11,9 +11,18 @@ protocol with three limits added:
   (as Envoy's `request_headers_timeout`); the idle time between requests is uvicorn's keep-alive
   timeout. A timed-out connection that sent part of a head gets 408; one that sent nothing is
   closed without a word, as nginx does;
-- a head larger than `MAX_HEAD_BYTES` gets 431;
+- a head larger than `MAX_HEAD_BYTES` gets 431, counted exactly (request line and headers as
+  parsed) however many writes it came in;
 - past `max_connections` open connections, a new one is answered 503 and closed; the ones
-  already open, running streams among them, are untouched.
+  already open, running streams among them, are untouched;
+- no connection is upgraded. specgate serves no WebSocket, and uvicorn's upgrade hands the socket to
+  another protocol, out of every timeout and of the connection count. A request that asks for an
+  upgrade (`Connection: Upgrade`, as curl's `--http2` sends for h2c) is served as the HTTP/1.1
+  request it also is when it has no body, and the connection is closed after the answer (the parser
+  reads nothing after an upgrade); one with a body gets 400 and is closed, because the parser hands
+  an upgrade's body to the new protocol and specgate would relay an empty one;
+- trailers of a chunked request body are dropped: they would otherwise join the request's
+  headers after the fact and be forwarded upstream.
 
 Per request this costs a clock read: one timer per connection is moved on only when it fires.
 """
@@ -38,7 +47,14 @@ _REFUSED_LINGER_S = 0.25
 # Where the app's lifespan leaves its metrics for the protocol (uvicorn's shared lifespan state).
 METRICS_KEY = "specgate.metrics"
 
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
+# What a header line adds to the head besides its name and value (": " and CRLF).
+_HEADER_OVERHEAD = 4
 
 
 def _answer(status: int, message: str, code: str) -> bytes:
@@ -56,6 +72,12 @@ def edge_protocol(header_timeout_s: float, max_connections: int) -> type[HttpToo
     busy = _answer(503, f"Too many connections (limit {max_connections}); try again.", "too_many_connections")
     late = _answer(408, f"The request head did not arrive within {header_timeout_s:g} s.", "request_timeout")
     large = _answer(431, f"The request head is larger than {MAX_HEAD_BYTES} bytes.", "request_header_too_large")
+    upgrade = _answer(
+        400,
+        "specgate does not upgrade connections (Upgrade: websocket, h2c); send the request without "
+        "'Connection: Upgrade'.",
+        "upgrade_not_supported",
+    )
 
     class EdgeProtocol(HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -66,6 +88,12 @@ def edge_protocol(header_timeout_s: float, max_connections: int) -> type[HttpToo
             self._timer: asyncio.TimerHandle | None = None
             self._refused = False  # past the cap: never one of uvicorn's connections
             self._answered = False  # refused or closed with an answer: what comes is dropped
+            # The current head's size as parsed (request line and header lines), and whether its
+            # headers are complete (what comes as headers then is a chunked body's trailers).
+            self._head_parsed = 0
+            self._in_body = False
+            # An upgrade was asked for: the parser reads nothing more on this connection.
+            self._close_after_response = False
 
         # asyncio.Protocol
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -103,12 +131,69 @@ def edge_protocol(header_timeout_s: float, max_connections: int) -> type[HttpToo
         # httptools callbacks
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self._head_parsed, self._in_body = 0, False
             self._await_head()  # a pipelined head, begun while a response was still running
+
+        def on_url(self, url: bytes) -> None:
+            self._head_parsed += len(url)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if self._in_body:
+                return  # a trailer: dropped
+            self._head_parsed += len(name) + len(value) + _HEADER_OVERHEAD
+            super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
             self._head_since = None
             self._head_bytes = 0
+            self._in_body = True
+            if self._answered:
+                return
+            if self._head_parsed > MAX_HEAD_BYTES:
+                # The whole head came in one write: the per-write count never saw it pending.
+                self._close("head_too_large", large)
+                return
+            if self.parser.should_upgrade() and self._has_body():
+                self._close("upgrade", upgrade)
+                return
             super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            if not self._answered:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self._answered:
+                super().on_message_complete()
+
+        # uvicorn's upgrade handling, turned off (see the module's docstring)
+        def _should_upgrade(self) -> bool:
+            return False
+
+        def _unsupported_upgrade_warning(self) -> None:
+            # Called once the parser stopped at an upgrade: nothing more is read on this
+            # connection, so it ends with the current answer. Not logged: any client can ask.
+            if self._answered:
+                return  # refused: the answer lingers as _answer arranged
+            self._close_after_response = True
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._close_after_response and not self.transport.is_closing():
+                self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._answered:  # already answered (431, 400 upgrade): one answer only
+                super().send_400_response(msg)
+
+        def _has_body(self) -> bool:
+            for name, value in self.headers:
+                if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"0", b"")):
+                    return True
+            return False
 
         # the limits
         def _await_head(self) -> None:

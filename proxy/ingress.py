@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import os
 from typing import Any
 
@@ -82,6 +83,14 @@ async def _accept(
     if ctype and ctype.split(b";", 1)[0].strip().lower() not in _JSON_TYPES:
         shown = ctype[:100].decode("latin-1")
         raise ApiError(415, f"Content-Type must be application/json, got {shown!r}.", code="unsupported_media_type")
+    encoding = headers.get(b"content-encoding", b"").strip().lower()
+    if encoding and encoding != b"identity":
+        # specgate reads the body (JSON) and the server would decode it again: an encoded body
+        # fails here, and a plain one labelled encoded fails there. Neither is forwarded.
+        shown = encoding[:50].decode("latin-1")
+        raise ApiError(
+            415, f"Request bodies must not be encoded (Content-Encoding: {shown!r}).", code="unsupported_media_type"
+        )
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -108,15 +117,31 @@ async def _accept(
 def ask_for_usage(payload: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
     """Make the server send a usage chunk; return the body to send and whether to drop the chunk.
     `stream_options` that are not an object, or whose `include_usage` is not a boolean, are the
-    server's to judge: sent unchanged, and no usage is counted for that request."""
+    server's to judge: sent unchanged, and no usage is counted for that request.
+
+    The body is never re-encoded from `payload`: orjson reads integers past 64 bits as floats and
+    refuses to write nesting past 255 levels, so a re-encoded body could lose a client's `seed` or
+    fail. Without `stream_options` (the usual case) the field is spliced in after the opening brace;
+    with options to change, the body is re-encoded by the standard library, which keeps integers of
+    any size (and floats to the bit), or, where even that cannot, sent unchanged without usage."""
     options = payload.get("stream_options")
     if options is not None and not isinstance(options, dict):
         return body, False
     include = (options or {}).get("include_usage")
     if include is not None and include is not False:
         return body, False
-    payload["stream_options"] = {**(options or {}), "include_usage": True}
-    return orjson.dumps(payload), True
+    if "stream_options" not in payload:
+        at = body.index(b"{") + 1  # a JSON object: its first brace opens it
+        return body[:at] + _INCLUDE_USAGE + (b"," if payload else b"") + body[at:], True
+    try:
+        exact = json.loads(body)
+        exact["stream_options"] = {**exact["stream_options"], "include_usage": True}
+        return json.dumps(exact, separators=(",", ":"), ensure_ascii=False).encode(), True
+    except (ValueError, RecursionError):
+        return body, False
+
+
+_INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 
 
 def authorize(settings: Settings, given: bytes) -> None:

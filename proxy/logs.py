@@ -1,4 +1,9 @@
-"""Logging set-up: plain text or one JSON object per line. Nothing logs prompts or keys."""
+"""Logging set-up: plain text or one JSON object per line. Nothing logs prompts or keys.
+
+Every message has its control characters escaped (`\\n`, `\\x1b`): messages quote what servers and
+clients sent (a `/health` body, a header), and a raw newline or terminal escape in one would forge
+log lines or repaint an operator's terminal. Tracebacks, which are specgate's own, keep their lines.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,24 @@ import time
 import orjson
 
 from .config import Settings
+
+# C0 controls, DEL and C1 controls, each to a visible escape.
+_ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def escape_controls(text: str) -> str:
+    return text.translate(_ESCAPES)
+
+
+class EscapeControls(logging.Filter):
+    """Formats each record's message once, with its control characters escaped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        escaped = escape_controls(message)
+        if escaped != message or record.args:
+            record.msg, record.args = escaped, None
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -26,6 +49,7 @@ class JsonFormatter(logging.Formatter):
 
 def configure(settings: Settings) -> None:
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(EscapeControls())
     if settings.log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:

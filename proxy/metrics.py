@@ -23,8 +23,8 @@ REQUEST_BACKENDS = (*BACKENDS, "none")
 CODE_CLASSES = ("2xx", "4xx", "5xx")
 ErrorKind = Literal["connect", "timeout", "disconnect", "protocol"]
 # Why a client connection was refused or closed before its request (proxy/edge.py).
-Rejection = Literal["limit", "header_timeout", "head_too_large"]
-REJECTIONS: tuple[Rejection, ...] = ("limit", "header_timeout", "head_too_large")
+Rejection = Literal["limit", "header_timeout", "head_too_large", "upgrade"]
+REJECTIONS: tuple[Rejection, ...] = ("limit", "header_timeout", "head_too_large", "upgrade")
 ERROR_KINDS: tuple[ErrorKind, ...] = ("connect", "timeout", "disconnect", "protocol")
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
@@ -155,7 +155,8 @@ class Metrics:
         self.client_rejections = Counter(
             "specgate_client_rejections",
             "Client connections refused past the cap (limit) or closed before a request head arrived "
-            "(header_timeout) or because it grew too large (head_too_large).",
+            "(header_timeout), because it grew too large (head_too_large), or because the request asked to "
+            "upgrade the connection and had a body (upgrade).",
             ["reason"],
             registry=r,
         )

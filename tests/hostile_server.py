@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 
 from aiohttp import web
@@ -22,7 +23,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return web.Response(body=b"{}", content_type="application/json", headers={"X-Pad": "h" * 200_000})
     resp = web.StreamResponse(headers=SSE)
     await resp.prepare(request)
-    if mode == "malformed_sse":
+    if mode == "echo_raw":
+        # What reached the server, byte for byte, as one event: the body and the headers.
+        raw = (await request.read()).decode("utf-8")
+        headers = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in request.raw_headers]
+        event = json.dumps({"raw": raw, "headers": headers})
+        await resp.write(b"data: " + event.encode() + b"\n\ndata: [DONE]\n\n")
+    elif mode == "malformed_sse":
         await resp.write(b"data: {not json\n\ndata: \xff\xfe\n\nevent: weird\nretry: x\n\ndata: [DONE]\n\n")
     elif mode == "no_blank_lines":
         for _ in range(64):
