@@ -9,6 +9,7 @@ because the lease is taken later, inside the relay.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import os
@@ -111,7 +112,18 @@ async def _accept(
     up_headers = gate.upstream.request_headers(
         scope["headers"], request_id, client[0] if client else None, scope["scheme"]
     )
-    return ProxyCall(target, endpoint, body, up_headers, request_id, stream, strip_usage, started)
+    client_id = client_key(headers.get(b"authorization", b""), client[0] if client else None)
+    return ProxyCall(target, endpoint, body, up_headers, request_id, stream, strip_usage, started, client_id)
+
+
+def client_key(authorization: bytes, peer: str | None) -> str:
+    """Who a request is from, as far as pooling acceptance evidence goes: its bearer token's hash
+    (the key itself is never kept), else the peer's address."""
+    scheme, _, token = authorization.partition(b" ")
+    token = token.strip()
+    if token and scheme.lower() == b"bearer":
+        return "key:" + hashlib.blake2b(token, digest_size=8).hexdigest()
+    return "addr:" + (peer or "-")
 
 
 def ask_for_usage(payload: dict[str, Any], body: bytes) -> tuple[bytes, bool]:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from .adaptive import MIN_STREAM_EVENTS
 from .upstream import UpstreamError, renamed
 
 if TYPE_CHECKING:
@@ -41,7 +42,21 @@ log = logging.getLogger("specgate.probe")
 _OUTPUT = (b'content":"', b'"text":"')
 # A capped stream is a few KB; anything much larger is not what was asked for.
 BODY_LIMIT = 256 * 1024
-_DROPPED = ("max_completion_tokens", "min_tokens", "n", "best_of", "logprobs", "top_logprobs", "echo")
+# What a copy keeps of its request: what the prompt is and how one sequence is sampled from it.
+# Everything else is left out, so that a copy never asks more of the server than its client did:
+# no logprobs of any kind, no beam search or n, no tools or grammar to compile, no other limits.
+_KEPT = frozenset(
+    (
+        "model", "messages", "prompt", "suffix",
+        "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+        "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
+        "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
+        "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+        "reasoning_effort", "lora_path",
+    )
+)  # fmt: skip
+# A copy shorter than this cannot show enough decode steps to read acceptance from (MIN_STREAM_EVENTS).
+MIN_SHADOW_TOKENS = 2 * MIN_STREAM_EVENTS
 
 
 def content_events(body: bytes) -> int:
@@ -59,20 +74,35 @@ def content_events(body: bytes) -> int:
 
 
 def shadow_body(body: bytes, max_tokens: int) -> bytes | None:
-    """The copy to send: the request streamed with usage, capped to `max_tokens` output tokens; None
-    for a body that is not a JSON object."""
+    """The copy to send: the request's prompt (the first, of a list of prompts) and sampling, streamed
+    with usage, capped to `max_tokens` output tokens and to the client's own limit; None for a body
+    that is not a JSON object, that cannot be written back, or whose limit is too short to measure."""
     try:
         payload: Any = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
     if not isinstance(payload, dict):
         return None
-    for key in _DROPPED:
-        payload.pop(key, None)
-    payload["max_tokens"] = max_tokens
-    payload["stream"] = True
-    payload["stream_options"] = {"include_usage": True}
-    return orjson.dumps(payload)
+    limits = [v for k in ("max_tokens", "max_completion_tokens") if (v := _count(payload.get(k))) is not None]
+    tokens = min([max_tokens, *limits])
+    if tokens < MIN_SHADOW_TOKENS:
+        return None
+    copy = {k: v for k, v in payload.items() if k in _KEPT}
+    prompt = copy.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        copy["prompt"] = prompt[0]  # a batch of prompts (strings, or token lists): one
+    copy["max_tokens"] = tokens
+    copy["stream"] = True
+    copy["stream_options"] = {"include_usage": True}
+    try:
+        return orjson.dumps(copy)
+    except orjson.JSONEncodeError:  # nested past orjson's depth: no copy, rather than an error
+        return None
+
+
+def _count(v: object) -> int | None:
+    """A client's token limit, when it set a sane one (anything else is the server's to refuse)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
 class Prober:
@@ -92,7 +122,7 @@ class Prober:
     def start(self, call: ProxyCall, router: Router) -> bool:
         """Send a copy of `call` to the group's speculative server unless a copy is under way or it
         cannot be copied; True if sent."""
-        if self.busy or call.endpoint not in ("chat", "completions"):
+        if self.busy or call.endpoint not in ("chat", "completions") or not router.wants_shadow_of(call.client):
             return False
         body = shadow_body(call.body, self._max_tokens)
         if body is None:
@@ -119,7 +149,7 @@ class Prober:
             if tokens is not None:
                 resp.release()
                 outcome = "ok"
-                router.note_shadow(tokens, content_events(data))
+                router.note_shadow(tokens, content_events(data), call.client)
             else:
                 outcome = "no_usage" if resp.status == 200 else "error"
         except UpstreamError as err:

@@ -68,6 +68,8 @@ class ProxyCall:
     # The proxy asked the server for a usage chunk the client did not ask for: drop it again.
     strip_usage: bool
     started: float
+    # Who sent it, for pooling acceptance evidence by client (ingress.client_key): never a secret.
+    client: str = ""
 
 
 class SseRelay:
@@ -395,7 +397,7 @@ class _Relay:
             gate.metrics.child(gate.metrics.prompt_tokens, backend).inc(usage[0])
             gate.metrics.child(gate.metrics.output_tokens, backend).inc(usage[1])
             events = content_events(b"".join(probe_body)) if count else None
-            router.note_output(backend, usage[1], events)
+            router.note_output(backend, usage[1], events, call.client)
             if learn and usage[1] >= MIN_LEARN_TOKENS and now > first_at and not router.backend_load(other(backend)):
                 load = (start_load + router.backend_load(backend)) / 2
                 router.observe(backend, load, (usage[1] - 1) / (now - first_at))

@@ -29,6 +29,7 @@ from .adaptive import (
 )
 from .calibration import Calibration
 from .engines import ENGINES
+from .evidence import AcceptanceEvidence
 from .health import HealthMonitor
 from .inflight import InflightTracker, Lease
 from .metrics import Metrics
@@ -177,12 +178,11 @@ class Router:
         self.tracker = tracker or InflightTracker(on_change=self.server_changed)
         self._spec_idle_since: float | None = clock()
         self._probe_tokens = self._probe_requests = 0
-        # A probe session's tokens and decode steps, from streams whose events count steps.
-        self._probe_measured = 0
-        self._probe_steps = 0.0
-        # Acceptance measured from probe streams, and when: it stands for accept_fresh_s, then the
-        # engine's reading (which includes the probes' steps once refreshed) takes over again.
-        self._stream_accept: tuple[float, float] | None = None
+        self._probe_session = 0  # numbers the probe sessions: their streams pool into one reading
+        # Acceptance measured from probe streams, pooled by client (evidence.py): it stands while
+        # the newest reading is younger than accept_fresh_s, then the engine's reading (which
+        # includes the probes' steps once refreshed) takes over again.
+        self.evidence = AcceptanceEvidence(cfg.accept_fresh_s)
         self._accept_seen: float | None = None
         self.adaptive: Adaptive | None = None
         if cfg.policy == "adaptive":
@@ -268,8 +268,8 @@ class Router:
         decision = decide(self.snapshot(), self.state, cfg)
         if decision.reason == "probe":
             if not self.state.probing:
-                self._probe_tokens = self._probe_requests = self._probe_measured = 0
-                self._probe_steps = 0.0
+                self._probe_tokens = self._probe_requests = 0
+                self._probe_session += 1
             self._probe_requests += 1
             if self._probe_requests >= PROBE_MAX_REQUESTS:
                 self._probe_tokens = self._probe_requests = 0
@@ -323,39 +323,45 @@ class Router:
         ]
         return sum(found) / len(found) if found else None
 
-    def note_output(self, backend: Backend, tokens: int, events: int | None = None) -> None:
+    def note_output(self, backend: Backend, tokens: int, events: int | None = None, client: str = "") -> None:
         """A response from `backend` ended with `tokens` output tokens (from its usage), in `events`
-        content events (counted only for probes)."""
+        content events (counted only for probes), for client `client`."""
         if backend != "speculative" or not self.state.probing or self.adaptive is None:
             return
         self._probe_tokens += tokens
         a = stream_accept(tokens, events) if events is not None and self.counts_steps() else None
         if a is not None:
-            self._probe_measured += tokens
-            self._probe_steps += tokens / a
-            self._set_stream_accept(self._probe_measured / self._probe_steps)
+            self._add_evidence(client, tokens, a, self._probe_session)
         if self._probe_tokens >= self.adaptive.cfg.probe_tokens:
             self._probe_tokens = self._probe_requests = 0
             self.state = dataclasses.replace(self.state, probing=False)
 
-    def note_shadow(self, tokens: int, events: int) -> None:
-        """A shadow probe came back with `tokens` output tokens in `events` content events."""
+    def note_shadow(self, tokens: int, events: int, client: str = "") -> None:
+        """A shadow probe of client `client`'s request came back with `tokens` output tokens in
+        `events` content events."""
         a = stream_accept(tokens, events) if self.adaptive is not None and self.counts_steps() else None
         if a is not None:
-            self._set_stream_accept(a)
+            self._add_evidence(client, tokens, a)
 
-    def _set_stream_accept(self, value: float) -> None:
+    def wants_shadow_of(self, client: str) -> bool:
+        """Whether a shadow copy of this client's request would add to the evidence: not while the
+        client already counts fully and others are measured too, so that one client's requests do
+        not take every probe. A lone client is always read: its traffic is all there is."""
+        now = self._clock()
+        return not (self.evidence.saturated(client, now) and self.evidence.others(client, now))
+
+    def _add_evidence(self, client: str, tokens: int, accept: float, session: int | None = None) -> None:
         assert self.adaptive is not None
         now = self._clock()
-        self._stream_accept = (value, now)
+        self.evidence.add(client, tokens, accept, now, session)
         self.adaptive.updated_at = -math.inf  # act on it now
         self._update(now)
 
     def accept_live(self, now: float) -> tuple[float | None, str]:
         """The speculative server's acceptance as believed now, and where it was read."""
-        measured = self._stream_accept
-        if measured is not None and now - measured[1] <= self.cfg.accept_fresh_s:
-            return measured[0], "from probe streams"
+        measured = self.evidence.value(now)
+        if measured is not None:
+            return measured, "from probe streams"
         return self.engine_accept(), "live"
 
     def refresh(self) -> None:

@@ -27,8 +27,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         # What reached the server, byte for byte, as one event: the body and the headers.
         raw = (await request.read()).decode("utf-8")
         headers = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in request.raw_headers]
-        event = json.dumps({"raw": raw, "headers": headers})
-        await resp.write(b"data: " + event.encode() + b"\n\ndata: [DONE]\n\n")
+        echoed = json.dumps({"raw": raw, "headers": headers})
+        await resp.write(b"data: " + echoed.encode() + b"\n\ndata: [DONE]\n\n")
     elif mode == "malformed_sse":
         await resp.write(b"data: {not json\n\ndata: \xff\xfe\n\nevent: weird\nretry: x\n\ndata: [DONE]\n\n")
     elif mode == "no_blank_lines":

@@ -1,0 +1,149 @@
+"""Acceptance evidence pooled by client, and shadow copies never asking more than their request
+(issue 25: one client's repetitive prompts moved the acceptance estimate, and the mode, for all)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from proxy.evidence import KEY_TOKENS, MAX_KEYS, AcceptanceEvidence
+from proxy.ingress import client_key
+from proxy.probe import MIN_SHADOW_TOKENS, shadow_body
+
+from .test_adaptive import Clock, calibration, router
+
+
+def test_a_probe_sessions_streams_pool_by_tokens_and_a_new_reading_replaces_the_last() -> None:
+    ev = AcceptanceEvidence(fresh_s=10.0)
+    ev.add("a", 16, 1.0, now=0.0, session=1)
+    ev.add("a", 48, 3.0, now=0.0, session=1)
+    # 64 tokens in 16 + 16 steps: 2 tokens a step, not the mean of the two readings.
+    assert ev.value(0.0) == pytest.approx(64 / 32)
+    # A client's traffic changed: its next reading (a shadow, or another session) is its reading.
+    ev.add("a", 16, 4.0, now=1.0)
+    assert ev.value(1.0) == pytest.approx(4.0)
+    ev.add("a", 16, 1.5, now=2.0, session=2)
+    assert ev.value(2.0) == pytest.approx(1.5)
+
+
+def test_no_client_weighs_more_than_a_full_share() -> None:
+    ev = AcceptanceEvidence(fresh_s=10.0)
+    for _ in range(300):
+        ev.add("attacker", 16, 3.75, now=0.0)  # repetitive prompts, sent all the time
+    assert ev.value(0.0) == pytest.approx(3.75)  # alone, it is all there is
+    for honest in ("b", "c", "d"):
+        ev.add(honest, KEY_TOKENS, 1.5, now=0.0)
+    # Four clients with a full reading each count the same: the attacker's a quarter.
+    assert ev.value(0.0) == pytest.approx((3.75 + 3 * 1.5) / 4)
+    # A client with a short reading counts for what it measured.
+    ev2 = AcceptanceEvidence(fresh_s=10.0)
+    ev2.add("big", 1000, 1.0, now=0.0)
+    ev2.add("small", KEY_TOKENS / 4, 3.0, now=0.0)
+    assert ev2.value(0.0) == pytest.approx((KEY_TOKENS * 1.0 + KEY_TOKENS / 4 * 3.0) / (KEY_TOKENS * 1.25))
+
+
+def test_evidence_fades_is_forgotten_and_is_bounded() -> None:
+    ev = AcceptanceEvidence(fresh_s=10.0, memory_s=60.0)
+    ev.add("old", KEY_TOKENS, 1.0, now=0.0)
+    ev.add("new", KEY_TOKENS, 3.0, now=30.0)
+    # Pooled over the memory, each weight fading with a half-life of a quarter of it (15 s).
+    left = KEY_TOKENS * 0.5 ** (30 / 15)
+    assert ev.value(30.0) == pytest.approx((left * 1.0 + KEY_TOKENS * 3.0) / (left + KEY_TOKENS))
+    # Stands only while the newest reading is fresh; then the engine's own reading does.
+    assert ev.value(40.5) is None
+    ev.add("new", KEY_TOKENS, 3.0, now=61.0)
+    assert ev.value(61.0) == pytest.approx(3.0)  # "old" forgotten after the memory
+    assert len(ev) == 1
+    for i in range(MAX_KEYS + 10):
+        ev.add(f"k{i}", 16, 2.0, now=70.0)
+    assert len(ev) == MAX_KEYS
+    ev.add("k0", 16, 2.0, now=70.0)  # forgotten, then back as the newest
+    assert len(ev) == MAX_KEYS
+    # Nonsense never counts.
+    ev.clear()
+    for tokens, accept in ((0, 2.0), (16, 0.5), (16, float("nan")), (16, float("inf")), (-5, 2.0)):
+        ev.add("x", tokens, accept, now=0.0)
+    assert ev.value(0.0) is None
+
+
+def test_a_saturated_client_is_not_copied_again_while_others_are_measured() -> None:
+    ev = AcceptanceEvidence(fresh_s=10.0, memory_s=60.0)
+    assert not ev.saturated("a", 0.0) and not ev.others("a", 0.0)
+    ev.add("a", KEY_TOKENS - 1, 2.0, now=0.0)
+    assert not ev.saturated("a", 0.0)
+    ev.add("a", 16, 2.0, now=0.0)
+    assert ev.saturated("a", 0.0) and not ev.saturated("b", 0.0)
+    assert not ev.saturated("a", 30.0)  # faded below a full share: worth another copy
+    ev.add("b", 16, 1.0, now=1.0)
+    assert ev.others("a", 1.0) and ev.others("b", 1.0) and not ev.others("a", 62.0)
+
+
+def test_the_router_pools_shadow_readings_by_client() -> None:
+    clock = Clock()
+    r, health, _ = router(calibration(), clock)
+    health.backends["speculative"].engine = "sglang"
+    # One client's repetitive prompt: 3.75 tokens a step, over and over. Alone, it is read on.
+    for _ in range(20):
+        r.note_shadow(61, 17, "addr:attacker")
+    assert r.accept_live(clock.t)[0] == pytest.approx(3.75)
+    assert r.wants_shadow_of("addr:attacker") and r.wants_shadow_of("addr:other")
+    for other in ("a", "b", "c"):
+        r.note_shadow(64, 64, f"key:{other}")  # varied prompts: one token a step
+    value, source = r.accept_live(clock.t)
+    assert value == pytest.approx((3.75 + 3 * 1.0) / 4) and source == "from probe streams"
+    # With others measured, the client that counts fully is not copied again; the others are.
+    assert not r.wants_shadow_of("addr:attacker") and r.wants_shadow_of("addr:new")
+
+
+def test_a_shadow_copy_never_asks_more_than_its_request() -> None:
+    wide = {
+        "model": "m",
+        "prompt": [f"prompt {i}" for i in range(200)],
+        "max_tokens": 12,
+        "n": 4,
+        "best_of": 8,
+        "use_beam_search": True,
+        "logprobs": 5,
+        "prompt_logprobs": 5,
+        "return_logprob": True,
+        "top_logprobs_num": 5,
+        "echo": True,
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "response_format": {"type": "json_object"},
+        "regex": "a+",
+        "min_tokens": 100,
+        "seed": 7,
+    }
+    copy = orjson.loads(shadow_body(orjson.dumps(wide), 16) or b"")
+    assert copy == {
+        "model": "m",
+        "prompt": "prompt 0",  # one prompt of the 200
+        "seed": 7,
+        "max_tokens": 12,  # the client's, below the probe's 16
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    # A single tokenized prompt stays whole; a batch of them is cut to one.
+    assert orjson.loads(shadow_body(b'{"prompt": [1, 2, 3]}', 16) or b"")["prompt"] == [1, 2, 3]
+    assert orjson.loads(shadow_body(b'{"prompt": [[1, 2], [3]]}', 16) or b"")["prompt"] == [1, 2]
+    # A client asking for 1 token (or fewer than a reading needs) gets no copy at all.
+    for limit in (0, 1, MIN_SHADOW_TOKENS - 1):
+        assert shadow_body(orjson.dumps({"messages": [], "max_tokens": limit}), 16) is None
+        assert shadow_body(orjson.dumps({"messages": [], "max_completion_tokens": limit}), 16) is None
+    assert orjson.loads(shadow_body(b'{"messages": [], "max_tokens": "9"}', 16) or b"")["max_tokens"] == 16
+
+
+def test_a_body_too_deep_to_write_back_is_not_copied() -> None:
+    deep = b'{"messages": [], "x": ' + b"[" * 300 + b"]" * 300 + b"}"
+    assert shadow_body(deep, 16) is not None  # "x" is not kept: nothing deep is written
+    deeper = b'{"messages": [{"role": "user", "content": ' + b"[" * 300 + b"]" * 300 + b"}]}"
+    assert shadow_body(deeper, 16) is None
+
+
+def test_the_client_key_hides_the_api_key() -> None:
+    key = client_key(b"Bearer sk-secret-123", "10.0.0.1")
+    assert key.startswith("key:") and "sk-secret" not in key
+    assert key == client_key(b"bearer  sk-secret-123 ", "10.0.0.2")  # the key, wherever it comes from
+    assert key != client_key(b"Bearer sk-other", "10.0.0.1")
+    assert client_key(b"", "10.0.0.1") == "addr:10.0.0.1"
+    assert client_key(b"Basic abc", None) == "addr:-"
