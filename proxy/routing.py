@@ -326,7 +326,11 @@ class Router:
     def note_output(self, backend: Backend, tokens: int, events: int | None = None, client: str = "") -> None:
         """A response from `backend` ended with `tokens` output tokens (from its usage), in `events`
         content events (counted only for probes), for client `client`."""
-        if backend != "speculative" or not self.state.probing or self.adaptive is None:
+        if self.adaptive is None:
+            return
+        # What each client is served weighs its acceptance (evidence.py).
+        self.evidence.served(client, tokens, self._clock())
+        if backend != "speculative" or not self.state.probing:
             return
         self._probe_tokens += tokens
         a = stream_accept(tokens, events) if events is not None and self.counts_steps() else None
@@ -344,16 +348,15 @@ class Router:
             self._add_evidence(client, tokens, a)
 
     def wants_shadow_of(self, client: str) -> bool:
-        """Whether a shadow copy of this client's request would add to the evidence: not while the
-        client already counts fully and others are measured too, so that one client's requests do
-        not take every probe. A lone client is always read: its traffic is all there is."""
-        now = self._clock()
-        return not (self.evidence.saturated(client, now) and self.evidence.others(client, now))
+        """Whether a shadow copy of this client's request would add to the evidence: not while its
+        measurement counts in full and others are served, so that one client's requests do not
+        take every probe. A lone client is always read: its traffic is all there is."""
+        return self.evidence.wants_copy(client, self._clock())
 
     def _add_evidence(self, client: str, tokens: int, accept: float, session: int | None = None) -> None:
         assert self.adaptive is not None
         now = self._clock()
-        self.evidence.add(client, tokens, accept, now, session)
+        self.evidence.measured(client, tokens, accept, now, session)
         self.adaptive.updated_at = -math.inf  # act on it now
         self._update(now)
 

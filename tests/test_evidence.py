@@ -15,84 +15,92 @@ from .test_adaptive import Clock, calibration, router
 
 def test_a_probe_sessions_streams_pool_by_tokens_and_a_new_reading_replaces_the_last() -> None:
     ev = AcceptanceEvidence(fresh_s=10.0)
-    ev.add("a", 16, 1.0, now=0.0, session=1)
-    ev.add("a", 48, 3.0, now=0.0, session=1)
+    ev.measured("a", 16, 1.0, now=0.0, session=1)
+    ev.measured("a", 48, 3.0, now=0.0, session=1)
     # 64 tokens in 16 + 16 steps: 2 tokens a step, not the mean of the two readings.
     assert ev.value(0.0) == pytest.approx(64 / 32)
     # A client's traffic changed: its next reading (a shadow, or another session) is its reading.
-    ev.add("a", 16, 4.0, now=1.0)
+    ev.measured("a", 16, 4.0, now=1.0)
     assert ev.value(1.0) == pytest.approx(4.0)
-    ev.add("a", 16, 1.5, now=2.0, session=2)
+    ev.measured("a", 16, 1.5, now=2.0, session=2)
     assert ev.value(2.0) == pytest.approx(1.5)
 
 
-def test_no_client_weighs_more_than_a_full_share() -> None:
+def test_a_client_weighs_what_it_is_served() -> None:
     ev = AcceptanceEvidence(fresh_s=10.0)
-    for _ in range(300):
-        ev.add("attacker", 16, 3.75, now=0.0)  # repetitive prompts, sent all the time
-    assert ev.value(0.0) == pytest.approx(3.75)  # alone, it is all there is
-    for honest in ("b", "c", "d"):
-        ev.add(honest, KEY_TOKENS, 1.5, now=0.0)
-    # Four clients with a full reading each count the same: the attacker's a quarter.
-    assert ev.value(0.0) == pytest.approx((3.75 + 3 * 1.5) / 4)
-    # A client with a short reading counts for what it measured.
+    # The attacker: repetitive prompts every 0.3 s, each answered with a few tokens,
+    # measured over and over, beside 30 streams of varied prompts served 50 times as much.
+    for _ in range(200):
+        ev.served("attacker", 16, now=0.0)
+        ev.measured("attacker", 16, 3.75, now=0.0)
+    assert ev.value(0.0) == pytest.approx(3.75)  # alone, it is all the traffic there is
+    ev.served("honest", 50 * 200 * 16, now=0.0)
+    ev.measured("honest", KEY_TOKENS, 1.0, now=0.0)
+    assert ev.value(0.0) == pytest.approx((1 * 3.75 + 50 * 1.0) / 51)
+    # A short measurement counts for what it measured.
     ev2 = AcceptanceEvidence(fresh_s=10.0)
-    ev2.add("big", 1000, 1.0, now=0.0)
-    ev2.add("small", KEY_TOKENS / 4, 3.0, now=0.0)
-    assert ev2.value(0.0) == pytest.approx((KEY_TOKENS * 1.0 + KEY_TOKENS / 4 * 3.0) / (KEY_TOKENS * 1.25))
+    for key, accept, tokens in (("a", 1.0, KEY_TOKENS), ("b", 3.0, KEY_TOKENS / 4)):
+        ev2.served(key, 100, now=0.0)
+        ev2.measured(key, tokens, accept, now=0.0)
+    assert ev2.value(0.0) == pytest.approx((1.0 * 1.0 + 0.25 * 3.0) / 1.25)
+    # Measured but never served (only a probe's client so far): by measurement alone.
+    ev3 = AcceptanceEvidence(fresh_s=10.0)
+    ev3.measured("a", KEY_TOKENS, 2.0, now=0.0)
+    assert ev3.value(0.0) == pytest.approx(2.0)
 
 
 def test_evidence_fades_is_forgotten_and_is_bounded() -> None:
     ev = AcceptanceEvidence(fresh_s=10.0, memory_s=60.0)
-    ev.add("old", KEY_TOKENS, 1.0, now=0.0)
-    ev.add("new", KEY_TOKENS, 3.0, now=30.0)
+    for key, accept, at in (("old", 1.0, 0.0), ("new", 3.0, 30.0)):
+        ev.served(key, 100, now=at)
+        ev.measured(key, KEY_TOKENS, accept, now=at)
     # Pooled over the memory, each weight fading with a half-life of a quarter of it (15 s).
-    left = KEY_TOKENS * 0.5 ** (30 / 15)
-    assert ev.value(30.0) == pytest.approx((left * 1.0 + KEY_TOKENS * 3.0) / (left + KEY_TOKENS))
-    # Stands only while the newest reading is fresh; then the engine's own reading does.
+    old = 100 * 0.25 * min(1.0, 0.25)
+    assert ev.value(30.0) == pytest.approx((old * 1.0 + 100 * 3.0) / (old + 100))
+    # Stands only while the newest measurement is fresh; then the engine's own reading does.
     assert ev.value(40.5) is None
-    ev.add("new", KEY_TOKENS, 3.0, now=61.0)
+    ev.measured("new", KEY_TOKENS, 3.0, now=61.0)
     assert ev.value(61.0) == pytest.approx(3.0)  # "old" forgotten after the memory
     assert len(ev) == 1
     for i in range(MAX_KEYS + 10):
-        ev.add(f"k{i}", 16, 2.0, now=70.0)
-    assert len(ev) == MAX_KEYS
-    ev.add("k0", 16, 2.0, now=70.0)  # forgotten, then back as the newest
+        ev.served(f"k{i}", 16, now=70.0)
     assert len(ev) == MAX_KEYS
     # Nonsense never counts.
     ev.clear()
     for tokens, accept in ((0, 2.0), (16, 0.5), (16, float("nan")), (16, float("inf")), (-5, 2.0)):
-        ev.add("x", tokens, accept, now=0.0)
+        ev.measured("x", tokens, accept, now=0.0)
+    ev.served("x", float("inf"), now=0.0)
     assert ev.value(0.0) is None
 
 
-def test_a_saturated_client_is_not_copied_again_while_others_are_measured() -> None:
+def test_a_client_measured_in_full_is_not_copied_again_while_others_are_served() -> None:
     ev = AcceptanceEvidence(fresh_s=10.0, memory_s=60.0)
-    assert not ev.saturated("a", 0.0) and not ev.others("a", 0.0)
-    ev.add("a", KEY_TOKENS - 1, 2.0, now=0.0)
-    assert not ev.saturated("a", 0.0)
-    ev.add("a", 16, 2.0, now=0.0)
-    assert ev.saturated("a", 0.0) and not ev.saturated("b", 0.0)
-    assert not ev.saturated("a", 30.0)  # faded below a full share: worth another copy
-    ev.add("b", 16, 1.0, now=1.0)
-    assert ev.others("a", 1.0) and ev.others("b", 1.0) and not ev.others("a", 62.0)
+    assert ev.wants_copy("a", 0.0)
+    ev.measured("a", KEY_TOKENS - 1, 2.0, now=0.0)
+    assert ev.wants_copy("a", 0.0)
+    ev.measured("a", 16, 2.0, now=0.0)
+    assert ev.wants_copy("a", 0.0)  # alone: its traffic is all there is
+    ev.served("b", 100, now=1.0)
+    assert not ev.wants_copy("a", 1.0) and ev.wants_copy("b", 1.0)
+    assert ev.wants_copy("a", 12.0)  # b not served lately
 
 
-def test_the_router_pools_shadow_readings_by_client() -> None:
+def test_the_router_weighs_each_clients_reading_by_its_traffic() -> None:
     clock = Clock()
     r, health, _ = router(calibration(), clock)
     health.backends["speculative"].engine = "sglang"
     # One client's repetitive prompt: 3.75 tokens a step, over and over. Alone, it is read on.
     for _ in range(20):
-        r.note_shadow(61, 17, "addr:attacker")
+        r.note_output("baseline", 16, client="key:attacker")
+        r.note_shadow(61, 17, "key:attacker")
     assert r.accept_live(clock.t)[0] == pytest.approx(3.75)
-    assert r.wants_shadow_of("addr:attacker") and r.wants_shadow_of("addr:other")
-    for other in ("a", "b", "c"):
-        r.note_shadow(64, 64, f"key:{other}")  # varied prompts: one token a step
+    assert r.wants_shadow_of("key:attacker")
+    # Others are served far more, and measured once: the attacker is not copied again.
+    r.note_output("baseline", 20 * 16 * 9, client="addr:10.0.0.2")
+    assert not r.wants_shadow_of("key:attacker") and r.wants_shadow_of("addr:10.0.0.2")
+    r.note_shadow(64, 64, "addr:10.0.0.2")  # varied prompts: one token a step
     value, source = r.accept_live(clock.t)
-    assert value == pytest.approx((3.75 + 3 * 1.0) / 4) and source == "from probe streams"
-    # With others measured, the client that counts fully is not copied again; the others are.
-    assert not r.wants_shadow_of("addr:attacker") and r.wants_shadow_of("addr:new")
+    assert value == pytest.approx((1 * 3.75 + 9 * 1.0) / 10) and source == "from probe streams"
 
 
 def test_a_shadow_copy_never_asks_more_than_its_request() -> None:
