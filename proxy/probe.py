@@ -114,6 +114,8 @@ class Prober:
         self._max_tokens = max_tokens
         # One copy at a time, whichever group it probes: they are rare, and this bounds them.
         self._task: asyncio.Task[None] | None = None
+        # A probe that failed for a reason of specgate's own (a bug): logged once, until one works.
+        self._failing = False
 
     @property
     def busy(self) -> bool:
@@ -148,12 +150,20 @@ class Prober:
             tokens = completion_tokens(data) if resp.status == 200 else None
             if tokens is not None:
                 resp.release()
-                outcome = "ok"
                 router.note_shadow(tokens, content_events(data), call.client)
+                outcome = "ok"
+                if self._failing:
+                    self._failing = False
+                    log.info("shadow probes work again")
             else:
                 outcome = "no_usage" if resp.status == 200 else "error"
         except UpstreamError as err:
             log.debug("shadow probe %s failed: %s", call.request_id, err)
+        except Exception:
+            # Never a task that dies unseen: said once, with its traceback, until a probe works.
+            if not self._failing:
+                self._failing = True
+                log.exception("shadow probe %s failed; probes go on (said once until one works)", call.request_id)
         finally:
             if resp is not None:
                 resp.close()  # nothing to do once released

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 
@@ -155,3 +157,84 @@ def test_the_client_key_hides_the_api_key() -> None:
     assert key != client_key(b"Bearer sk-other", "10.0.0.1")
     assert client_key(b"", "10.0.0.1") == "addr:10.0.0.1"
     assert client_key(b"Basic abc", None) == "addr:-"
+
+
+# ----- a probe that fails for a reason of specgate's own is said once, and probes go on -----
+
+
+class _Resp:
+    status = 200
+
+    def __init__(self) -> None:
+        self._chunks = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n' * 17,
+                        b'data: {"usage":{"completion_tokens":61}}\n\ndata: [DONE]\n\n']  # fmt: skip
+
+    async def read_chunk(self) -> bytes:
+        return self._chunks.pop(0) if self._chunks else b""
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Upstream:
+    async def send(self, server: str, target: bytes, body: bytes, headers: bytes) -> _Resp:
+        return _Resp()
+
+
+class _Lease:
+    server = "speculative"
+    released = 0
+
+    def release(self) -> None:
+        _Lease.released += 1
+
+
+class _Router:
+    def __init__(self) -> None:
+        self.fail = True
+        self.noted = 0
+
+    def wants_shadow_of(self, client: str) -> bool:
+        return True
+
+    def admit(self, role: str) -> _Lease:
+        return _Lease()
+
+    def note_shadow(self, tokens: int, events: int, client: str) -> None:
+        if self.fail:
+            self.fail = False
+            raise ZeroDivisionError("a bug in learning")
+        self.noted += 1
+
+
+def test_a_probe_that_raises_is_logged_once_and_probes_go_on(caplog: pytest.LogCaptureFixture) -> None:
+    from proxy.metrics import Metrics
+    from proxy.probe import Prober
+    from proxy.relay import ProxyCall
+
+    body = b'{"messages": [], "max_tokens": 64}'
+    call = ProxyCall(b"/v1/chat/completions", "chat", body, b"x-request-id: rid\r\n", "rid", False, False, 0.0,
+                     "addr:x")  # fmt: skip
+    router = _Router()
+    metrics = Metrics()
+
+    async def two_probes() -> None:
+        prober = Prober(_Upstream(), metrics, 16)  # type: ignore[arg-type]
+        for _ in range(2):
+            assert prober.start(call, router)  # type: ignore[arg-type]
+            task = prober._task
+            assert task is not None
+            await task  # the task ends normally: nothing escapes it
+
+    with caplog.at_level("INFO", logger="specgate.probe"):
+        asyncio.run(two_probes())
+    failed = [r for r in caplog.records if "failed; probes go on" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None
+    assert any("shadow probes work again" in r.getMessage() for r in caplog.records)
+    assert router.noted == 1 and _Lease.released == 2  # the lease released on both paths
+    outcomes = {s.labels["outcome"]: s.value for m in metrics.registry.collect() for s in m.samples
+                if s.name == "specgate_shadow_probes_total"}  # fmt: skip
+    assert outcomes["error"] == 1 and outcomes["ok"] == 1
