@@ -14,14 +14,33 @@ One JSON object (format "specgate-calibration/1"):
      "recommendation": {"high_watermark": 19, "low_watermark": 14, "verdict": "crosses",
                         "explanation": "..."}}
 
-Only conclusive levels make the curves. `mean_tpot_ms` entries may be null (not measured). Pure:
-parsing and validation only; the file is read by the caller.
+Only conclusive levels make the curves. `mean_tpot_ms` entries may be null (not measured).
+
+Bounds. A file that passes load() must not be able to break serving later: the adaptive policy
+divides by levels and acceptance and floors crossovers it interpolates from these numbers, so
+every value is finite, positive and within a physical range, wide enough for any real server:
+
+    MAX_FILE_BYTES  1 MiB             a sweep's file is a few KiB; only regular files are read
+    MIN_TOK_S       1e-3 tok/s        output_tok_s: a token per 1000 s ...
+    MAX_TOK_S       1e7 tok/s         ... to ten million tokens a second
+    MIN_TPOT_MS     1e-3 ms           mean_tpot_ms: a microsecond ...
+    MAX_TPOT_MS     1e6 ms            ... to 1000 s a token
+    MIN_ACCEPT      1                 accept_length: the bonus token alone ...
+    MAX_ACCEPT      64                ... to 63 accepted draft tokens a step
+    MAX_LEVEL       1,000,000         levels and inconclusive_levels: concurrent streams
+    MAX_WATERMARK   1,000,000         recommendation's watermarks; SPECGATE_*_WATERMARK too
+
+Within them the per-stream speeds (tok_s / level / acceptance) lie in [1.5e-11, 1e7]: no
+product, quotient or crossover computed from them overflows, underflows to 0 or leaves
+[0, MAX_LEVEL]. Pure but for load(), which reads the file.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +49,13 @@ import orjson
 
 FORMAT = "specgate-calibration/1"
 VERDICTS = ("crosses", "never_pays", "always_pays", "no_data")
+
+MAX_FILE_BYTES = 1 << 20
+MIN_TOK_S, MAX_TOK_S = 1e-3, 1e7
+MIN_TPOT_MS, MAX_TPOT_MS = 1e-3, 1e6
+MIN_ACCEPT, MAX_ACCEPT = 1.0, 64.0
+MAX_LEVEL = 1_000_000
+MAX_WATERMARK = 1_000_000
 
 
 class CalibrationError(ValueError):
@@ -67,35 +93,38 @@ class Calibration:
         return self.accept_length
 
 
-def _floats(raw: object, name: str, n: int, *, positive: bool, nullable: bool) -> tuple[float, ...]:
+def _floats(raw: object, name: str, n: int, bounds: tuple[float, float], *, nullable: bool) -> tuple[float, ...]:
     if not isinstance(raw, list) or len(raw) != n:
         raise CalibrationError(f"{name}: must be a list of {n} numbers, one per level")
-    out: list[float] = []
-    for v in raw:
-        if v is None and nullable:
-            out.append(math.nan)
-            continue
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise CalibrationError(f"{name}: {v!r} is not a finite number")
-        if positive and v <= 0:
-            raise CalibrationError(f"{name}: {v!r} must be > 0")
-        out.append(float(v))
-    return tuple(out)
+    return tuple(math.nan if v is None and nullable else _float(v, name, bounds) for v in raw)
+
+
+def _float(v: object, name: str, bounds: tuple[float, float]) -> float:
+    lo, hi = bounds
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise CalibrationError(f"{name}: {v!r} is not a finite number")
+    if not lo <= v <= hi:
+        raise CalibrationError(f"{name}: {v!r} is outside [{lo:g}, {hi:g}]")
+    return float(v)
 
 
 def _accept(v: object, name: str) -> float | None:
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 1:
-        raise CalibrationError(f"{name}: {v!r} must be null or a number >= 1 (it counts the bonus token)")
-    return float(v)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise CalibrationError(f"{name}: {v!r} must be null or a finite number")
+    return _float(v, name, (MIN_ACCEPT, MAX_ACCEPT))
 
 
-def _int(raw: Mapping[str, Any], key: str, where: str) -> int:
+def _int(raw: Mapping[str, Any], key: str, where: str, top: int) -> int:
     v = raw.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise CalibrationError(f"{where}.{key}: {v!r} must be an integer >= 0")
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
+        raise CalibrationError(f"{where}.{key}: {v!r} must be an integer in [0, {top}]")
     return v
+
+
+def _level(c: object) -> bool:
+    return isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= MAX_LEVEL
 
 
 def parse(data: object) -> Calibration:
@@ -108,10 +137,10 @@ def parse(data: object) -> Calibration:
     if (
         not isinstance(levels_raw, list)
         or not levels_raw
-        or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in levels_raw)
+        or not all(_level(c) for c in levels_raw)
         or any(b <= a for a, b in itertools.pairwise(levels_raw))
     ):
-        raise CalibrationError("levels: must be a non-empty, strictly increasing list of positive integers")
+        raise CalibrationError(f"levels: must be a non-empty, strictly increasing list of integers in [1, {MAX_LEVEL}]")
     levels = tuple(levels_raw)
     n = len(levels)
     curves: dict[str, Curve] = {}
@@ -119,26 +148,27 @@ def parse(data: object) -> Calibration:
         raw = data.get(role)
         if not isinstance(raw, dict):
             raise CalibrationError(f"{role}: missing or not an object")
-        tok_s = _floats(raw.get("output_tok_s"), f"{role}.output_tok_s", n, positive=True, nullable=False)
-        tpot = _floats(raw.get("mean_tpot_ms", [None] * n), f"{role}.mean_tpot_ms", n, positive=True, nullable=True)
+        tok_s = _floats(raw.get("output_tok_s"), f"{role}.output_tok_s", n, (MIN_TOK_S, MAX_TOK_S), nullable=False)
+        tpot_raw = raw.get("mean_tpot_ms", [None] * n)
+        tpot = _floats(tpot_raw, f"{role}.mean_tpot_ms", n, (MIN_TPOT_MS, MAX_TPOT_MS), nullable=True)
         accept: tuple[float, ...] = ()
         if role == "speculative" and raw.get("accept_length") is not None:
-            accept = _floats(raw["accept_length"], f"{role}.accept_length", n, positive=True, nullable=True)
-            if any(a < 1 for a in accept if not math.isnan(a)):
-                raise CalibrationError(f"{role}.accept_length: values must be >= 1 (they count the bonus token)")
+            bounds = (MIN_ACCEPT, MAX_ACCEPT)  # MIN_ACCEPT: it counts the bonus token
+            accept = _floats(raw["accept_length"], f"{role}.accept_length", n, bounds, nullable=True)
         curves[role] = Curve(tok_s, tpot, accept)
     rec = data.get("recommendation")
     if not isinstance(rec, dict):
         raise CalibrationError("recommendation: missing or not an object")
-    high, low = _int(rec, "high_watermark", "recommendation"), _int(rec, "low_watermark", "recommendation")
+    high = _int(rec, "high_watermark", "recommendation", MAX_WATERMARK)
+    low = _int(rec, "low_watermark", "recommendation", MAX_WATERMARK)
     if low > high:
         raise CalibrationError(f"recommendation: low_watermark {low} is above high_watermark {high}")
     verdict = rec.get("verdict")
     if verdict not in VERDICTS:
         raise CalibrationError(f"recommendation.verdict: {verdict!r} is not one of {', '.join(VERDICTS)}")
     inconclusive = data.get("inconclusive_levels", [])
-    if not isinstance(inconclusive, list) or not all(isinstance(c, int) for c in inconclusive):
-        raise CalibrationError("inconclusive_levels: must be a list of integers")
+    if not isinstance(inconclusive, list) or not all(_level(c) for c in inconclusive):
+        raise CalibrationError(f"inconclusive_levels: must be a list of integers in [1, {MAX_LEVEL}]")
     settings = data.get("settings", {})
     return Calibration(
         levels=levels,
@@ -190,14 +220,41 @@ def to_json(cal: Calibration) -> dict[str, Any]:
 
 def load(path: str) -> Calibration:
     """Read and validate a calibration file; CalibrationError names the file and what is wrong."""
+    # One line whatever the path holds: a newline in it must not split the start error.
+    shown = path if path.isprintable() else ascii(path)
     try:
-        with open(path, "rb") as f:
-            data = orjson.loads(f.read())
+        data = orjson.loads(_read(path))
     except OSError as exc:
-        raise CalibrationError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raise CalibrationError(f"{shown}: cannot read: {exc.strerror or exc}") from None
     except orjson.JSONDecodeError as exc:
-        raise CalibrationError(f"{path}: not JSON: {exc}") from None
+        raise CalibrationError(f"{shown}: not JSON: {exc}") from None
+    except CalibrationError as exc:
+        raise CalibrationError(f"{shown}: {exc}") from None
     try:
         return parse(data)
     except CalibrationError as exc:
-        raise CalibrationError(f"{path}: {exc}") from None
+        raise CalibrationError(f"{shown}: {exc}") from None
+
+
+def _read(path: str) -> bytes:
+    """The bytes of a regular file of at most MAX_FILE_BYTES. O_NONBLOCK: opening a FIFO would
+    otherwise wait for a writer; a device (/dev/zero) or FIFO is refused before any read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CalibrationError("not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        # Read to the cap, not to st_size: the file may grow between fstat and read.
+        while size <= MAX_FILE_BYTES:
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > MAX_FILE_BYTES:
+        raise CalibrationError(f"larger than {MAX_FILE_BYTES} bytes: not a calibration file")
+    return b"".join(chunks)

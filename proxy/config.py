@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .calibration import Calibration, CalibrationError
+from .calibration import MAX_WATERMARK, Calibration, CalibrationError
 from .calibration import load as load_calibration
 from .engines import EngineSetting
 from .topology import Topology, TopologyName, entries
@@ -41,8 +42,9 @@ class Settings(BaseSettings):
     policy: PolicyName = "threshold"
     # threshold: switch to the baseline when the load reaches `high`, back when it falls to `low`.
     # 0 sends everything to the baseline (what `loadtest calibrate` says when speculation never pays).
-    high_watermark: int = Field(16, ge=0)
-    low_watermark: int = Field(8, ge=0)
+    # At most MAX_WATERMARK streams (proxy/calibration.py), as a calibration file's watermarks.
+    high_watermark: int = Field(16, ge=0, le=MAX_WATERMARK)
+    low_watermark: int = Field(8, ge=0, le=MAX_WATERMARK)
     # threshold and adaptive: the load must stay at or below the low watermark this long before
     # speculation returns (0: at once). See policy.py for why only that way.
     low_watermark_hold_s: float = Field(0.0, ge=0)
@@ -54,8 +56,8 @@ class Settings(BaseSettings):
     calibration: str | None = None
     # adaptive: the watermarks stay in [min, max], move at most max_step_per_s streams a second,
     # and a mode lasts at least min_dwell_s. Observed speeds halve in weight every half_life_s.
-    adaptive_min_watermark: int = Field(0, ge=0)
-    adaptive_max_watermark: int = Field(256, ge=1)
+    adaptive_min_watermark: int = Field(0, ge=0, le=MAX_WATERMARK)
+    adaptive_max_watermark: int = Field(256, ge=1, le=MAX_WATERMARK)
     adaptive_max_step_per_s: float = Field(10.0, gt=0)
     adaptive_min_dwell_s: float = Field(10.0, ge=0)
     adaptive_half_life_s: float = Field(60.0, gt=0)
@@ -117,8 +119,21 @@ class Settings(BaseSettings):
         found = entries(value)
         if not found:
             raise ValueError("must be a server's base URL, or a comma list of them")
-        for _, url in found:
-            _check_url(url)
+        # Userinfo needs an @: without one nothing here is secret, and a bad URL is shown to help
+        # fix it. With one, a password may hold any of `,/?#@:`, so the comma split or the URL
+        # parser may have cut it anywhere: a URL that fails is named by its place, never shown.
+        secret = "@" in value
+        for i, (_, url) in enumerate(found, 1):
+            problem = _url_problem(url)
+            if problem is None:
+                continue
+            if not secret:
+                raise ValueError(f"{_shown(url)!r} {problem}")
+            where = "the URL" if len(found) == 1 else f"URL {i} of {len(found)}"
+            raise ValueError(
+                f"{where} (not shown: it may hold a password) {problem}; "
+                "percent-encode any of , / ? # @ [ ] in its user or password"
+            )
         return ",".join(f"{name}={url.rstrip('/')}" if name else url.rstrip("/") for name, url in found)
 
     @field_validator("allowed_paths")
@@ -186,29 +201,49 @@ class Settings(BaseSettings):
         return self
 
 
-def _check_url(value: str) -> None:
-    shown = redact_url(value)
+def _url_problem(value: str) -> str | None:
+    """What is wrong with one server URL (None: nothing), in words that quote none of it."""
     try:
         parts = urlsplit(value)
+    except ValueError:  # its message quotes the URL
+        return "cannot be parsed as a URL"
+    try:
         port = parts.port  # raises on a port that is not a number in 0-65535
-    except ValueError as exc:
-        raise ValueError(f"{shown!r} is not a valid URL ({redact_url(str(exc))})") from None
+    except ValueError:
+        return "is not a valid URL: the port is not a number in 1-65535"
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"must be an http:// or https:// URL with a host, got {shown!r}")
+        return "must be an http:// or https:// URL with a host"
     if port == 0 or parts.query or parts.fragment:
-        raise ValueError(f"must be a server's base URL (a port in 1-65535, no query or fragment), got {shown!r}")
+        return "must be a server's base URL (a port in 1-65535, no query or fragment)"
+    if "@" in parts.path:
+        # `http://u:12/pw@h` parses as host u, port 12: an unencoded / in a password. Refused, so
+        # that every URL served has its userinfo, and only that, before its last @ (redact_url).
+        return "has an @ after its host"
+    return None
+
+
+def _shown(url: str) -> str:
+    """A URL without userinfo for a message, less any query or fragment (they may carry tokens)."""
+    head = re.split(r"[?#]", url, maxsplit=1)[0]
+    return head if head == url else head + "?..."
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def redact_url(url: str) -> str:
-    """`url` without the userinfo (`user:password@`) of its authority; for every log and message."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
+    """`url` without its userinfo (`user:password@`); for every log and message.
+
+    A password may hold any character, unencoded `/?#@:` included, so the URL's grammar cannot say
+    where it ends: everything between the scheme and the last `@` goes, and with no scheme,
+    everything up to that `@`. Settings refuses a URL with an `@` past its host, so for the URLs
+    specgate serves this removes exactly the userinfo."""
+    m = _SCHEME.match(url)
+    head = m.group(0) if m else ""
+    rest = url[len(head) :]
+    if "@" not in rest:
         return url
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    authority = rest[:end]
-    if "@" not in authority:
-        return url
-    return f"{scheme}://{authority.rsplit('@', 1)[1]}{rest[end:]}"
+    return head + rest.rpartition("@")[2]
 
 
 def describe_error(exc: Exception) -> str:

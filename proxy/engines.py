@@ -19,6 +19,12 @@ wait for a gauge's refresh (`stream_steps`); llama-server sends one event per to
 SGLang's own names use `sglang:`; `sglang_` is what SGLang's router re-exports them as, so both are
 read. Acceptance length counts the bonus token: 1 + accepted / drafts (>= 1); none without drafts.
 
+Readings are checked here, where what a server can report is known: a value no server could
+report (not finite, negative, past the bounds below) is a fault or an attack, not a load, and
+`Engine.read` refuses the whole reading (`BadReading`): the server's signal is then unreadable, as
+when its /metrics cannot be had. Only the lines of the names an adapter reads are parsed, so a big
+/metrics (most of a real one is histogram buckets) costs one scan of its text, not a parse of it.
+
 `/health`: 200 means serving for all three. SGLang answers 503 while warming up (and runs a
 one-token generation for every check, so it is slow under load); vLLM refuses connections until
 its engine is up and answers 503 once it died; llama-server answers 503 "Loading model".
@@ -26,9 +32,12 @@ its engine is up and answers 503 once it died; llama-server answers 503 "Loading
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import re
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,6 +46,37 @@ from prometheus_client.parser import text_string_to_metric_families
 
 EngineName = Literal["sglang", "vllm", "llamacpp"]
 EngineSetting = Literal["auto", "sglang", "vllm", "llamacpp"]
+
+# Running or queued requests on one server. The largest batches run to a few thousand and queues
+# to tens of thousands; a million is beyond any real server, and two of them still add up to an
+# exact int that every routing sum and JSON encoder takes.
+MAX_REQUESTS = 1_000_000
+# Mean acceptance length, the bonus token included: at least 1 by definition, and a draft of 64
+# tokens all accepted at every step is past any speculative decoder in use (EAGLE's trees and
+# n-gram lookups propose ten or so).
+MIN_ACCEPT_LENGTH = 1.0
+MAX_ACCEPT_LENGTH = 64.0
+# Cumulative token and draft counters: past 2**53 a float no longer counts by one, so differences
+# of them, and any rate, are noise. A server making a million tokens a second gets there in 285 years.
+MAX_COUNTER = float(2**53)
+# Lines of the names the adapters read, per /metrics: each label set is one (a rank, vLLM's engine
+# index), so a real server has a few hundred at most. More is a flood, refused before the parser
+# sees it: that parser takes ~12 us a line.
+MAX_READ_SAMPLES = 4096
+
+
+class BadReading(ValueError):
+    """A /metrics value no server could report: the reading is a fault, and unreadable."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What one scrape says, every value within what a server could report."""
+
+    load: int | None  # running plus queued requests; None when the metrics lack either
+    activity: tuple[float, ...]  # the values that move while the server works (`Engine.activity`)
+    accept_length: float | None  # from a gauge; None without one or without speculation
+    accept_counters: tuple[float, float] | None  # (accepted tokens, drafts) so far
 
 
 @dataclass(frozen=True)
@@ -59,31 +99,40 @@ class Engine:
     # Values that move while the server works (only read when `freezes_when_idle`).
     activity: tuple[str, ...] = ()
 
-    def load(self, values: Mapping[str, float]) -> int | None:
-        """Running plus queued requests, or None when the metrics lack either."""
-        running, queued = self._get(values, self.running), self._get(values, self.queued)
-        if running is None or queued is None:
-            return None
-        return int(running + queued)
+    @functools.cached_property
+    def names(self) -> frozenset[str]:
+        """Every metric name this adapter reads, under each of its prefixes."""
+        read = (self.running, self.queued, self.accept_gauge, self.accepted_counter, self.drafts_counter)
+        return frozenset(p + n for p in self.prefixes for n in (*read, *self.activity) if n is not None)
 
-    def activity_of(self, values: Mapping[str, float]) -> tuple[float, ...]:
-        return tuple(self._get(values, k) or 0.0 for k in self.activity)
+    def read(self, values: Mapping[str, float]) -> Reading:
+        """The reading in `values`. Raises BadReading when any value it uses is one no server could
+        report: a server that sends one is not to be believed for the rest either."""
+        return Reading(self._load(values), self._activity(values), self._gauge(values), self._counters(values))
+
+    def load(self, values: Mapping[str, float]) -> int | None:
+        """Running plus queued requests, or None when the metrics lack either or hold a value no
+        server could report."""
+        try:
+            return self._load(values)
+        except BadReading:
+            return None
 
     def accept_gauge_value(self, values: Mapping[str, float]) -> float | None:
-        if self.accept_gauge is None:
+        """The gauge's mean acceptance length; None without a gauge, without speculation, or for a
+        value no server could report."""
+        try:
+            return self._gauge(values)
+        except BadReading:
             return None
-        value = self._get(values, self.accept_gauge)
-        # SGLang reports 0 without speculation and keeps its last value when idle.
-        return value if value is not None and value >= 1.0 else None
 
     def accept_counters(self, values: Mapping[str, float]) -> tuple[float, float] | None:
-        """(accepted draft tokens, drafts) so far, or None when the server does not export them."""
-        if self.accepted_counter is None or self.drafts_counter is None:
+        """(accepted draft tokens, drafts) so far, or None when the server does not export them
+        (or exports values no server could report)."""
+        try:
+            return self._counters(values)
+        except BadReading:
             return None
-        accepted, drafts = self._get(values, self.accepted_counter), self._get(values, self.drafts_counter)
-        if accepted is None or drafts is None:
-            return None
-        return accepted, drafts
 
     def missing(self, values: Mapping[str, float]) -> list[str]:
         """The load metrics this engine should export that are absent (for the operator)."""
@@ -92,12 +141,62 @@ class Engine:
     def owns(self, values: Mapping[str, float]) -> bool:
         return any(name.startswith(self.prefixes) for name in values)
 
+    def named_in(self, text: str) -> bool:
+        """Whether a sample line of this Prometheus text has one of this engine's names."""
+        return any(text.startswith(p) or f"\n{p}" in text for p in self.prefixes)
+
+    def _load(self, values: Mapping[str, float]) -> int | None:
+        running = self._checked(values, self.running, 0.0, MAX_REQUESTS)
+        queued = self._checked(values, self.queued, 0.0, MAX_REQUESTS)
+        return None if running is None or queued is None else int(running + queued)
+
+    def _activity(self, values: Mapping[str, float]) -> tuple[float, ...]:
+        # Only compared with the last scrape's, but NaN never equals itself and inf swallows every
+        # change: either would read as a server forever busy, or forever idle.
+        out: list[float] = []
+        for name in self.activity:
+            value = self._get(values, name)
+            if value is not None and not math.isfinite(value):
+                raise BadReading(self._beyond(name, value, "a finite number"))
+            out.append(value or 0.0)
+        return tuple(out)
+
+    def _gauge(self, values: Mapping[str, float]) -> float | None:
+        if self.accept_gauge is None:
+            return None
+        value = self._get(values, self.accept_gauge)
+        if value is None or value == 0.0:
+            return None  # 0: SGLang's value without speculation (it keeps its last one when idle)
+        if not MIN_ACCEPT_LENGTH <= value <= MAX_ACCEPT_LENGTH:
+            expected = f"0, or {MIN_ACCEPT_LENGTH:g} to {MAX_ACCEPT_LENGTH:g}"
+            raise BadReading(self._beyond(self.accept_gauge, value, expected))
+        return value
+
+    def _counters(self, values: Mapping[str, float]) -> tuple[float, float] | None:
+        if self.accepted_counter is None or self.drafts_counter is None:
+            return None
+        accepted = self._checked(values, self.accepted_counter, 0.0, MAX_COUNTER)
+        drafts = self._checked(values, self.drafts_counter, 0.0, MAX_COUNTER)
+        return None if accepted is None or drafts is None else (accepted, drafts)
+
     def _get(self, values: Mapping[str, float], name: str) -> float | None:
         for prefix in self.prefixes:
             value = values.get(prefix + name)
             if value is not None:
                 return value
         return None
+
+    def _checked(self, values: Mapping[str, float], name: str, low: float, high: float) -> float | None:
+        """The value, None when absent; BadReading when outside [low, high], NaN and a sum of
+        label sets that overflowed to inf included."""
+        value = self._get(values, name)
+        if value is not None and not low <= value <= high:
+            raise BadReading(self._beyond(name, value, f"{low:g} to {high:g}"))
+        return value
+
+    def _beyond(self, name: str, value: float, expected: str) -> str:
+        # The value is a float: whatever the server wrote, what is shown is short and plain.
+        return f"/metrics says {self.prefixes[0]}{name} = {value:g}, which no server reports (expected {expected})"
 
 
 SGLANG = Engine(
@@ -137,15 +236,51 @@ LLAMACPP = Engine(
 ENGINES: dict[EngineName, Engine] = {e.name: e for e in (SGLANG, VLLM, LLAMACPP)}
 
 
-def parse_metrics(text: str) -> dict[str, float]:
+def parse_metrics(text: str, wanted: Collection[str] | None = None) -> dict[str, float]:
     """Every sample's value by full name, summed over label sets (tensor/data-parallel ranks,
-    vLLM's engine index). Raises ValueError on text that is not the Prometheus format."""
+    vLLM's engine index); with `wanted`, only the samples of those names. Raises ValueError on text
+    that is not the Prometheus format, BadReading on more than MAX_READ_SAMPLES wanted samples.
+    A sum past the float range is inf, as is a value written so: the adapters refuse both."""
+    if wanted is not None:
+        text = _lines_named(text, frozenset(wanted))
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if not math.isnan(sample.value):
                 out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
+
+
+def read_metrics(text: str, engine: Engine | None = None) -> tuple[Engine | None, dict[str, float]]:
+    """The engine whose /metrics `text` is (`engine` when given, else the first whose names begin a
+    sample line), and the values of the names it reads: only their lines are parsed. (None, {})
+    when no engine's names are there."""
+    if engine is None:
+        engine = next((e for e in ENGINES.values() if e.named_in(text)), None)
+        if engine is None:
+            return None, {}
+    return engine, parse_metrics(text, engine.names)
+
+
+@functools.lru_cache(maxsize=16)
+def _line_pattern(wanted: frozenset[str]) -> re.Pattern[str]:
+    # A newline, then one of the names, then what ends a name: labels or the value. The names of an
+    # engine share a literal start ("\nsglang"), which re finds at C speed; the line's comments (HELP,
+    # TYPE) are dropped too, and untyped samples parse to the same names and values.
+    names = "|".join(re.escape(n) for n in sorted(wanted))
+    return re.compile(rf"\n((?:{names})[ \t{{][^\n]*)")
+
+
+def _lines_named(text: str, wanted: frozenset[str]) -> str:
+    """The sample lines of `text` whose name is wanted: what is left for the parser."""
+    if not wanted:
+        return ""
+    # A newline first, so that the first line is found as all the others are.
+    found = _line_pattern(wanted).finditer("\n" + text)
+    lines = [m.group(1) for m in itertools.islice(found, MAX_READ_SAMPLES + 1)]
+    if len(lines) > MAX_READ_SAMPLES:
+        raise BadReading(f"/metrics holds more than {MAX_READ_SAMPLES} series of the names specgate reads")
+    return "\n".join(lines) + "\n"
 
 
 def detect(values: Mapping[str, float]) -> Engine | None:
@@ -174,7 +309,8 @@ def describe_health(status: int, body: bytes) -> str:
 class AcceptanceRate:
     """Mean acceptance length from cumulative counters, over a sliding window of scrapes:
     1 + accepted / drafts counted inside the window. Between bursts of traffic the last value
-    stands (as SGLang's gauge does); a counter that went backwards (a restart) starts afresh."""
+    stands (as SGLang's gauge does); a counter that went backwards (a restart) starts afresh. A
+    mean outside [MIN_ACCEPT_LENGTH, MAX_ACCEPT_LENGTH] raises BadReading and starts afresh too."""
 
     def __init__(self, window_s: float) -> None:
         self._window_s = window_s
@@ -195,4 +331,11 @@ class AcceptanceRate:
         d_drafts = drafts - first[2]
         if d_drafts > 0:
             self.value = 1.0 + (accepted - first[1]) / d_drafts
+        if self.value is not None and not MIN_ACCEPT_LENGTH <= self.value <= MAX_ACCEPT_LENGTH:
+            bad, self.value = self.value, None
+            self._points.clear()
+            raise BadReading(
+                f"/metrics' accepted-token and draft counters give an acceptance length of {bad:g}, which no "
+                f"server reports (expected {MIN_ACCEPT_LENGTH:g} to {MAX_ACCEPT_LENGTH:g})"
+            )
         return self.value

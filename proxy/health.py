@@ -12,7 +12,12 @@ connect call `mark_down` so traffic moves at once instead of at the next poll.
 What `/metrics` means is the engine adapters' business (engines.py): detected from the names,
 or fixed by `SPECGATE_ENGINE`. When the engine load cannot be read, nothing is silent: a warning
 once per outage, `specgate_engine_signal_up{backend}` 0, and `/routing` says why and which signal
-is in effect (the policy then counts that server by this proxy's own in-flight requests).
+is in effect (the policy then counts that server by this proxy's own in-flight requests). A
+reading holding a value no server could report (engines.py) is such an unreadable signal too.
+
+The two loops are the only source of health and load: one that died would leave its last values
+standing, unsaid. So a round that fails (a probe, a reading, a callback) is logged once per
+outage, with its traceback, and the next round runs as usual; a line says when rounds work again.
 
 SGLang refreshes its gauges every 40 decode steps and keeps them when idle, so a server that went
 quiet can report running requests forever. For engines that do this, values that have not moved
@@ -32,10 +37,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from .config import Settings
-from .engines import ENGINES, AcceptanceRate, Engine, EngineName, describe_health, detect, parse_metrics
+from .engines import (
+    ENGINES,
+    AcceptanceRate,
+    BadReading,
+    Engine,
+    EngineName,
+    Reading,
+    describe_health,
+    read_metrics,
+)
 from .metrics import Metrics
 from .policy import BACKENDS, Backend
-from .upstream import Upstream
+from .upstream import HealthProbe, Upstream
 
 log = logging.getLogger("specgate.health")
 
@@ -49,6 +63,10 @@ IDLE_HINT_GAPS = 4.0
 ACTIVITY_SMOOTHING = 0.2
 # Acceptance from counters is averaged over this long: a few scrapes, enough drafts to mean something.
 ACCEPT_WINDOW_S = 10.0
+# The largest /metrics read. A real server's is tens to hundreds of KiB (mostly histogram buckets);
+# past this it is a fault or a flood, refused unread: even scanning it costs the event loop about
+# 2 ms a MiB, at every scrape.
+METRICS_MAX_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -73,6 +91,30 @@ class BackendHealth:
     _activity_since: float = field(default=0.0, repr=False)
     _moves_every_s: float = field(default=0.0, repr=False)
     _acceptance: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(ACCEPT_WINDOW_S), repr=False)
+
+
+class _Outage:
+    """A background loop's failing rounds: said once, with the traceback, until a round works."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.failing = False
+
+    def failed(self, exc: BaseException) -> None:
+        if not self.failing:
+            self.failing = True
+            log.error(
+                "%s failed (%s: %s); it goes on every round, and is logged again once it works",
+                self.what,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+
+    def worked(self) -> None:
+        if self.failing:
+            self.failing = False
+            log.info("%s works again", self.what)
 
 
 class HealthMonitor:
@@ -103,6 +145,8 @@ class HealthMonitor:
         self.alive_window_s = TIMEOUTS_BEFORE_DOWN * (settings.health_interval_s + settings.health_timeout_s)
         self.backends: dict[str, BackendHealth] = {n: BackendHealth(n, role) for n, role in upstream.roles.items()}
         self._roles = {role: [h for h in self.backends.values() if h.role == role] for role in BACKENDS}
+        self._polls = _Outage("the /health poll of the servers")
+        self._scrapes = _Outage("the /metrics scrape of the servers")
 
     def healthy(self, server: str) -> bool:
         return self.backends[server].healthy
@@ -151,22 +195,36 @@ class HealthMonitor:
 
     async def run(self) -> None:
         """Poll /health every health_interval_s and scrape /metrics every scrape_interval_s."""
-        await asyncio.gather(self._every(self._settings.health_interval_s, self._poll), self._scrapes())
-
-    async def _scrapes(self) -> None:
         s = self._settings
-        await self._every(s.scrape_interval_s or s.health_interval_s, self._scrape)
+        await asyncio.gather(
+            self._every(s.health_interval_s, self._poll, self._polls),
+            self._every(s.scrape_interval_s or s.health_interval_s, self._scrape_safely, self._scrapes),
+        )
 
-    async def _every(self, interval_s: float, each: Callable[[str], Awaitable[None]]) -> None:
+    async def _every(self, interval_s: float, each: Callable[[str], Awaitable[None]], outage: _Outage) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            await asyncio.gather(*(each(name) for name in self.backends))
-            self.on_change()
+            await self._round(each, outage)
 
     async def poll_once(self) -> None:
-        names = list(self.backends)
-        await asyncio.gather(*(self._poll(n) for n in names), *(self._scrape(n) for n in names))
-        self.on_change()
+        await asyncio.gather(self._round(self._poll, self._polls), self._round(self._scrape_safely, self._scrapes))
+
+    async def _round(self, each: Callable[[str], Awaitable[None]], outage: _Outage) -> None:
+        """`each` for every server, then `on_change`. A failure is the outage's to say; it never ends
+        the loop. Each server's failure stays its own: the others' rounds finish."""
+        results = await asyncio.gather(*(each(name) for name in self.backends), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for failure in failures:
+            if not isinstance(failure, Exception):
+                raise failure  # cancelled, or the interpreter going: not a round's failure
+        try:
+            self.on_change()
+        except Exception as exc:
+            failures.append(exc)
+        if failures:
+            outage.failed(failures[0])
+        else:
+            outage.worked()
 
     async def _poll(self, backend: str) -> None:
         s = self._settings
@@ -189,6 +247,14 @@ class HealthMonitor:
         else:
             self._set(backend, False, describe_health(probe.status or 0, probe.body))
 
+    async def _scrape_safely(self, backend: str) -> None:
+        try:
+            await self._scrape(backend)
+        except Exception as exc:
+            # A reading that broke halfway is no reading: the last one must not stand as if fresh.
+            self._signal_down(self.backends[backend], f"reading /metrics failed: {type(exc).__name__}: {exc}"[:300])
+            raise
+
     async def _scrape(self, backend: str) -> None:
         """Read the engine's load and acceptance. Scraped under every load signal: the dashboard
         and /routing show the engine's view too."""
@@ -196,36 +262,18 @@ class HealthMonitor:
         self.on_scrape(backend)
         probe = await self._upstream.get(backend, "/metrics", self._settings.health_timeout_s)
         now = self._clock()
-        error: str | None = None
-        values: dict[str, float] = {}
-        if probe.status == 200:
-            try:
-                values = parse_metrics(probe.body.decode("utf-8", "replace"))
-            except ValueError:
-                error = "/metrics is not in Prometheus' text format"
-        elif probe.error is not None:
-            error = f"/metrics: {probe.error}"
-        else:
-            error = f"/metrics answered {probe.status} (SGLang needs --enable-metrics, llama-server --metrics)"
-        engine = self._engine if self._engine is not None else detect(values)
-        load: int | None = None
-        if error is None:
-            if engine is None:
-                error = "/metrics holds no SGLang, vLLM or llama.cpp metrics"
-            else:
-                load = engine.load(values)
-                if load is None:
-                    error = f"/metrics lacks {', '.join(engine.missing(values))} (is this a {engine.name} server?)"
-        if engine is None or load is None:
+        found = self._reading_of(h, probe, now)
+        if isinstance(found, str):
             timed_out = probe.error is not None and probe.error.kind == "timeout"
             fresh = h._reading_at is not None and now - h._reading_at < self._settings.engine_stale_s
             if not (timed_out and fresh):  # a busy server's slow scrape: its last reading stands a while
-                self._signal_down(h, error or "unreadable")
+                self._signal_down(h, found)
             return
+        engine, reading, load, accept = found
         h.engine = engine.name
         if engine.freezes_when_idle:
             stale_s = self._settings.engine_stale_s
-            activity = engine.activity_of(values)
+            activity = reading.activity
             if activity != h._activity:
                 if h._activity is not None:
                     # How often this server's values move while it works (SGLang: every 40 decode
@@ -242,15 +290,41 @@ class HealthMonitor:
                 load = 0
         h.engine_load, h._reading_at = load, now
         self.on_reading(backend, load)
-        accept = engine.accept_gauge_value(values)
-        counters = engine.accept_counters(values)
-        if accept is None and counters is not None:
-            accept = h._acceptance.update(now, *counters)
         h.spec_accept_length = accept
         if h.engine_signal_up is not True:
             h.engine_signal_up, h.engine_signal_error = True, None
             log.info("engine load of %s readable (%s)", backend, engine.name)
         self._publish(h)
+
+    def _reading_of(
+        self, h: BackendHealth, probe: HealthProbe, now: float
+    ) -> tuple[Engine, Reading, int, float | None] | str:
+        """From an answer to GET /metrics: the engine, its reading, the load and the acceptance in
+        it; or why there is none."""
+        if probe.error is not None:
+            return f"/metrics: {probe.error}"
+        if probe.status != 200:
+            return f"/metrics answered {probe.status} (SGLang needs --enable-metrics, llama-server --metrics)"
+        if len(probe.body) > METRICS_MAX_BYTES:
+            mib = 2**20
+            return (
+                f"/metrics is {len(probe.body) / mib:.1f} MiB, over the {METRICS_MAX_BYTES // mib} MiB specgate reads"
+            )
+        try:
+            engine, values = read_metrics(probe.body.decode("utf-8", "replace"), self._engine)
+            if engine is None:
+                return "/metrics holds no SGLang, vLLM or llama.cpp metrics"
+            reading = engine.read(values)
+            if reading.load is None:
+                return f"/metrics lacks {', '.join(engine.missing(values))} (is this a {engine.name} server?)"
+            accept = reading.accept_length
+            if accept is None and reading.accept_counters is not None:
+                accept = h._acceptance.update(now, *reading.accept_counters)
+        except BadReading as bad:
+            return str(bad)
+        except ValueError:
+            return "/metrics is not in Prometheus' text format"
+        return engine, reading, reading.load, accept
 
     def _publish(self, h: BackendHealth) -> None:
         """The server's gauges, and its role's: load summed (-1 while any is unknown), acceptance
