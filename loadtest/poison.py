@@ -45,6 +45,9 @@ class Phase:
     honest: int = 0
     honest_speculative: int = 0
     client_errors: int = 0
+    # Answered with another status than 200: not served, so not in the share either.
+    failed: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
     attacks: int = 0
     switches: float = 0.0
     shadows: float = 0.0
@@ -88,8 +91,14 @@ async def _phase(url: str, model: str, args: argparse.Namespace, name: str, atta
                     async with session.post(url + "/v1/chat/completions", json=body) as r:
                         await r.read()
                         backend = r.headers.get("x-specgate-backend")
+                        status = r.status
                 except (aiohttp.ClientError, TimeoutError):
                     phase.client_errors += 1
+                    await asyncio.sleep(0.05)
+                    continue
+                if status != 200:
+                    phase.failed += 1
+                    phase.statuses[str(status)] = phase.statuses.get(str(status), 0) + 1
                     await asyncio.sleep(0.05)
                     continue
                 phase.honest += 1

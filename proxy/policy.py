@@ -87,6 +87,10 @@ def other(backend: Backend) -> Backend:
     return "baseline" if backend == "speculative" else "speculative"
 
 
+# Doublings of the wait between probes that are counted (2**32 times any wait is past any maximum).
+MAX_PROBE_DOUBLINGS = 32
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     policy: PolicyName = "threshold"
@@ -213,7 +217,9 @@ def probe_due(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig, loa
         return False
     if state.probing:
         return True
-    wait = min(cfg.probe_s * 2.0**state.probes, max(cfg.probe_s, cfg.probe_max_s))
+    # The exponent is bounded: past the maximum wait more doublings change nothing, and 2.0**1024
+    # overflows (a count that once grew by one a request while no copy could be sent).
+    wait = min(cfg.probe_s * 2.0 ** min(state.probes, MAX_PROBE_DOUBLINGS), max(cfg.probe_s, cfg.probe_max_s))
     return snapshot.now - max(idle, state.since) >= wait
 
 
@@ -253,7 +259,7 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
         reason = "dwell_hold" if held else _reason(choice, load, state, cfg)
         if probe_due(snapshot, state, cfg, load):
             # A session's first probe counts toward the wait before the next session.
-            probes = state.probes if state.probing else state.probes + 1
+            probes = state.probes if state.probing else min(state.probes + 1, MAX_PROBE_DOUBLINGS)
             if cfg.probe_shadow:
                 # A shadow is a session of its own; the request itself goes on as decided.
                 shadow = dataclasses.replace(state, probes=probes, probing=False)

@@ -253,8 +253,10 @@ class _Relay:
         call = self.call
         placed = gate.fleet.decide(can_probe=call.endpoint in ("chat", "completions"))
         decision, self.router = placed.decision, placed.router
-        if decision.shadow and gate.prober is not None:
-            gate.prober.start(call, placed.router)
+        if decision.shadow and gate.prober is not None and not gate.prober.start(call, placed.router):
+            # No copy was sent (this request cannot be copied, or its client counts fully): the
+            # next request may be the probe, as if this one had not been due.
+            placed.router.shadow_not_sent()
         if decision.backend is None:
             raise_error = ApiError(
                 503, "No healthy backend: both servers are down.", "server_error", "no_healthy_backend"

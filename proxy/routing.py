@@ -347,6 +347,10 @@ class Router:
         if a is not None:
             self._add_evidence(client, tokens, a)
 
+    def shadow_not_sent(self) -> None:
+        """The shadow the last decision asked for was not sent: its probe is not counted."""
+        self.state = dataclasses.replace(self.state, probes=max(0, self.state.probes - 1))
+
     def wants_shadow_of(self, client: str) -> bool:
         """Whether a shadow copy of this client's request would add to the evidence: not while its
         measurement counts in full and others are served, so that one client's requests do not

@@ -238,3 +238,28 @@ def test_a_probe_that_raises_is_logged_once_and_probes_go_on(caplog: pytest.LogC
     outcomes = {s.labels["outcome"]: s.value for m in metrics.registry.collect() for s in m.samples
                 if s.name == "specgate_shadow_probes_total"}  # fmt: skip
     assert outcomes["error"] == 1 and outcomes["ok"] == 1
+
+
+def test_a_shadow_that_could_not_be_sent_is_not_counted_and_the_count_is_bounded() -> None:
+    import dataclasses
+
+    from proxy.policy import MAX_PROBE_DOUBLINGS, PolicyState, decide
+
+    from .test_adaptive import SHADOW, snap
+
+    # The attacker sends requests no copy can be made of (max_tokens 1), many a second,
+    # while a probe is due: each was counted as a probe, the count passed 1,023 and 2.0 ** probes
+    # overflowed into a 500 for every client.
+    state = PolicyState("baseline", since=0.0, probes=5000)
+    assert decide(snap(0, 12, 100.0, 0.0), state, SHADOW).shadow  # no OverflowError
+    d = decide(snap(0, 12, 100.0, 0.0), PolicyState("baseline", since=0.0, probes=MAX_PROBE_DOUBLINGS), SHADOW)
+    assert d.state.probes == MAX_PROBE_DOUBLINGS
+    # Not sent: the next request may be the probe, as if this one had not been due.
+    clock = Clock()
+    r, _, _ = router(calibration(), clock)
+    r.state = dataclasses.replace(r.state, probes=3)
+    r.shadow_not_sent()
+    assert r.state.probes == 2
+    r.state = dataclasses.replace(r.state, probes=0)
+    r.shadow_not_sent()
+    assert r.state.probes == 0
