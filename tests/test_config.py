@@ -63,16 +63,19 @@ def test_bad_setting_exits_non_zero_naming_it(env: dict[str, str], named: str) -
     assert len(lines) == 1 and named in lines[0], proc.stderr
 
 
+# A valid calibration file's object (test_hostile_config breaks it value by value).
+CALIBRATION: dict[str, object] = {
+    "format": "specgate-calibration/1",
+    "levels": [1, 10, 30],
+    "speculative": {"output_tok_s": [180, 1100, 1650], "accept_length": [3.0, 3.0, None]},
+    "baseline": {"output_tok_s": [100, 880, 1950]},
+    "accept_length": 3.0,
+    "recommendation": {"high_watermark": 19, "low_watermark": 14, "verdict": "crosses"},
+}
+
+
 def _cal_file(tmp_path: Path, **over: object) -> Path:
-    cal = {
-        "format": "specgate-calibration/1",
-        "levels": [1, 10, 30],
-        "speculative": {"output_tok_s": [180, 1100, 1650], "accept_length": [3.0, 3.0, None]},
-        "baseline": {"output_tok_s": [100, 880, 1950]},
-        "accept_length": 3.0,
-        "recommendation": {"high_watermark": 19, "low_watermark": 14, "verdict": "crosses"},
-        **over,
-    }
+    cal = {**CALIBRATION, **over}
     path = tmp_path / "calibration.json"
     path.write_bytes(orjson.dumps(cal))
     return path

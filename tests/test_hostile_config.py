@@ -35,14 +35,9 @@ from proxy.config import Settings, describe_error, redact_url
 from proxy.policy import BACKENDS, Backend
 from proxy.routing import Adaptive, AdaptiveConfig
 
-GOOD: dict[str, object] = {
-    "format": "specgate-calibration/1",
-    "levels": [1, 10, 30],
-    "speculative": {"output_tok_s": [180, 1100, 1650], "accept_length": [3.0, 3.0, None]},
-    "baseline": {"output_tok_s": [100, 880, 1950]},
-    "accept_length": 3.0,
-    "recommendation": {"high_watermark": 19, "low_watermark": 14, "verdict": "crosses"},
-}
+from .test_config import CALIBRATION
+
+GOOD = CALIBRATION
 REC = {"verdict": "crosses"}
 REPO = Path(__file__).resolve().parent.parent
 
