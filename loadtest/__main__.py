@@ -284,7 +284,7 @@ async def sweep_targets(
         except TargetUnreachable as exc:
             raise TargetUnreachable(f"{name}: {exc}") from None
     plan = _plan(args)
-    if plan.max_duration_s is not None and plan.max_duration_s > (plan.duration_s or 0.0) and args.min_requests > 0:
+    if plan.extends and args.min_requests > 0:
         print(
             f"each level measures {plan.duration_s:g} s, extended up to {plan.max_duration_s:g} s (--max-duration-s) "
             f"until it has {args.min_requests} good requests (--min-requests) from at least half its streams",

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.adaptive import hysteresis_low
+from proxy.adaptive import crossing, hysteresis_low
 from proxy.calibration import Calibration, Curve
 
 from .stats import LevelStats
@@ -107,9 +107,12 @@ def find_crossover(
             f"speculation was ahead at {levels[a]} and behind at {levels[behind]} streams, and "
             f"{_were(levels[a + 1 : behind])}"
         ))  # fmt: skip
-    a0, a1 = adv[a], adv[behind]
-    c0, c1 = levels[a], levels[behind]
-    return Crossover(metric, "crosses", c0 + (c1 - c0) * a0 / (a0 - a1))
+    # The bracket's two levels, interpolated by the arithmetic the adaptive policy uses.
+    pair = [a, behind]
+    c = crossing(
+        [levels[i] for i in pair], [speculative[i] for i in pair], [baseline[i] for i in pair], higher_is_better
+    )
+    return Crossover(metric, "crosses", c.at)
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,15 @@ from typing import Any
 
 import aiohttp
 
+from proxy.engines import parse_metrics
+
 from .procs import Proc, free_port, start
 from .prompts import source
 from .shift import calibrate_fresh_pair
 
 POISON = "the cat sat on the mat and " * 40
+# specgate's counters read at each phase's ends (summed over their labels).
+COUNTERS = ("specgate_mode_switches_total", "specgate_shadow_probes_total")
 
 
 @dataclass
@@ -59,21 +63,13 @@ class Phase:
         return self.honest_speculative / self.honest if self.honest else float("nan")
 
 
-def _counter(text: str, name: str) -> float:
-    # Small and local: the sum of one counter's samples in specgate's own /metrics.
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 async def _snapshot(session: aiohttp.ClientSession, url: str) -> tuple[float, float, dict[str, Any]]:
     async with session.get(url + "/metrics") as r:
         text = await r.text()
     async with session.get(url + "/routing") as r:
         routing = await r.json()
-    return _counter(text, "specgate_mode_switches_total"), _counter(text, "specgate_shadow_probes_total"), routing
+    values = parse_metrics(text, COUNTERS)
+    return values.get(COUNTERS[0], 0.0), values.get(COUNTERS[1], 0.0), routing
 
 
 async def _phase(url: str, model: str, args: argparse.Namespace, name: str, attack_tokens: int | None) -> Phase:

@@ -721,10 +721,6 @@ def level_table(plan: ShiftPlan, levels: Sequence[LevelReport]) -> str:
     return "\n".join(lines)
 
 
-def _yes_or(misses: Sequence[str]) -> str:
-    return "yes" if not misses else "NO (" + "; ".join(misses) + ")"
-
-
 def _within(x: float | None, limit: float) -> bool:
     return x is not None and x <= limit
 
@@ -768,7 +764,7 @@ def verdicts(plan: ShiftPlan, levels: Sequence[LevelReport]) -> list[str]:
         unsettled = [where(c, p) for c, p in shifts if not p.conclusive]
         lines.append(target_verdict(label, late, unsettled, len(scored)))
         many = [f"{where(c, p)}: {p.switches['adaptive']}" for c, p in shifts if (p.switches["adaptive"] or 0) > 1]
-        lines.append(f"adaptive at most one mode switch per shift: {_yes_or(many)}")
+        lines.append(target_verdict("adaptive at most one mode switch per shift", many, [], len(shifts)))
         cold = [
             f"c={c}: settled {_settle_text(p.settle_s['adaptive'])} from the start, {p.switches['adaptive']} switches"
             for c, p in phases
@@ -1101,4 +1097,3 @@ proc_stat = _proc_stat
 self_cpu_s = _self_cpu_s
 say = _say
 ratio = _ratio
-yes_or = _yes_or

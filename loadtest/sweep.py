@@ -46,6 +46,11 @@ class LevelPlan:
     # enough good requests (None: it never does).
     max_duration_s: float | None = None
 
+    @property
+    def extends(self) -> bool:
+        """Whether a window may run on past duration_s."""
+        return self.duration_s is not None and (self.max_duration_s or 0.0) > self.duration_s
+
 
 def enough(concurrency: int, min_requests: int, good: int, streams: int, failed: int) -> bool:
     """Whether a window holds enough to end: the good requests a conclusive level needs
@@ -163,8 +168,7 @@ async def run_level(
                 await asyncio.sleep(0.01)
         else:
             await asyncio.sleep(plan.duration_s or 0.0)
-            room = plan.max_duration_s is not None and plan.max_duration_s > (plan.duration_s or 0.0)
-            if room and not has_enough():
+            if plan.extends and not has_enough():
                 extending.append(time.monotonic())
                 report(phase())
                 while not has_enough() and time.monotonic() < t0 + (plan.max_duration_s or 0.0):  # noqa: ASYNC110

@@ -112,7 +112,12 @@ async def _accept(
     up_headers = gate.upstream.request_headers(
         scope["headers"], request_id, client[0] if client else None, scope["scheme"]
     )
-    client_id = client_key(headers.get(b"authorization", b""), client[0] if client else None)
+    # Only the adaptive policy pools evidence by client: no hash on every request otherwise.
+    client_id = (
+        client_key(headers.get(b"authorization", b""), client[0] if client else None)
+        if settings.policy == "adaptive"
+        else ""
+    )
     return ProxyCall(target, endpoint, body, up_headers, request_id, stream, strip_usage, started, client_id)
 
 
