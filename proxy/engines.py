@@ -33,16 +33,15 @@ its engine is up and answers 503 once it died; llama-server answers 503 "Loading
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-import re
 from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
+
+from . import promtext
 
 EngineName = Literal["sglang", "vllm", "llamacpp"]
 EngineSetting = Literal["auto", "sglang", "vllm", "llamacpp"]
@@ -237,18 +236,12 @@ ENGINES: dict[EngineName, Engine] = {e.name: e for e in (SGLANG, VLLM, LLAMACPP)
 
 
 def parse_metrics(text: str, wanted: Collection[str] | None = None) -> dict[str, float]:
-    """Every sample's value by full name, summed over label sets (tensor/data-parallel ranks,
-    vLLM's engine index); with `wanted`, only the samples of those names. Raises ValueError on text
-    that is not the Prometheus format, BadReading on more than MAX_READ_SAMPLES wanted samples.
-    A sum past the float range is inf, as is a value written so: the adapters refuse both."""
-    if wanted is not None:
-        text = _lines_named(text, frozenset(wanted))
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not math.isnan(sample.value):
-                out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
+    """Each wanted name's value summed over label sets (promtext.totals). Raises ValueError on text
+    that is not the Prometheus format, BadReading on more than MAX_READ_SAMPLES wanted samples."""
+    try:
+        return promtext.totals(text, wanted, MAX_READ_SAMPLES if wanted is not None else None)
+    except promtext.TooManySamples:
+        raise BadReading(f"/metrics holds more than {MAX_READ_SAMPLES} series of the names specgate reads") from None
 
 
 def read_metrics(text: str, engine: Engine | None = None) -> tuple[Engine | None, dict[str, float]]:
@@ -260,27 +253,6 @@ def read_metrics(text: str, engine: Engine | None = None) -> tuple[Engine | None
         if engine is None:
             return None, {}
     return engine, parse_metrics(text, engine.names)
-
-
-@functools.lru_cache(maxsize=16)
-def _line_pattern(wanted: frozenset[str]) -> re.Pattern[str]:
-    # A newline, then one of the names, then what ends a name: labels or the value. The names of an
-    # engine share a literal start ("\nsglang"), which re finds at C speed; the line's comments (HELP,
-    # TYPE) are dropped too, and untyped samples parse to the same names and values.
-    names = "|".join(re.escape(n) for n in sorted(wanted))
-    return re.compile(rf"\n((?:{names})[ \t{{][^\n]*)")
-
-
-def _lines_named(text: str, wanted: frozenset[str]) -> str:
-    """The sample lines of `text` whose name is wanted: what is left for the parser."""
-    if not wanted:
-        return ""
-    # A newline first, so that the first line is found as all the others are.
-    found = _line_pattern(wanted).finditer("\n" + text)
-    lines = [m.group(1) for m in itertools.islice(found, MAX_READ_SAMPLES + 1)]
-    if len(lines) > MAX_READ_SAMPLES:
-        raise BadReading(f"/metrics holds more than {MAX_READ_SAMPLES} series of the names specgate reads")
-    return "\n".join(lines) + "\n"
 
 
 def detect(values: Mapping[str, float]) -> Engine | None:

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import httpx
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
+
+from proxy import promtext
 
 
 def scrape(url: str) -> dict[str, float]:
     """Every sample of a /metrics page, summed over labels, by sample name."""
-    text = httpx.get(url + "/metrics", timeout=5).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
+    return promtext.totals(httpx.get(url + "/metrics", timeout=5).text)
 
 
 def sse_events(raw: bytes) -> list[bytes]:
