@@ -32,11 +32,12 @@ The watermark then moves toward the estimate at a bounded rate and stays in a cl
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .calibration import Calibration
 from .policy import BACKENDS, Backend
@@ -356,3 +357,96 @@ def step_watermark(
 def watermarks(state: WatermarkState) -> tuple[int, int]:
     high = round(state.high)
     return high, min(round(state.low), hysteresis_low(high))
+
+
+# The adaptive estimate is recomputed at most this often (health polls and finished streams ask).
+UPDATE_EVERY_S = 0.25
+# A reading of acceptance this much (relative) off the last one restarts the probes' back-off.
+ACCEPT_CHANGE = 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveConfig:
+    """The adaptive policy's parameters, built by `Settings.adaptive_config` (which owns every
+    default)."""
+
+    min_watermark: int
+    max_watermark: int
+    max_step_per_s: float
+    half_life_s: float
+    # A probe session lasts until this many output tokens came back from the speculative server.
+    probe_tokens: int
+    # Leave speculation where the baseline is ahead by this share, come back where speculation
+    # is: two servers this close do not pull traffic back and forth.
+    margin: float
+
+
+class Adaptive:
+    """What the adaptive policy believes, and the live watermarks that follow from it."""
+
+    def __init__(
+        self, cfg: AdaptiveConfig, calibration: Calibration | None, static: tuple[int, int], now: float
+    ) -> None:
+        self.cfg = cfg
+        self.model = SpeedModel(Prior.of(calibration) if calibration else None, cfg.half_life_s)
+        self.static_high, self.static_low = static
+        self.estimate: Estimate = estimate(self.model, None, now, cfg.margin)
+        self.accept_source = "live"
+        high, low = self._target()
+        self.wm = WatermarkState(self._clamp(high), self._clamp(low), now)
+        self.updated_at = now
+
+    def _target(self) -> tuple[int, int]:
+        e = self.estimate
+        if e.high is None or e.low is None:
+            return self.static_high, self.static_low
+        return e.high, e.low
+
+    def _clamp(self, high: int) -> float:
+        return float(min(max(high, self.cfg.min_watermark), self.cfg.max_watermark))
+
+    def watermarks(self) -> tuple[int, int]:
+        """(high, low) in effect."""
+        return watermarks(self.wm)
+
+    def update(self, accept_live: float | None, now: float, source: str = "live") -> bool:
+        """Re-estimate and move the watermark; True when the watermarks in effect changed."""
+        before = self.watermarks()
+        self.estimate = estimate(self.model, accept_live, now, self.cfg.margin, source)
+        self.accept_source = source
+        self.wm = step_watermark(
+            self.wm, self._target(), now, self.cfg.max_step_per_s, self.cfg.min_watermark, self.cfg.max_watermark
+        )
+        self.updated_at = now
+        return self.watermarks() != before
+
+    def describe(self, now: float) -> dict[str, Any]:
+        e = self.estimate
+
+        def rounded(values: tuple[float, ...]) -> list[float | None]:
+            return [None if math.isnan(v) else round(v, 2) for v in values]
+
+        prior = self.model.prior
+        high, low = self.watermarks()
+        return {
+            "calibrated": prior is not None,
+            "accept_length_live": e.accept_live,
+            # "live": the engine's metrics; "from probe streams": tokens per decode step of probes.
+            "accept_length_source": self.accept_source,
+            "accept_length_calibrated": list(prior.accept) if prior is not None else None,
+            "crossover_estimate": e.crossover,
+            "throughput_verdict": e.throughput.verdict,
+            "latency_verdict": e.latency.verdict,
+            "target_watermarks": dict(zip(("high", "low"), self._target(), strict=True)),
+            "watermarks_exact": {"high": round(self.wm.high, 3), "low": round(self.wm.low, 3)},
+            "watermarks": {"high": high, "low": low},
+            "why": e.why,
+            "curves": {
+                "levels": list(e.levels),
+                "speculative_tok_s": rounded(e.speculative_tok_s),
+                "baseline_tok_s": rounded(e.baseline_tok_s),
+            },
+            "observations": self.model.observations,
+            "observed": self.model.describe(now),
+            "settings": dataclasses.asdict(self.cfg),
+        }

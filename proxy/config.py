@@ -7,17 +7,17 @@ import re
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .adaptive import AdaptiveConfig
 from .calibration import MAX_WATERMARK, Calibration, CalibrationError
 from .calibration import load as load_calibration
 from .engines import EngineSetting
+from .policy import LoadSignal, PolicyConfig, PolicyName
 from .topology import Topology, TopologyName, entries
 from .topology import build as build_topology
 
-PolicyName = Literal["threshold", "spillover", "adaptive"]
-LoadSignal = Literal["local", "engine", "max"]
 # The inference routes a client may reach on a server (proxy/paths.py): each engine's admin routes
 # (SGLang's /update_weights_from_disk, /flush_cache; vLLM's /v1/load_lora_adapter) are not among them.
 DEFAULT_ALLOWED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/generate")
@@ -106,6 +106,9 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    # Built once, by the validator that checks the URL settings.
+    _topology: Topology | None = PrivateAttr(None)
+
     @field_validator("api_keys", "admin_keys", "allowed_paths", "trusted_proxies", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
@@ -168,7 +171,9 @@ class Settings(BaseSettings):
 
     def routing_topology(self) -> Topology:
         """The servers and groups SPECGATE_SPECULATIVE_URL, _BASELINE_URL and _TOPOLOGY describe."""
-        return build_topology(self.speculative_url, self.baseline_url, self.topology)
+        if self._topology is None:
+            self._topology = build_topology(self.speculative_url, self.baseline_url, self.topology)
+        return self._topology
 
     def load_calibration(self) -> Calibration | None:
         return load_calibration(self.calibration) if self.calibration else None
@@ -179,6 +184,39 @@ class Settings(BaseSettings):
         if calibration is None or explicit:
             return self.high_watermark, self.low_watermark
         return calibration.high_watermark, calibration.low_watermark
+
+    def policy_config(self, calibration: Calibration | None) -> PolicyConfig:
+        """The routing rule's parameters: these settings, with the calibration's watermarks unless
+        they are set here."""
+        high, low = self.watermarks(calibration)
+        probe_max_load = self.adaptive_max_watermark
+        if calibration is not None:
+            probe_max_load = min(probe_max_load, calibration.levels[-1])
+        return PolicyConfig(
+            policy=self.policy,
+            high_watermark=high,
+            low_watermark=low,
+            spillover_limit=self.spillover_limit,
+            load_signal=self.load_signal,
+            low_hold_s=self.low_watermark_hold_s,
+            min_dwell_s=self.adaptive_min_dwell_s if self.policy == "adaptive" else 0.0,
+            probe_s=self.adaptive_probe_s,
+            probe_max_s=self.adaptive_probe_max_s,
+            probe_max_load=probe_max_load,
+            probe_shadow=self.adaptive_probe_mode == "shadow",
+            # A few polls: the engine's reading of a server that just had traffic lags by one.
+            accept_fresh_s=max(10.0, 3 * self.health_interval_s),
+        )
+
+    def adaptive_config(self) -> AdaptiveConfig:
+        return AdaptiveConfig(
+            min_watermark=self.adaptive_min_watermark,
+            max_watermark=self.adaptive_max_watermark,
+            max_step_per_s=self.adaptive_max_step_per_s,
+            half_life_s=self.adaptive_half_life_s,
+            probe_tokens=self.adaptive_probe_tokens,
+            margin=self.adaptive_margin,
+        )
 
     @model_validator(mode="after")
     def _check_watermarks(self) -> Settings:

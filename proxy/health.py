@@ -33,22 +33,13 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
 
 from .config import Settings
-from .engines import (
-    ENGINES,
-    AcceptanceRate,
-    BadReading,
-    Engine,
-    EngineName,
-    Reading,
-    describe_health,
-    read_metrics,
-)
+from .engines import ENGINES, BadReading, Engine, Reading, describe_health, read_metrics
 from .metrics import Metrics
 from .policy import BACKENDS, Backend
+from .servers import Health, Server, of_role
 from .upstream import HealthProbe, Upstream
 
 log = logging.getLogger("specgate.health")
@@ -61,36 +52,10 @@ IDLE_HINT_S = 2.0
 IDLE_HINT_GAPS = 4.0
 # Weight of each new gap between moves in the usual one.
 ACTIVITY_SMOOTHING = 0.2
-# Acceptance from counters is averaged over this long: a few scrapes, enough drafts to mean something.
-ACCEPT_WINDOW_S = 10.0
 # The largest /metrics read. A real server's is tens to hundreds of KiB (mostly histogram buckets);
 # past this it is a fault or a flood, refused unread: even scanning it costs the event loop about
 # 2 ms a MiB, at every scrape.
 METRICS_MAX_BYTES = 4 * 1024 * 1024
-
-
-@dataclass
-class BackendHealth:
-    name: str  # the server's name (its role's, when a role has one server)
-    role: Backend = "speculative"
-    healthy: bool = False
-    last_error: str | None = None
-    consecutive_timeouts: int = 0
-    # When a proxied request last got bytes from this server (the health clock).
-    last_alive: float | None = None
-    # The engine whose metrics the server exports (detected, or as configured).
-    engine: EngineName | None = None
-    engine_load: int | None = None
-    # None until the first scrape; then whether the engine load could be read, and if not, why.
-    engine_signal_up: bool | None = None
-    engine_signal_error: str | None = "not scraped yet"
-    # Live mean acceptance length (>= 1, bonus token included); None without speculation.
-    spec_accept_length: float | None = None
-    _reading_at: float | None = field(default=None, repr=False)
-    _activity: tuple[float, ...] | None = field(default=None, repr=False)
-    _activity_since: float = field(default=0.0, repr=False)
-    _moves_every_s: float = field(default=0.0, repr=False)
-    _acceptance: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(ACCEPT_WINDOW_S), repr=False)
 
 
 class _Outage:
@@ -118,80 +83,83 @@ class _Outage:
 
 
 class HealthMonitor:
+    """Writes each Server's `health`; tells its sinks (given here, never patched on later) what it
+    found: `on_change` after every round and every change of health, `on_scrape` just before a
+    server's /metrics is read and `on_reading` with the engine load it gave; `own` is this
+    gateway's requests in flight on a server."""
+
     def __init__(
         self,
         settings: Settings,
         upstream: Upstream,
+        servers: Mapping[str, Server],
         metrics: Metrics,
+        *,
         on_change: Callable[[], None] = lambda: None,
-        clock: Callable[[], float] = time.monotonic,
         on_scrape: Callable[[str], None] = lambda server: None,
         on_reading: Callable[[str, int], None] = lambda server, load: None,
         own: Callable[[str], int] = lambda server: 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._settings = settings
         self._upstream = upstream
         self._metrics = metrics
-        self.on_change = on_change
-        # Called just before a server's /metrics is read, and with the engine load it gave.
-        self.on_scrape = on_scrape
-        self.on_reading = on_reading
-        # This gateway's requests in flight on a server.
-        self.own = own
+        self._on_change = on_change
+        self._on_scrape = on_scrape
+        self._on_reading = on_reading
+        self._own = own
         self._clock = clock
         self._engine: Engine | None = None if settings.engine == "auto" else ENGINES[settings.engine]
         # Proxied traffic younger than this keeps a server with a timing-out /health up: as long as
         # the timeouts would have taken to mark it down.
         self.alive_window_s = TIMEOUTS_BEFORE_DOWN * (settings.health_interval_s + settings.health_timeout_s)
-        self.backends: dict[str, BackendHealth] = {n: BackendHealth(n, role) for n, role in upstream.roles.items()}
-        self._roles = {role: [h for h in self.backends.values() if h.role == role] for role in BACKENDS}
+        self.servers = servers
+        self._roles = {role: of_role(servers, role) for role in BACKENDS}
         self._polls = _Outage("the /health poll of the servers")
         self._scrapes = _Outage("the /metrics scrape of the servers")
 
-    def healthy(self, server: str) -> bool:
-        return self.backends[server].healthy
-
     def role_healthy(self, role: Backend) -> bool:
         """Whether any server of the role is healthy."""
-        return any(h.healthy for h in self._roles[role])
+        return any(s.healthy for s in self._roles[role])
 
     def signal_in_effect(self) -> tuple[str, str | None]:
         """The load signal the policy really uses, and why it differs from the configured one."""
         configured = self._settings.load_signal
         if configured == "local":
             return "local", None
-        down = {b: h.engine_signal_error for b, h in self.backends.items() if not h.engine_signal_up}
+        down = {n: s.health.engine_signal_error for n, s in self.servers.items() if not s.health.engine_signal_up}
         if not down:
             return configured, None
         why = "; ".join(f"{b}: {err}" for b, err in down.items())
-        if len(down) == len(self.backends):
+        if len(down) == len(self.servers):
             return "local", f"no engine load readable ({why}): counting this proxy's in-flight requests"
         return "mixed", f"engine load unreadable for {why}: that server counted by this proxy's in-flight requests"
 
-    def mark_down(self, backend: str, reason: str) -> None:
-        self._set(backend, False, reason)
+    def mark_down(self, server: str, reason: str) -> None:
+        self._set(server, False, reason)
 
-    def note_alive(self, backend: str) -> None:
+    def note_alive(self, server: str) -> None:
         """A proxied request got bytes from this server just now."""
-        h = self.backends[backend]
+        h = self.servers[server].health
         h.last_alive = self._clock()
         if not h.healthy and h.consecutive_timeouts >= TIMEOUTS_BEFORE_DOWN:
             # Down only for slow /health answers, yet it serves: it is alive.
             h.consecutive_timeouts = 0
-            self._set(backend, True, None)
+            self._set(server, True, None)
 
-    def _set(self, backend: str, healthy: bool, error: str | None) -> None:
-        h = self.backends[backend]
+    def _set(self, server: str, healthy: bool, error: str | None) -> None:
+        srv = self.servers[server]
+        h = srv.health
         h.last_error = error
         if h.healthy != healthy:
             h.healthy = healthy
-            self._metrics.server_up.labels(backend).set(1 if healthy else 0)
-            self._metrics.backend_up.labels(h.role).set(1 if self.role_healthy(h.role) else 0)
+            self._metrics.server_up.labels(server).set(1 if healthy else 0)
+            self._metrics.backend_up.labels(srv.role).set(1 if self.role_healthy(srv.role) else 0)
             if healthy:
-                log.info("backend %s is up", backend)
+                log.info("server %s is up", server)
             else:
-                log.warning("backend %s is down: %s", backend, error)
-            self.on_change()
+                log.warning("server %s is down: %s", server, error)
+            self._on_change()
 
     async def run(self) -> None:
         """Poll /health every health_interval_s and scrape /metrics every scrape_interval_s."""
@@ -212,13 +180,13 @@ class HealthMonitor:
     async def _round(self, each: Callable[[str], Awaitable[None]], outage: _Outage) -> None:
         """`each` for every server, then `on_change`. A failure is the outage's to say; it never ends
         the loop. Each server's failure stays its own: the others' rounds finish."""
-        results = await asyncio.gather(*(each(name) for name in self.backends), return_exceptions=True)
+        results = await asyncio.gather(*(each(name) for name in self.servers), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         for failure in failures:
             if not isinstance(failure, Exception):
                 raise failure  # cancelled, or the interpreter going: not a round's failure
         try:
-            self.on_change()
+            self._on_change()
         except Exception as exc:
             failures.append(exc)
         if failures:
@@ -229,7 +197,7 @@ class HealthMonitor:
     async def _poll(self, backend: str) -> None:
         s = self._settings
         probe = await self._upstream.get(backend, "/health", s.health_timeout_s)
-        h = self.backends[backend]
+        h = self.servers[backend].health
         if probe.status == 200:
             h.consecutive_timeouts = 0
             self._set(backend, True, None)
@@ -252,53 +220,52 @@ class HealthMonitor:
             await self._scrape(backend)
         except Exception as exc:
             # A reading that broke halfway is no reading: the last one must not stand as if fresh.
-            self._signal_down(self.backends[backend], f"reading /metrics failed: {type(exc).__name__}: {exc}"[:300])
+            self._signal_down(self.servers[backend], f"reading /metrics failed: {type(exc).__name__}: {exc}"[:300])
             raise
 
     async def _scrape(self, backend: str) -> None:
         """Read the engine's load and acceptance. Scraped under every load signal: the dashboard
         and /routing show the engine's view too."""
-        h = self.backends[backend]
-        self.on_scrape(backend)
+        srv = self.servers[backend]
+        h = srv.health
+        self._on_scrape(backend)
         probe = await self._upstream.get(backend, "/metrics", self._settings.health_timeout_s)
         now = self._clock()
         found = self._reading_of(h, probe, now)
         if isinstance(found, str):
             timed_out = probe.error is not None and probe.error.kind == "timeout"
-            fresh = h._reading_at is not None and now - h._reading_at < self._settings.engine_stale_s
+            fresh = h.reading_at is not None and now - h.reading_at < self._settings.engine_stale_s
             if not (timed_out and fresh):  # a busy server's slow scrape: its last reading stands a while
-                self._signal_down(h, found)
+                self._signal_down(srv, found)
             return
         engine, reading, load, accept = found
         h.engine = engine.name
         if engine.freezes_when_idle:
             stale_s = self._settings.engine_stale_s
             activity = reading.activity
-            if activity != h._activity:
-                if h._activity is not None:
+            if activity != h.activity:
+                if h.activity is not None:
                     # How often this server's values move while it works (SGLang: every 40 decode
                     # steps, and at each prefill and finish).
-                    gap = min(now - h._activity_since, stale_s)
-                    h._moves_every_s += ACTIVITY_SMOOTHING * (gap - h._moves_every_s)
-                h._activity, h._activity_since = activity, now
-            frozen_s = now - h._activity_since
+                    gap = min(now - h.activity_since, stale_s)
+                    h.moves_every_s += ACTIVITY_SMOOTHING * (gap - h.moves_every_s)
+                h.activity, h.activity_since = activity, now
+            frozen_s = now - h.activity_since
             # Frozen several times longer than its values usually stay put, with nothing of ours on
             # it: a server whose batch emptied between two refreshes (its last gauges can say 20
             # running for as long as it stays idle). Ours there would keep them moving.
-            hint_s = min(stale_s, max(IDLE_HINT_S, IDLE_HINT_GAPS * h._moves_every_s))
-            if frozen_s >= stale_s or (frozen_s >= hint_s and self.own(backend) == 0):
+            hint_s = min(stale_s, max(IDLE_HINT_S, IDLE_HINT_GAPS * h.moves_every_s))
+            if frozen_s >= stale_s or (frozen_s >= hint_s and self._own(backend) == 0):
                 load = 0
-        h.engine_load, h._reading_at = load, now
-        self.on_reading(backend, load)
+        h.engine_load, h.reading_at = load, now
+        self._on_reading(backend, load)
         h.spec_accept_length = accept
         if h.engine_signal_up is not True:
             h.engine_signal_up, h.engine_signal_error = True, None
             log.info("engine load of %s readable (%s)", backend, engine.name)
-        self._publish(h)
+        self._publish(srv)
 
-    def _reading_of(
-        self, h: BackendHealth, probe: HealthProbe, now: float
-    ) -> tuple[Engine, Reading, int, float | None] | str:
+    def _reading_of(self, h: Health, probe: HealthProbe, now: float) -> tuple[Engine, Reading, int, float | None] | str:
         """From an answer to GET /metrics: the engine, its reading, the load and the acceptance in
         it; or why there is none."""
         if probe.error is not None:
@@ -319,37 +286,38 @@ class HealthMonitor:
                 return f"/metrics lacks {', '.join(engine.missing(values))} (is this a {engine.name} server?)"
             accept = reading.accept_length
             if accept is None and reading.accept_counters is not None:
-                accept = h._acceptance.update(now, *reading.accept_counters)
+                accept = h.acceptance.update(now, *reading.accept_counters)
         except BadReading as bad:
             return str(bad)
         except ValueError:
             return "/metrics is not in Prometheus' text format"
         return engine, reading, reading.load, accept
 
-    def _publish(self, h: BackendHealth) -> None:
+    def _publish(self, srv: Server) -> None:
         """The server's gauges, and its role's: load summed (-1 while any is unknown), acceptance
         averaged over the servers that report one, signal up while every server's is."""
         m = self._metrics
-        m.server_engine_load.labels(h.name).set(-1 if h.engine_load is None else h.engine_load)
-        peers = self._roles[h.role]
+        m.server_engine_load.labels(srv.name).set(-1 if srv.engine_load is None else srv.engine_load)
+        peers = self._roles[srv.role]
         loads = [p.engine_load for p in peers]
-        m.engine_load.labels(h.role).set(-1 if None in loads else sum(v or 0 for v in loads))
+        m.engine_load.labels(srv.role).set(-1 if None in loads else sum(v or 0 for v in loads))
         accepts = [p.spec_accept_length for p in peers if p.spec_accept_length is not None]
-        m.accept_length.labels(h.role).set(sum(accepts) / len(accepts) if accepts else math.nan)
-        m.engine_signal_up.labels(h.role).set(1 if all(p.engine_signal_up for p in peers) else 0)
+        m.accept_length.labels(srv.role).set(sum(accepts) / len(accepts) if accepts else math.nan)
+        m.engine_signal_up.labels(srv.role).set(1 if all(p.health.engine_signal_up for p in peers) else 0)
 
-    def _signal_down(self, h: BackendHealth, error: str) -> None:
-        h.engine_load, h._reading_at, h._activity, h.spec_accept_length = None, None, None, None
+    def _signal_down(self, srv: Server, error: str) -> None:
+        h = srv.health
+        h.engine_load, h.reading_at, h.activity, h.spec_accept_length = None, None, None, None
         was_up = h.engine_signal_up
         h.engine_signal_up, h.engine_signal_error = False, error
-        self._publish(h)
+        self._publish(srv)
         if was_up is not False:  # once per outage
             level = logging.WARNING if self._settings.load_signal != "local" else logging.DEBUG
             log.log(
                 level,
                 "engine load of %s unreadable, so SPECGATE_LOAD_SIGNAL=%s counts it by this proxy's "
                 "in-flight requests: %s",
-                h.name,
+                srv.name,
                 self._settings.load_signal,
                 error,
             )

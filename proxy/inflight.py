@@ -17,9 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from .policy import Backend
-
-# One server of each role, named by its role: the simple case.
-SOLO: dict[str, Backend] = {"speculative": "speculative", "baseline": "baseline"}
+from .servers import Server
 
 
 class Lease:
@@ -62,71 +60,73 @@ BALANCE_TAU_S = 5.0
 
 
 class InflightTracker:
-    """Per-server counts. `on_change(server, count)` runs after every change (metrics, mode)."""
+    """Per-server counts, kept in each Server's `load`. `on_change(server, count)` runs after every
+    change (metrics, mode)."""
 
     def __init__(
         self,
-        servers: Mapping[str, Backend] = SOLO,
+        servers: Mapping[str, Server],
         on_change: Callable[[str, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._clock = clock
-        self._read_at: dict[str, float | None] = dict.fromkeys(servers, None)
-        self.roles: dict[str, Backend] = dict(servers)
-        self._counts: dict[str, int] = dict.fromkeys(servers, 0)
-        self._at_scrape: dict[str, int] = dict.fromkeys(servers, 0)
-        self._others: dict[str, int] = dict.fromkeys(servers, 0)
-        self._others_smooth: dict[str, float] = dict.fromkeys(servers, 0.0)
-        self._others_balance: dict[str, float] = dict.fromkeys(servers, 0.0)
+        self._servers = servers
         self.on_change = on_change
 
+    def role(self, server: str) -> Backend:
+        return self._servers[server].role
+
     def acquire(self, server: str) -> Lease:
-        self._counts[server] += 1
+        s = self._servers[server]
+        s.load.count += 1
         if self.on_change is not None:
-            self.on_change(server, self._counts[server])
-        return Lease(self, server, self.roles[server])
+            self.on_change(server, s.load.count)
+        return Lease(self, server, s.role)
 
     def _release(self, server: str) -> None:
-        self._counts[server] -= 1
+        load = self._servers[server].load
+        load.count -= 1
         if self.on_change is not None:
-            self.on_change(server, self._counts[server])
+            self.on_change(server, load.count)
 
     def scraping(self, server: str) -> None:
         """The server's /metrics is being read: its reading will include this many of ours."""
-        self._at_scrape[server] = self._counts[server]
+        load = self._servers[server].load
+        load.at_scrape = load.count
 
     def scraped(self, server: str, reading: int) -> None:
         """The engine reported `reading` running + queued requests."""
-        others = max(0, reading - self._at_scrape[server])
-        now, last = self._clock(), self._read_at[server]
+        load = self._servers[server].load
+        others = max(0, reading - load.at_scrape)
+        now, last = self._clock(), load.read_at
         gap = math.inf if last is None else max(0.0, now - last)
-        self._read_at[server] = now
-        self._others[server] = others
-        self._others_smooth[server] += _weight(gap, OTHERS_TAU_S) * (others - self._others_smooth[server])
-        self._others_balance[server] += _weight(gap, BALANCE_TAU_S) * (others - self._others_balance[server])
+        load.read_at = now
+        load.others = others
+        load.others_smooth += _weight(gap, OTHERS_TAU_S) * (others - load.others_smooth)
+        load.others_balance += _weight(gap, BALANCE_TAU_S) * (others - load.others_balance)
 
     def count(self, server: str) -> int:
-        return self._counts[server]
+        return self._servers[server].load.count
 
     def was_read(self, server: str) -> bool:
         """Whether the server's engine load was ever read."""
-        return self._read_at[server] is not None
+        return self._servers[server].load.read_at is not None
 
     def others(self, server: str) -> int:
         """Requests on the server that are not this gateway's, as last read."""
-        return self._others[server]
+        return self._servers[server].load.others
 
     def others_smooth(self, server: str) -> float:
         """The others' requests smoothed over about a second: what the mode reads as they fall."""
-        return self._others_smooth[server]
+        return self._servers[server].load.others_smooth
 
     def others_balance(self, server: str) -> float:
         """The others' requests smoothed over several seconds: what placement adds to ours."""
-        return self._others_balance[server]
+        return self._servers[server].load.others_balance
 
     @property
     def total(self) -> int:
-        return sum(self._counts.values())
+        return sum(s.load.count for s in self._servers.values())
 
 
 def _weight(gap: float, tau: float) -> float:

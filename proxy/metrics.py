@@ -14,7 +14,7 @@ from typing import Any, Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
-from .policy import BACKENDS, REASONS, Backend, other
+from .policy import BACKENDS, REASONS, other
 
 Endpoint = Literal["chat", "completions", "generate", "other"]
 ENDPOINTS: tuple[Endpoint, ...] = ("chat", "completions", "generate", "other")
@@ -44,9 +44,7 @@ class Metrics:
     """Every metric, in one registry per app. `servers` and `groups` are the configured names
     (proxy/topology.py): a bounded set, so labels by them are safe."""
 
-    def __init__(
-        self, servers: Sequence[str] = ("speculative", "baseline"), groups: Sequence[str] = ("group-0",)
-    ) -> None:
+    def __init__(self, servers: Sequence[str], groups: Sequence[str]) -> None:
         self.servers, self.groups = tuple(servers), tuple(groups)
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -236,11 +234,3 @@ class Metrics:
             self.shadow_probes.labels(outcome)
         self.mode.set(1)
         self.crossover_estimate.set(math.nan)
-
-    def set_watermarks(self, high: int, low: int, spillover: int) -> None:
-        self.watermark.labels("high").set(high)
-        self.watermark.labels("low").set(low)
-        self.watermark.labels("spillover").set(spillover)
-
-    def set_mode(self, mode: Backend) -> None:
-        self.mode.set(1 if mode == "speculative" else 0)

@@ -89,28 +89,34 @@ def other(backend: Backend) -> Backend:
 
 # Doublings of the wait between probes that are counted (2**32 times any wait is past any maximum).
 MAX_PROBE_DOUBLINGS = 32
+# A probe session sends at most this many requests: requests that bring back no usage (errors)
+# must not make a session endless.
+PROBE_MAX_REQUESTS = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
-    policy: PolicyName = "threshold"
-    high_watermark: int = 16
-    low_watermark: int = 8
-    spillover_limit: int = 8
-    load_signal: LoadSignal = "local"
+    """The rule's parameters, built from the settings by `Settings.policy_config` (which owns every
+    default)."""
+
+    policy: PolicyName
+    high_watermark: int
+    low_watermark: int
+    spillover_limit: int
+    load_signal: LoadSignal
     # The load must stay at or below the low watermark this long before speculation returns.
-    low_hold_s: float = 0.0
+    low_hold_s: float
     # adaptive only: the watermarks above are the live ones (the Router replaces them).
-    min_dwell_s: float = 0.0
-    probe_s: float = 0.0  # 0: never probe
-    probe_max_s: float = 0.0
+    min_dwell_s: float
+    probe_s: float  # 0: never probe
+    probe_max_s: float
     # A reading of the speculative server's acceptance counts as current this long after it last
     # had traffic from this gateway.
-    accept_fresh_s: float = 10.0
+    accept_fresh_s: float
     # No probes at or above this load: beyond it the watermarks cannot reach.
-    probe_max_load: int = 0
+    probe_max_load: int
     # Probe with a capped copy of a request (a session of one) rather than the request itself.
-    probe_shadow: bool = False
+    probe_shadow: bool
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,11 @@ class PolicyState:
     probing: bool = False
     # In baseline mode: since when the load has been at or below the low watermark (None: it is not).
     low_since: float | None = None
+    # The probe session under way (adaptive only): its number (its streams pool into one reading),
+    # the requests it sent and the output tokens they brought back.
+    session: int = 0
+    session_requests: int = 0
+    session_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -245,33 +256,75 @@ def least_loaded(loads: Sequence[tuple[str, float]], pick: float) -> str | None:
     return near[min(int(pick * len(near)), len(near) - 1)]
 
 
+def settle(load: int, spec_load: int, state: PolicyState, cfg: PolicyConfig, now: float, fresh: bool) -> PolicyState:
+    """The mode after the load or health changed, with no request to place: every policy's rule
+    (`fresh`: accept_fresh, read by the adaptive rule only)."""
+    return _settled(load, spec_load, state, cfg, now, fresh)[0]
+
+
+def _settled(
+    load: int, spec_load: int, state: PolicyState, cfg: PolicyConfig, now: float, fresh: bool
+) -> tuple[PolicyState, bool]:
+    """The next state, and whether a switch was held back (adaptive's dwell)."""
+    if cfg.policy == "threshold":
+        return next_mode(load, state, cfg, now), False
+    if cfg.policy == "adaptive":
+        return dwell_mode(load, state, cfg, now, fresh)
+    return PolicyState("speculative" if spec_load < cfg.spillover_limit else "baseline"), False
+
+
 def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:
     load = total_load(snapshot, cfg.load_signal)
+    spec_load = backend_load(snapshot, "speculative", cfg.load_signal)
+    fresh = accept_fresh(snapshot.speculative_idle_since, snapshot.now, cfg)
+    was_probing = state.probing
+    state, held = _settled(load, spec_load, state, cfg, snapshot.now, fresh)
+    choice: Backend = state.mode
     reason: Reason
-    if cfg.policy == "threshold":
-        state = next_mode(load, state, cfg, snapshot.now)
-        choice: Backend = state.mode
-        reason = _reason(choice, load, state, cfg)
-    elif cfg.policy == "adaptive":
-        fresh = accept_fresh(snapshot.speculative_idle_since, snapshot.now, cfg)
-        state, held = dwell_mode(load, state, cfg, snapshot.now, fresh)
-        choice = state.mode
-        reason = "dwell_hold" if held else _reason(choice, load, state, cfg)
-        if probe_due(snapshot, state, cfg, load):
-            # A session's first probe counts toward the wait before the next session.
-            probes = state.probes if state.probing else min(state.probes + 1, MAX_PROBE_DOUBLINGS)
-            if cfg.probe_shadow:
-                # A shadow is a session of its own; the request itself goes on as decided.
-                shadow = dataclasses.replace(state, probes=probes, probing=False)
-                return dataclasses.replace(_checked(choice, reason, shadow, snapshot, load), shadow=True)
-            state = dataclasses.replace(state, probes=probes, probing=True)
-            return Decision("speculative", "probe", state, load)
-    else:
-        spec_load = backend_load(snapshot, "speculative", cfg.load_signal)
-        choice = "speculative" if spec_load < cfg.spillover_limit else "baseline"
+    if cfg.policy == "spillover":
         reason = "light_load" if choice == "speculative" else "spillover"
-        state = PolicyState(choice)
+    else:
+        reason = "dwell_hold" if held else _reason(choice, load, state, cfg)
+    if cfg.policy == "adaptive" and probe_due(snapshot, state, cfg, load):
+        # A session's first probe counts toward the wait before the next session.
+        probes = state.probes if state.probing else min(state.probes + 1, MAX_PROBE_DOUBLINGS)
+        if cfg.probe_shadow:
+            # A shadow is a session of its own; the request itself goes on as decided.
+            shadow = dataclasses.replace(state, probes=probes, probing=False)
+            return dataclasses.replace(_checked(choice, reason, shadow, snapshot, load), shadow=True)
+        state = _probe_sent(dataclasses.replace(state, probes=probes, probing=True), was_probing)
+        return Decision("speculative", "probe", state, load)
     return _checked(choice, reason, state, snapshot, load)
+
+
+def _probe_sent(state: PolicyState, was_probing: bool) -> PolicyState:
+    """A probe request went out: counted in its session (a new one unless one was under way); the
+    session ends at PROBE_MAX_REQUESTS."""
+    if not was_probing:
+        state = dataclasses.replace(state, session=state.session + 1, session_requests=0, session_tokens=0)
+    sent = state.session_requests + 1
+    if sent >= PROBE_MAX_REQUESTS:
+        return dataclasses.replace(state, probing=False, session_requests=0, session_tokens=0)
+    return dataclasses.replace(state, session_requests=sent)
+
+
+def probe_returned(state: PolicyState, tokens: int, probe_tokens: int) -> PolicyState:
+    """A probe of the session under way came back with `tokens` output tokens: the session ends
+    once `probe_tokens` came back (enough for the engine to refresh its acceptance reading)."""
+    total = state.session_tokens + tokens
+    if total >= probe_tokens:
+        return dataclasses.replace(state, probing=False, session_requests=0, session_tokens=0)
+    return dataclasses.replace(state, session_tokens=total)
+
+
+def shadow_unsent(state: PolicyState) -> PolicyState:
+    """The shadow a decision asked for could not be sent: it does not count as a probe."""
+    return dataclasses.replace(state, probes=max(0, state.probes - 1))
+
+
+def probes_restarted(state: PolicyState) -> PolicyState:
+    """The traffic changed (acceptance moved): probe again soon rather than after a doubled wait."""
+    return dataclasses.replace(state, probes=0) if state.probes else state
 
 
 def _reason(choice: Backend, load: int, state: PolicyState, cfg: PolicyConfig) -> Reason:

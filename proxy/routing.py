@@ -13,24 +13,13 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from .adaptive import (
-    Estimate,
-    Prior,
-    SpeedModel,
-    WatermarkState,
-    estimate,
-    step_watermark,
-    stream_accept,
-    watermarks,
-)
+from .adaptive import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig, stream_accept
 from .calibration import Calibration
 from .engines import ENGINES
 from .evidence import AcceptanceEvidence
-from .health import HealthMonitor
 from .inflight import InflightTracker, Lease
 from .metrics import Metrics
 from .policy import (
@@ -43,142 +32,46 @@ from .policy import (
     accept_fresh,
     backend_load,
     decide,
-    dwell_mode,
     least_loaded,
-    next_mode,
+    probe_returned,
+    probes_restarted,
+    settle,
+    shadow_unsent,
     total_load,
 )
+from .servers import Server, ServerView
 from .topology import Group, Topology
 
 log = logging.getLogger("specgate.routing")
 
-# One server of each role, named by its role.
-SOLO_GROUP = Group("group-0", {"speculative": ("speculative",), "baseline": ("baseline",)})
-# The adaptive estimate is recomputed at most this often (health polls and finished streams ask).
-UPDATE_EVERY_S = 0.25
-# A probe session sends at most this many requests.
-PROBE_MAX_REQUESTS = 4
-# A reading of acceptance this much (relative) off the last one restarts the probes' back-off.
-ACCEPT_CHANGE = 0.1
-
-
-@dataclass(frozen=True)
-class AdaptiveConfig:
-    min_watermark: int = 0
-    max_watermark: int = 256
-    max_step_per_s: float = 10.0
-    half_life_s: float = 60.0
-    # A probe session lasts until this many output tokens came back from the speculative server:
-    # SGLang refreshes its acceptance gauge every 40 decode steps, 160 tokens at acceptance 4.
-    probe_tokens: int = 160
-    # Leave speculation where the baseline is ahead by this share, come back where speculation
-    # is: two servers this close do not pull traffic back and forth.
-    margin: float = 0.05
-
-
-class Adaptive:
-    """What the adaptive policy believes, and the live watermarks that follow from it."""
-
-    def __init__(
-        self, cfg: AdaptiveConfig, calibration: Calibration | None, static: tuple[int, int], now: float
-    ) -> None:
-        self.cfg = cfg
-        self.model = SpeedModel(Prior.of(calibration) if calibration else None, cfg.half_life_s)
-        self.static_high, self.static_low = static
-        self.estimate: Estimate = estimate(self.model, None, now, cfg.margin)
-        self.accept_source = "live"
-        high, low = self._target()
-        self.wm = WatermarkState(self._clamp(high), self._clamp(low), now)
-        self.updated_at = now
-
-    def _target(self) -> tuple[int, int]:
-        e = self.estimate
-        if e.high is None or e.low is None:
-            return self.static_high, self.static_low
-        return e.high, e.low
-
-    def _clamp(self, high: int) -> float:
-        return float(min(max(high, self.cfg.min_watermark), self.cfg.max_watermark))
-
-    def watermarks(self) -> tuple[int, int]:
-        """(high, low) in effect."""
-        return watermarks(self.wm)
-
-    def update(self, accept_live: float | None, now: float, source: str = "live") -> bool:
-        """Re-estimate and move the watermark; True when the watermarks in effect changed."""
-        before = self.watermarks()
-        self.estimate = estimate(self.model, accept_live, now, self.cfg.margin, source)
-        self.accept_source = source
-        self.wm = step_watermark(
-            self.wm, self._target(), now, self.cfg.max_step_per_s, self.cfg.min_watermark, self.cfg.max_watermark
-        )
-        self.updated_at = now
-        return self.watermarks() != before
-
-    def describe(self, now: float) -> dict[str, Any]:
-        e = self.estimate
-
-        def rounded(values: tuple[float, ...]) -> list[float | None]:
-            return [None if math.isnan(v) else round(v, 2) for v in values]
-
-        prior = self.model.prior
-        high, low = self.watermarks()
-        return {
-            "calibrated": prior is not None,
-            "accept_length_live": e.accept_live,
-            # "live": the engine's metrics; "from probe streams": tokens per decode step of probes.
-            "accept_length_source": self.accept_source,
-            "accept_length_calibrated": list(prior.accept) if prior is not None else None,
-            "crossover_estimate": e.crossover,
-            "throughput_verdict": e.throughput.verdict,
-            "latency_verdict": e.latency.verdict,
-            "target_watermarks": dict(zip(("high", "low"), self._target(), strict=True)),
-            "watermarks_exact": {"high": round(self.wm.high, 3), "low": round(self.wm.low, 3)},
-            "watermarks": {"high": high, "low": low},
-            "why": e.why,
-            "curves": {
-                "levels": list(e.levels),
-                "speculative_tok_s": rounded(e.speculative_tok_s),
-                "baseline_tok_s": rounded(e.baseline_tok_s),
-            },
-            "observations": self.model.observations,
-            "observed": self.model.describe(now),
-            "settings": dataclasses.asdict(self.cfg),
-        }
-
 
 class Router:
     """One group's router (a paired group, or the pool): its mode, its adaptive beliefs, and the
-    load and health of its servers. `Fleet` holds one per group; alone, it is the simple case."""
+    load and health of its servers, read through their views. `Fleet` holds one per group."""
 
     def __init__(
         self,
         cfg: PolicyConfig,
-        health: HealthMonitor,
+        servers: Mapping[str, ServerView],
         metrics: Metrics,
+        tracker: InflightTracker,
+        group: Group,
         adaptive: AdaptiveConfig | None = None,
         calibration: Calibration | None = None,
         clock: Callable[[], float] = time.monotonic,
-        group: Group = SOLO_GROUP,
-        tracker: InflightTracker | None = None,
         rng: random.Random | None = None,
-        solo: bool = True,
     ) -> None:
         self.static_cfg = cfg
         self.cfg = cfg
         self.group = group
-        self._health = health
+        self._servers = servers
         self._metrics = metrics
         self._clock = clock
         self._rng = rng or random.Random()
-        # Alone, it writes the gateway-wide gauges itself; among several groups, the fleet sums them.
-        self.solo = solo
         self.last_load = 0
         self.state = PolicyState()  # no dwell before the first switch
-        self.tracker = tracker or InflightTracker(on_change=self.server_changed)
+        self.tracker = tracker
         self._spec_idle_since: float | None = clock()
-        self._probe_tokens = self._probe_requests = 0
-        self._probe_session = 0  # numbers the probe sessions: their streams pool into one reading
         # Acceptance measured from probe streams, pooled by client (evidence.py): it stands while
         # the newest reading is younger than accept_fresh_s, then the engine's reading (which
         # includes the probes' steps once refreshed) takes over again.
@@ -186,8 +79,10 @@ class Router:
         self._accept_seen: float | None = None
         self.adaptive: Adaptive | None = None
         if cfg.policy == "adaptive":
+            if adaptive is None:
+                raise ValueError("the adaptive policy needs its AdaptiveConfig")
             static = (cfg.high_watermark, cfg.low_watermark)
-            self.adaptive = Adaptive(adaptive or AdaptiveConfig(), calibration, static, clock())
+            self.adaptive = Adaptive(adaptive, calibration, static, clock())
             high, low = self.adaptive.watermarks()
             self.cfg = dataclasses.replace(cfg, high_watermark=high, low_watermark=low)
         self._publish_watermarks()
@@ -202,8 +97,7 @@ class Router:
         return sum(self.tracker.count(s) for s in self.group.of(role))
 
     def healthy_map(self) -> dict[Backend, bool]:
-        b = self._health.backends
-        return {role: any(b[s].healthy for s in self.group.of(role)) for role in BACKENDS}
+        return {role: any(self._servers[s].healthy for s in self.group.of(role)) for role in BACKENDS}
 
     def engine_loads(self) -> dict[Backend, int | None]:
         """Each role's engine load: the others' requests as last read plus ours now (None: unknown)."""
@@ -225,7 +119,7 @@ class Router:
         if self.cfg.load_signal == "local" or not self.tracker.was_read(server):
             return local
         t = self.tracker
-        if self._health.backends[server].engine_load is None:
+        if self._servers[server].engine_load is None:
             # Unreadable now: the others as they last stood, not nothing (with several replicas
             # ours alone is a fraction, and reading it as the whole would flip the mode at full load).
             return round(t.others_smooth(server)) + local
@@ -266,15 +160,6 @@ class Router:
         (a model list, embeddings), so it is no probe, not even a shadow's original."""
         cfg = self.cfg if can_probe or self.cfg.probe_s <= 0 else dataclasses.replace(self.cfg, probe_s=0.0)
         decision = decide(self.snapshot(), self.state, cfg)
-        if decision.reason == "probe":
-            if not self.state.probing:
-                self._probe_tokens = self._probe_requests = 0
-                self._probe_session += 1
-            self._probe_requests += 1
-            if self._probe_requests >= PROBE_MAX_REQUESTS:
-                self._probe_tokens = self._probe_requests = 0
-                # Requests that bring back no usage (errors) must not make a session endless.
-                decision = dataclasses.replace(decision, state=dataclasses.replace(decision.state, probing=False))
         self._set_state(decision.state)
         self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
         return decision
@@ -285,7 +170,7 @@ class Router:
         servers = self.group.of(backend)
         if len(servers) == 1:
             return servers[0]
-        up = [s for s in servers if self._health.backends[s].healthy] or list(servers)
+        up = [s for s in servers if self._servers[s].healthy] or list(servers)
         chosen = least_loaded([(s, self.placement_load(s)) for s in up], self._rng.random())
         assert chosen is not None
         return chosen
@@ -313,14 +198,12 @@ class Router:
 
     def counts_steps(self) -> bool:
         """Whether the speculative servers' streams send one content event per decode step."""
-        names = [self._health.backends[s].engine for s in self.group.of("speculative")]
+        names = [self._servers[s].engine for s in self.group.of("speculative")]
         return bool(names) and all(n is not None and ENGINES[n].stream_steps for n in names)
 
     def engine_accept(self) -> float | None:
         """The speculative servers' acceptance as their engines report it (their mean)."""
-        found = [
-            a for s in self.group.of("speculative") if (a := self._health.backends[s].spec_accept_length) is not None
-        ]
+        found = [a for s in self.group.of("speculative") if (a := self._servers[s].spec_accept_length) is not None]
         return sum(found) / len(found) if found else None
 
     def note_output(self, backend: Backend, tokens: int, events: int | None = None, client: str = "") -> None:
@@ -332,13 +215,11 @@ class Router:
         self.evidence.served(client, tokens, self._clock())
         if backend != "speculative" or not self.state.probing:
             return
-        self._probe_tokens += tokens
+        session = self.state.session
+        self.state = probe_returned(self.state, tokens, self.adaptive.cfg.probe_tokens)
         a = stream_accept(tokens, events) if events is not None and self.counts_steps() else None
         if a is not None:
-            self._add_evidence(client, tokens, a, self._probe_session)
-        if self._probe_tokens >= self.adaptive.cfg.probe_tokens:
-            self._probe_tokens = self._probe_requests = 0
-            self.state = dataclasses.replace(self.state, probing=False)
+            self._add_evidence(client, tokens, a, session)
 
     def note_shadow(self, tokens: int, events: int, client: str = "") -> None:
         """A shadow probe of client `client`'s request came back with `tokens` output tokens in
@@ -349,7 +230,7 @@ class Router:
 
     def shadow_not_sent(self) -> None:
         """The shadow the last decision asked for was not sent: its probe is not counted."""
-        self.state = dataclasses.replace(self.state, probes=max(0, self.state.probes - 1))
+        self.state = shadow_unsent(self.state)
 
     def wants_shadow_of(self, client: str) -> bool:
         """Whether a shadow copy of this client's request would add to the evidence: not while its
@@ -372,7 +253,7 @@ class Router:
         return self.engine_accept(), "live"
 
     def refresh(self) -> None:
-        """Re-apply the hysteresis after load or health changed, so the mode gauge tells the truth."""
+        """Re-apply the policy's rule after load or health changed, so the mode gauge tells the truth."""
         if self.cfg.load_signal == "local":
             # The common case, on every admit and release: no snapshot to build.
             spec_load = self.role_count("speculative")
@@ -382,18 +263,10 @@ class Router:
             load = total_load(snap, self.cfg.load_signal)
             spec_load = backend_load(snap, "speculative", self.cfg.load_signal)
         self.last_load = load
-        self._metrics.child(self._metrics.group_load, self.group.name).set(load)
-        if self.solo:
-            self._metrics.load.set(load)
-        if self.cfg.policy == "threshold":
-            self._set_state(next_mode(load, self.state, self.cfg, self._clock()))
-        elif self.cfg.policy == "adaptive":
-            now = self._clock()
-            self._update(now)
-            fresh = accept_fresh(self._spec_idle_since, now, self.cfg)
-            self._set_state(dwell_mode(load, self.state, self.cfg, now, fresh)[0])
-        else:
-            self._set_state(PolicyState("speculative" if spec_load < self.cfg.spillover_limit else "baseline"))
+        now = self._clock()
+        self._update(now)
+        fresh = accept_fresh(self._spec_idle_since, now, self.cfg)
+        self._set_state(settle(load, spec_load, self.state, self.cfg, now, fresh))
 
     def _update(self, now: float) -> None:
         a = self.adaptive
@@ -401,9 +274,8 @@ class Router:
             return
         accept, source = self.accept_live(now)
         seen, self._accept_seen = self._accept_seen, accept
-        if accept is not None and seen is not None and abs(accept - seen) > ACCEPT_CHANGE * seen and self.state.probes:
-            # The traffic is changing: probe again soon rather than after a doubled wait.
-            self.state = dataclasses.replace(self.state, probes=0)
+        if accept is not None and seen is not None and abs(accept - seen) > ACCEPT_CHANGE * seen:
+            self.state = probes_restarted(self.state)
         if a.update(accept, now, source):
             high, low = a.watermarks()
             log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
@@ -412,29 +284,18 @@ class Router:
 
     def _publish_watermarks(self) -> None:
         m, c = self._metrics, self.cfg
-        crossover = _nan(self.adaptive.estimate.crossover) if self.adaptive is not None else None
         for level, value in (("high", c.high_watermark), ("low", c.low_watermark)):
             m.child(m.group_watermark, self.group.name, level).set(value)
-        if crossover is not None:
-            m.child(m.group_crossover, self.group.name).set(crossover)
-        if self.solo or self.group.name == "group-0":
-            # The gateway-wide gauges show the first group's (with the threshold policy, every group's).
-            m.set_watermarks(c.high_watermark, c.low_watermark, c.spillover_limit)
-            if crossover is not None:
-                m.crossover_estimate.set(crossover)
+        if self.adaptive is not None:
+            m.child(m.group_crossover, self.group.name).set(_nan(self.adaptive.estimate.crossover))
 
     def _publish_mode(self) -> None:
         m = self._metrics
         m.child(m.group_mode, self.group.name).set(1 if self.state.mode == "speculative" else 0)
-        if self.solo:
-            m.set_mode(self.state.mode)
 
-    def server_changed(self, server: str, count: int) -> None:
+    def server_changed(self, server: str) -> None:
         """A lease on one of the group's servers was taken or released."""
-        role = self.tracker.roles[server]
-        if self.solo:
-            self._metrics.child(self._metrics.inflight, role).set(self.role_count(role))
-        if role == "speculative":
+        if self.tracker.role(server) == "speculative":
             self._spec_idle_since = self._clock() if self.role_count("speculative") == 0 else None
         self.refresh()
 
@@ -459,13 +320,13 @@ class Placement:
 class Fleet:
     """Every group's Router over one in-flight tracker of every server: which group a new request
     goes to (the least loaded healthy one, at random among near-ties), and the gateway-wide
-    gauges summed over groups."""
+    gauges, which are the groups' summed (load, in-flight) or averaged (mode, watermarks)."""
 
     def __init__(
         self,
         topology: Topology,
+        servers: Mapping[str, Server],
         cfg: PolicyConfig,
-        health: HealthMonitor,
         metrics: Metrics,
         adaptive: AdaptiveConfig | None = None,
         calibration: Calibration | None = None,
@@ -475,21 +336,19 @@ class Fleet:
         self.topology = topology
         self._metrics = metrics
         self._rng = rng or random.Random()
-        self.tracker = InflightTracker({s.name: s.role for s in topology.servers}, self._changed, clock)
-        solo = len(topology.groups) == 1
+        self.tracker = InflightTracker(servers, self._changed, clock)
         self.routers = tuple(
-            Router(cfg, health, metrics, adaptive, calibration, clock, g, self.tracker, self._rng, solo)
+            Router(cfg, servers, metrics, self.tracker, g, adaptive, calibration, clock, self._rng)
             for g in topology.groups
         )
         self._router_of = {s: r for r in self.routers for role in BACKENDS for s in r.group.of(role)}
-        self.solo = solo
-        self._publish()
+        self._bind_gauges(servers)
 
     def router_of(self, server: str) -> Router:
         return self._router_of[server]
 
     def choose(self) -> Router:
-        if self.solo:
+        if len(self.routers) == 1:
             return self.routers[0]
         up = [(r.group.name, r.group_placement_load()) for r in self.routers if any(r.healthy_map().values())]
         name = least_loaded(up, self._rng.random())
@@ -502,23 +361,36 @@ class Fleet:
     def refresh(self) -> None:
         for r in self.routers:
             r.refresh()
-        self._publish()
 
     def _changed(self, server: str, count: int) -> None:
-        self._metrics.child(self._metrics.server_inflight, server).set(count)
-        self._router_of[server].server_changed(server, count)
-        if not self.solo:
-            self._publish()
+        self._router_of[server].server_changed(server)
 
-    def _publish(self) -> None:
-        if self.solo:
-            return
-        m = self._metrics
+    def _bind_gauges(self, servers: Mapping[str, Server]) -> None:
+        """The gateway-wide and per-server gauges read the routers when scraped: nothing to update
+        on every admit and release. The gateway's are the groups' summed (load, in-flight) or
+        averaged (mode, watermarks: every group's with the threshold policy, while the adaptive one
+        moves each group's on its own)."""
+        m, routers = self._metrics, self.routers
+        n = len(routers)
+        for name, server in servers.items():
+            m.child(m.server_inflight, name).set_function(lambda load=server.load: load.count)
+        for r in routers:
+            m.child(m.group_load, r.group.name).set_function(lambda r=r: r.last_load)
         for role in BACKENDS:
-            m.child(m.inflight, role).set(sum(r.role_count(role) for r in self.routers))
-        m.load.set(sum(r.last_load for r in self.routers))
+            m.child(m.inflight, role).set_function(lambda role=role: sum(r.role_count(role) for r in routers))
+        m.load.set_function(lambda: sum(r.last_load for r in routers))
         # The share of groups in speculative mode: 1 or 0 as with one group, between with several.
-        m.mode.set(sum(r.state.mode == "speculative" for r in self.routers) / len(self.routers))
+        m.mode.set_function(lambda: sum(r.state.mode == "speculative" for r in routers) / n)
+        m.watermark.labels("high").set_function(lambda: sum(r.cfg.high_watermark for r in routers) / n)
+        m.watermark.labels("low").set_function(lambda: sum(r.cfg.low_watermark for r in routers) / n)
+        m.watermark.labels("spillover").set(routers[0].cfg.spillover_limit)
+        if any(r.adaptive is not None for r in routers):
+            m.crossover_estimate.set_function(lambda: _mean_crossover(routers))
+
+
+def _mean_crossover(routers: Sequence[Router]) -> float:
+    found = [c for r in routers if r.adaptive is not None and (c := r.adaptive.estimate.crossover) is not None]
+    return sum(found) / len(found) if found else math.nan
 
 
 def _nan(value: float | None) -> float:

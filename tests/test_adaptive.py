@@ -23,13 +23,13 @@ from proxy.adaptive import (
     watermarks,
 )
 from proxy.calibration import Calibration, Curve
-from proxy.config import Settings
-from proxy.health import HealthMonitor
 from proxy.metrics import Metrics
-from proxy.policy import LoadSnapshot, PolicyConfig, PolicyState, decide, dwell_mode
+from proxy.policy import LoadSnapshot, PolicyState, decide, dwell_mode
 from proxy.probe import completion_tokens, content_events, shadow_body
-from proxy.routing import AdaptiveConfig, Router
-from proxy.upstream import Upstream
+from proxy.routing import Fleet, Router
+from proxy.servers import Health
+
+from .configs import adaptive_cfg, policy_cfg, rig
 
 LEVELS = (1, 2, 5, 10, 20, 30, 50, 70)
 # The shipped `crossover` profile: equal at 20 streams, speculation ahead below, behind above.
@@ -184,7 +184,7 @@ def test_watermark_moves_at_a_bounded_rate_inside_its_range() -> None:
     assert watermarks(WatermarkState(20.0, 11.0, 0)) == (20, 11)
 
 
-ADAPTIVE = PolicyConfig("adaptive", 10, 7, min_dwell_s=5.0, probe_s=4.0, probe_max_s=10.0, probe_max_load=50)
+ADAPTIVE = policy_cfg("adaptive", 10, 7, min_dwell_s=5.0, probe_s=4.0, probe_max_s=10.0, probe_max_load=50)
 
 
 def snap(spec: int, base: int, now: float, idle_since: float | None, spec_up: bool = True) -> LoadSnapshot:
@@ -204,7 +204,7 @@ def test_dwell_holds_a_switch_until_the_mode_is_old_enough() -> None:
     assert held.mode == "baseline" and was_held
     assert dwell_mode(3, d.state, ADAPTIVE, 10.0)[0].mode == "speculative"
     # The threshold policy has no dwell: exactly as before.
-    t = decide(snap(12, 0, 0.1, None), PolicyState("speculative", since=0.0), PolicyConfig("threshold", 10, 7))
+    t = decide(snap(12, 0, 0.1, None), PolicyState("speculative", since=0.0), policy_cfg("threshold", 10, 7))
     assert (t.backend, t.reason) == ("baseline", "heavy_load")
 
 
@@ -257,16 +257,17 @@ class Clock:
         return self.t
 
 
-def router(cal: Calibration | None, clock: Clock, **cfg: float) -> tuple[Router, HealthMonitor, Metrics]:
-    settings = Settings(_env_file=None)
-    metrics = Metrics()
-    health = HealthMonitor(settings, Upstream(settings), metrics)
-    for b in health.backends.values():
-        b.healthy = True
-    health.backends["speculative"].spec_accept_length = 3.0
-    policy = PolicyConfig("adaptive", 16, 8, min_dwell_s=2.0, probe_s=0.0, probe_max_load=70)
-    adaptive = AdaptiveConfig(**{"margin": 0.0, **cfg})  # type: ignore[arg-type]
-    return Router(policy, health, metrics, adaptive, cal, clock=clock), health, metrics
+def router(cal: Calibration | None, clock: Clock, **cfg: float) -> tuple[Router, dict[str, Health], Metrics]:
+    """One pair's router under the adaptive policy, both servers up, acceptance 3 read."""
+    r = rig()
+    health = r.health
+    for h in health.values():
+        h.healthy = True
+    health["speculative"].spec_accept_length = 3.0
+    policy = policy_cfg("adaptive", 16, 8, min_dwell_s=2.0, probe_s=0.0, probe_max_load=70)
+    adaptive = adaptive_cfg(**{"margin": 0.0, **cfg})
+    (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, cal, clock=clock).routers
+    return router, health, r.metrics
 
 
 def test_router_ends_a_probe_session_once_enough_tokens_came_back() -> None:
@@ -306,7 +307,7 @@ def test_router_follows_live_acceptance_at_a_bounded_rate() -> None:
     r, health, metrics = router(calibration(), clock, max_step_per_s=2.0, min_watermark=0, max_watermark=60)
     assert (r.cfg.high_watermark, r.cfg.low_watermark) == (20, 15)  # the calibration's, from the start
     assert gauge(metrics, "specgate_crossover_estimate") == pytest.approx(20.0)
-    health.backends["speculative"].spec_accept_length = 1.2  # diverse traffic: never pays
+    health["speculative"].spec_accept_length = 1.2  # diverse traffic: never pays
     highs = []
     for _ in range(12):
         clock.t += 1.0
@@ -337,11 +338,11 @@ def test_a_changed_acceptance_reading_restarts_the_probes_back_off() -> None:
     held = [r.admit("baseline") for _ in range(30)]  # above the high watermark: baseline mode
     assert r.state.mode == "baseline"
     r.state = dataclasses.replace(r.state, probes=3)
-    health.backends["speculative"].spec_accept_length = 3.05  # within 10% of the last: no news
+    health["speculative"].spec_accept_length = 3.05  # within 10% of the last: no news
     clock.t += 1
     r.refresh()
     assert r.state.probes == 3
-    health.backends["speculative"].spec_accept_length = 1.6  # the traffic is changing
+    health["speculative"].spec_accept_length = 1.6  # the traffic is changing
     clock.t += 1
     r.refresh()
     assert r.state.probes == 0 and len(held) == 30
@@ -434,7 +435,7 @@ def test_a_shadow_probe_leaves_the_request_where_the_mode_sends_it() -> None:
 def test_router_reads_acceptance_from_probe_streams_while_fresh() -> None:
     clock = Clock()
     r, health, _ = router(calibration(), clock)
-    spec = health.backends["speculative"]
+    spec = health["speculative"]
     spec.engine = "sglang"
     assert r.accept_live(clock.t) == (3.0, "live")
     r.note_shadow(61, 17)  # (61 - 1) / (17 - 1) tokens a step
@@ -452,7 +453,7 @@ def test_router_reads_acceptance_from_probe_streams_while_fresh() -> None:
 def test_router_pools_a_request_probe_sessions_streams() -> None:
     clock = Clock()
     r, health, _ = router(calibration(), clock, probe_tokens=100)
-    health.backends["speculative"].engine = "vllm"
+    health["speculative"].engine = "vllm"
     r.cfg = dataclasses.replace(r.cfg, high_watermark=0, low_watermark=0, probe_s=5.0, probe_max_s=5.0)
     assert r.decide().reason == "heavy_load"
     clock.t += 6

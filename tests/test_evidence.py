@@ -90,7 +90,7 @@ def test_a_client_measured_in_full_is_not_copied_again_while_others_are_served()
 def test_the_router_weighs_each_clients_reading_by_its_traffic() -> None:
     clock = Clock()
     r, health, _ = router(calibration(), clock)
-    health.backends["speculative"].engine = "sglang"
+    health["speculative"].engine = "sglang"
     # One client's repetitive prompt: 3.75 tokens a step, over and over. Alone, it is read on.
     for _ in range(20):
         r.note_output("baseline", 16, client="key:attacker")
@@ -219,7 +219,7 @@ def test_a_probe_that_raises_is_logged_once_and_probes_go_on(caplog: pytest.LogC
     call = ProxyCall(b"/v1/chat/completions", "chat", body, b"x-request-id: rid\r\n", "rid", False, False, 0.0,
                      "addr:x")  # fmt: skip
     router = _Router()
-    metrics = Metrics()
+    metrics = Metrics(("speculative", "baseline"), ("group-0",))
 
     async def two_probes() -> None:
         prober = Prober(_Upstream(), metrics, 16)  # type: ignore[arg-type]

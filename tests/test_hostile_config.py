@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from proxy import calibration as calib
-from proxy.adaptive import Prior, SpeedModel, estimate, high_for
+from proxy.adaptive import Adaptive, Prior, SpeedModel, estimate, high_for
 from proxy.calibration import (
     MAX_ACCEPT,
     MAX_FILE_BYTES,
@@ -33,8 +33,8 @@ from proxy.calibration import (
 )
 from proxy.config import Settings, describe_error, redact_url
 from proxy.policy import BACKENDS, Backend
-from proxy.routing import Adaptive, AdaptiveConfig
 
+from .configs import adaptive_cfg
 from .test_config import CALIBRATION
 
 GOOD = CALIBRATION
@@ -209,7 +209,7 @@ def _corner(levels: list[int], tok_s: tuple[float, ...], tpot: tuple[float | Non
 def test_files_at_the_bounds_give_finite_watermarks_within_limits(tmp_path: Path) -> None:
     speeds = (MIN_TOK_S, MAX_TOK_S)
     tpots: list[tuple[float | None, ...]] = [(None,) * 4, *itertools.product((MIN_TPOT_MS, MAX_TPOT_MS), repeat=4)]
-    cfg = AdaptiveConfig(min_watermark=0, max_watermark=MAX_WATERMARK, max_step_per_s=1e9, margin=0.5)
+    cfg = adaptive_cfg(min_watermark=0, max_watermark=MAX_WATERMARK, max_step_per_s=1e9, margin=0.5)
     seen: set[int] = set()
     for levels in ([1, MAX_LEVEL], [MAX_LEVEL - 1, MAX_LEVEL]):
         for tok_s in itertools.product(speeds, repeat=4):

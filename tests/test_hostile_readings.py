@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -24,6 +24,7 @@ from proxy import engines
 from proxy.config import Settings
 from proxy.health import HealthMonitor
 from proxy.metrics import Metrics
+from proxy.servers import servers_of
 from proxy.upstream import Upstream
 
 from .test_proxy import wait_for
@@ -147,13 +148,18 @@ def scripted(script: Script) -> Iterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def monitor(spec: Script, base: Script, **settings: Any) -> AsyncIterator[HealthMonitor]:
-    """A HealthMonitor in this process reading two scripted servers through the real upstream."""
+async def monitor(
+    spec: Script, base: Script, sinks: Mapping[str, Any] | None = None, **settings: Any
+) -> AsyncIterator[HealthMonitor]:
+    """A HealthMonitor in this process reading two scripted servers through the real upstream,
+    telling `sinks` (HealthMonitor's keyword arguments) what it finds."""
     with scripted(spec) as spec_url, scripted(base) as base_url:
         s = Settings(_env_file=None, speculative_url=spec_url, baseline_url=base_url, **settings)
         upstream = Upstream(s)
         try:
-            yield HealthMonitor(s, upstream, Metrics())
+            t = s.routing_topology()
+            metrics = Metrics(t.names(), [g.name for g in t.groups])
+            yield HealthMonitor(s, upstream, servers_of(t), metrics, **(sinks or {}))
         finally:
             await upstream.aclose()
 
@@ -187,7 +193,7 @@ def gauge(m: HealthMonitor, name: str, **labels: str) -> float | None:
 def assert_unreadable(m: HealthMonitor, *why: str) -> None:
     """The speculative server's reading was refused as any unreadable signal is, and none of it
     reached the exported metrics."""
-    h = m.backends["speculative"]
+    h = m.servers["speculative"].health
     assert h.engine_signal_up is False and h.engine_load is None and h.spec_accept_length is None, h
     assert h.engine_signal_error is not None and all(w in h.engine_signal_error for w in why), h.engine_signal_error
     assert gauge(m, "specgate_engine_signal_up", backend="speculative") == 0
@@ -195,7 +201,7 @@ def assert_unreadable(m: HealthMonitor, *why: str) -> None:
     if m._settings.load_signal != "local":
         assert m.signal_in_effect()[0] == "mixed"
     # The healthy peer is read as before.
-    assert m.backends["baseline"].engine_signal_up is True
+    assert m.servers["baseline"].health.engine_signal_up is True
 
 
 # --- Values no server could report: unreadable, never passed on -------------------------------
@@ -246,11 +252,11 @@ def test_an_impossible_acceptance_or_activity_is_unreadable(body: str, why: tupl
 
 def test_real_readings_still_read() -> None:
     m = read_once(sglang("3", queued="1", accept="0", tokens=9), vllm("2", "1", accepted="150", drafts="100"))
-    spec, base = m.backends["speculative"], m.backends["baseline"]
+    spec, base = m.servers["speculative"].health, m.servers["baseline"].health
     assert (spec.engine_load, spec.spec_accept_length, spec.engine_signal_up) == (4, None, True)  # 0: no speculation
     assert (base.engine, base.engine_load, base.spec_accept_length) == ("vllm", 3, 2.5)
     m = read_once(sglang("1", accept="2.75", tokens=9))
-    assert m.backends["speculative"].spec_accept_length == 2.75
+    assert m.servers["speculative"].health.spec_accept_length == 2.75
 
 
 def test_an_oversized_metrics_body_is_unreadable_and_says_why() -> None:
@@ -285,15 +291,18 @@ def test_engines_are_detected_from_names_the_adapters_do_not_read_too() -> None:
 
 
 def run_loops(
-    caplog: pytest.LogCaptureFixture, arrange: Callable[[HealthMonitor], Callable[[], bool]], what: str
+    caplog: pytest.LogCaptureFixture,
+    arrange: Callable[[HealthMonitor], Callable[[], bool]],
+    what: str,
+    sinks: Mapping[str, Any] | None = None,
 ) -> None:
-    """Run the monitor's loops with `arrange`'s fault in place until its condition holds; the failure
-    was logged once, with its type, and the recovery after it."""
+    """Run the monitor's loops, telling `sinks`, with `arrange`'s fault in place until its
+    condition holds; the failure was logged once, with its type, and the recovery after it."""
 
     async def go() -> None:
         spec = Script(steady(lambda n: sglang("2", tokens=n)))
         base = Script(steady(lambda n: sglang("1", tokens=n)))
-        async with monitor(spec, base, health_interval_s=0.05, scrape_interval_s=0.1) as m:
+        async with monitor(spec, base, sinks, health_interval_s=0.05, scrape_interval_s=0.1) as m:
             done = arrange(m)
             task = asyncio.get_running_loop().create_task(m.run())
             try:
@@ -327,10 +336,9 @@ def fail(times: int) -> Callable[..., None]:
 
 def test_the_scrape_loop_survives_a_failing_on_reading(caplog: pytest.LogCaptureFixture) -> None:
     def arrange(m: HealthMonitor) -> Callable[[], bool]:
-        m.on_reading = fail(3)
-        return lambda: m.backends["speculative"].engine_signal_up is True
+        return lambda: m.servers["speculative"].health.engine_signal_up is True
 
-    run_loops(caplog, arrange, "scrape")
+    run_loops(caplog, arrange, "scrape", {"on_reading": fail(3)})
 
 
 def test_the_scrape_loop_survives_a_parse_that_raises(
@@ -348,17 +356,16 @@ def test_the_scrape_loop_survives_a_parse_that_raises(
     monkeypatch.setattr(engines, "parse_metrics", flaky)
 
     def arrange(m: HealthMonitor) -> Callable[[], bool]:
-        return lambda: calls[0] > 4 and all(h.engine_signal_up for h in m.backends.values())
+        return lambda: calls[0] > 4 and all(s.health.engine_signal_up for s in m.servers.values())
 
     run_loops(caplog, arrange, "scrape")
 
 
 def test_the_poll_loop_survives_a_failing_on_change(caplog: pytest.LogCaptureFixture) -> None:
     def arrange(m: HealthMonitor) -> Callable[[], bool]:
-        m.on_change = fail(2)
-        return lambda: all(h.healthy for h in m.backends.values())
+        return lambda: all(s.healthy for s in m.servers.values())
 
-    run_loops(caplog, arrange, "poll")
+    run_loops(caplog, arrange, "poll", {"on_change": fail(2)})
 
 
 def test_the_poll_loop_survives_a_failing_probe(caplog: pytest.LogCaptureFixture) -> None:
@@ -373,7 +380,7 @@ def test_the_poll_loop_survives_a_failing_probe(caplog: pytest.LogCaptureFixture
             return await get(backend, path, timeout_s)
 
         m._upstream.get = flaky  # type: ignore[method-assign]
-        return lambda: calls[0] > 4 and all(h.healthy for h in m.backends.values())
+        return lambda: calls[0] > 4 and all(s.healthy for s in m.servers.values())
 
     run_loops(caplog, arrange, "poll")
 

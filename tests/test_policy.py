@@ -17,8 +17,10 @@ from proxy.policy import (
     next_mode,
 )
 
+from .configs import policy_cfg
+
 UP = {"speculative": True, "baseline": True}
-THRESHOLD = PolicyConfig("threshold", high_watermark=10, low_watermark=4)
+THRESHOLD = policy_cfg("threshold", high_watermark=10, low_watermark=4)
 
 
 def snap(
@@ -95,11 +97,11 @@ def test_speculation_returns_only_once_the_load_has_stayed_low_for_the_hold() ->
     ],
 )
 def test_spillover(spec: int, base: int, backend: str, reason: str) -> None:
-    d = decide(snap(spec, base), PolicyState(), PolicyConfig("spillover", spillover_limit=3))
+    d = decide(snap(spec, base), PolicyState(), policy_cfg("spillover", spillover_limit=3))
     assert (d.backend, d.reason) == (backend, reason)
 
 
-@pytest.mark.parametrize("cfg", [THRESHOLD, PolicyConfig("spillover", spillover_limit=3)])
+@pytest.mark.parametrize("cfg", [THRESHOLD, policy_cfg("spillover", spillover_limit=3)])
 def test_down_backends_are_never_chosen(cfg: PolicyConfig) -> None:
     spec_down = decide(snap(0, 0, {"speculative": False, "baseline": True}), PolicyState(), cfg)
     assert (spec_down.backend, spec_down.reason) == ("baseline", "only_healthy")
@@ -126,13 +128,13 @@ def test_load_signals(signal: LoadSignal, local: int, engine: int | None, expect
 
 
 def test_engine_signal_drives_the_switch() -> None:
-    cfg = PolicyConfig("threshold", 10, 4, load_signal="engine")
+    cfg = policy_cfg("threshold", 10, 4, load_signal="engine")
     d = decide(snap(0, 0, engine={"speculative": 12, "baseline": 0}), PolicyState(), cfg)
     assert (d.backend, d.reason, d.load) == ("baseline", "heavy_load", 12)
 
 
 def test_high_watermark_zero_sends_everything_to_the_baseline() -> None:
-    cfg = PolicyConfig("threshold", high_watermark=0, low_watermark=0)
+    cfg = policy_cfg("threshold", high_watermark=0, low_watermark=0)
     state = PolicyState()
     for load in (0, 0, 5, 0):
         d = decide(snap(load, 0), state, cfg)

@@ -12,12 +12,12 @@ import pytest
 from pydantic import ValidationError
 
 from proxy.config import Settings
-from proxy.health import HealthMonitor
-from proxy.metrics import Metrics
-from proxy.policy import PolicyConfig, least_loaded, near_ties
+from proxy.policy import least_loaded, near_ties
 from proxy.routing import Fleet
+from proxy.servers import Health
 from proxy.topology import build
-from proxy.upstream import Upstream
+
+from .configs import policy_cfg, rig
 
 S0, S1, B0, B1 = (f"http://127.0.0.1:{p}" for p in (30001, 30011, 30002, 30012))
 
@@ -76,21 +76,13 @@ class Clock:
 
 def fleet(
     spec: str, base: str, topology: str | None = None, signal: str = "local", high: int = 16, clock: Clock | None = None
-) -> tuple[Fleet, HealthMonitor]:
-    settings = Settings(
-        _env_file=None,
-        speculative_url=spec,
-        baseline_url=base,
-        topology=topology,
-        load_signal=signal,
-    )
-    t = settings.routing_topology()
-    metrics = Metrics(t.names(), [g.name for g in t.groups])
-    health = HealthMonitor(settings, Upstream(settings), metrics)
-    for h in health.backends.values():
+) -> tuple[Fleet, dict[str, Health]]:
+    r = rig(speculative_url=spec, baseline_url=base, topology=topology, load_signal=signal)
+    health = r.health
+    for h in health.values():
         h.healthy = True
-    cfg = PolicyConfig("threshold", high, high // 2, load_signal=signal)  # type: ignore[arg-type]
-    return Fleet(t, cfg, health, metrics, clock=clock or Clock(), rng=random.Random(7)), health
+    cfg = policy_cfg("threshold", high, high // 2, load_signal=signal)
+    return Fleet(r.topology, r.servers, cfg, r.metrics, clock=clock or Clock(), rng=random.Random(7)), health
 
 
 def test_a_request_goes_to_the_least_loaded_group_then_to_its_server_for_the_mode() -> None:
@@ -110,7 +102,7 @@ def test_a_request_goes_to_the_least_loaded_group_then_to_its_server_for_the_mod
     assert g1.decide().backend == "baseline"
     # A group whose servers are both down gets nothing.
     for name in ("speculative-0", "baseline-0"):
-        health.backends[name].healthy = False
+        health[name].healthy = False
     assert all(f.decide().router is g1 for _ in range(10))
     for lease in held:
         lease.release()
@@ -118,11 +110,11 @@ def test_a_request_goes_to_the_least_loaded_group_then_to_its_server_for_the_mod
 
 
 def test_equal_groups_share_the_load_at_random_not_in_a_herd() -> None:
-    f, _ = fleet(f"{S0},{S1}", f"{B0},{B1}", signal="engine", high=1000)
+    f, health = fleet(f"{S0},{S1}", f"{B0},{B1}", signal="engine", high=1000)
     # Engine readings of 10 each and nothing sent since: a tie, every time.
     for r in f.routers:
         for s in ("speculative", "baseline"):
-            f.routers[0]._health.backends[r.group.of(s)[0]].engine_load = 10 if s == "speculative" else 0
+            health[r.group.of(s)[0]].engine_load = 10 if s == "speculative" else 0
     chosen = Counter(f.decide().router.group.name for _ in range(400))
     assert set(chosen) == {"group-0", "group-1"} and min(chosen.values()) > 150
 
@@ -132,7 +124,7 @@ def test_a_servers_engine_load_is_the_others_as_last_read_plus_ours_now() -> Non
     r = f.routers[0]
     t = f.tracker
     for name in ("speculative-0", "speculative-1", "baseline"):
-        health.backends[name].engine_load = 5
+        health[name].engine_load = 5
         t.scraping(name)
         t.scraped(name, 5)
     assert r.server_load("speculative-0") == 5 and t.others("speculative-0") == 5
@@ -150,7 +142,7 @@ def test_a_servers_engine_load_is_the_others_as_last_read_plus_ours_now() -> Non
     assert r.engine_loads() == {"speculative": 7 + 5, "baseline": 5}
     # A server whose engine load turns unreadable keeps the others as they last stood (ours alone
     # would be a fraction of the load with several replicas); one never read is counted by ours.
-    health.backends["speculative-1"].engine_load = None
+    health["speculative-1"].engine_load = None
     assert r.server_load("speculative-1") == 5 and r.engine_loads()["speculative"] == 7 + 5
     f2, _ = fleet(S0, B0, signal="engine")
     assert f2.routers[0].engine_loads() == {"speculative": None, "baseline": None}
@@ -161,7 +153,7 @@ def test_the_others_are_smoothed_slowly_for_placement_and_over_a_second_for_the_
     f, health = fleet(f"{S0},{S1}", B0, signal="engine", high=1000, clock=clock)
     r, t = f.routers[0], f.tracker
     for name in ("speculative-0", "speculative-1"):
-        health.backends[name].engine_load = 0
+        health[name].engine_load = 0
         t.scraping(name)
         t.scraped(name, 0)
     # 0.2 s later a scrape says another replica put 10 on speculative-0: every replica reads it at
@@ -200,13 +192,13 @@ def test_a_second_of_one_stale_reading_does_not_move_a_replicas_requests_away_to
     clock = Clock()
     f, health = fleet(f"{S0},{S1}", f"{B0},{B1}", signal="engine", high=1000, clock=clock)
     t = f.tracker
-    for name in health.backends:
-        health.backends[name].engine_load = 0
+    for name in health:
+        health[name].engine_load = 0
         t.scraping(name)
         t.scraped(name, 0)
     for _ in range(5):  # 1 s of readings: group-0's speculative server shows 10 of the others'
         clock.t += 0.2
-        for name in health.backends:
+        for name in health:
             t.scraping(name)
             t.scraped(name, 10 if name == "speculative-0" else 0)
     placed: Counter[str] = Counter()
@@ -221,7 +213,7 @@ def test_a_second_of_one_stale_reading_does_not_move_a_replicas_requests_away_to
 
 
 def test_a_pooled_role_spreads_over_its_servers() -> None:
-    f, _ = fleet(f"{S0},{S1}", f"{B0},{B1}", topology="pooled", high=1000)
+    f, health = fleet(f"{S0},{S1}", f"{B0},{B1}", topology="pooled", high=1000)
     (pool,) = f.routers
     leases = [pool.admit("speculative") for _ in range(20)]
     counts = Counter(lease.server for lease in leases)
@@ -231,7 +223,7 @@ def test_a_pooled_role_spreads_over_its_servers() -> None:
     more = [pool.admit("speculative") for _ in range(10)]
     assert Counter(lease.server for lease in more + leases[1::2]) == {"speculative-0": 10, "speculative-1": 10}
     # A server that is down gets nothing while its peer is up.
-    pool._health.backends["speculative-0"].healthy = False
+    health["speculative-0"].healthy = False
     assert {pool.admit("speculative").server for _ in range(5)} == {"speculative-1"}
 
 

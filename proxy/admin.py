@@ -1,0 +1,160 @@
+"""specgate's own routes: /health, /ready, /routing (what it decides and why), /metrics and the
+model list, answered by the gateway rather than forwarded. Handlers reach the running gateway
+through `request.app.state.gate`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from . import ingress
+from .config import redact_url
+from .errors import ApiError
+from .gate import Gate
+from .policy import BACKENDS
+
+router = APIRouter()
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json", headers=headers)
+
+
+def request_id(request: Request) -> str:
+    return ingress.request_id_of(request.headers.get("x-request-id", "").encode("latin-1"))
+
+
+def _authorization(request: Request) -> bytes:
+    return request.headers.get("authorization", "").encode("latin-1")
+
+
+@router.get("/health")
+async def health() -> Response:
+    return _json({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(request: Request) -> Response:
+    gate: Gate = request.app.state.gate
+    up = [b for b in BACKENDS if gate.health.role_healthy(b)]
+    servers = [n for n, s in gate.health.servers.items() if s.healthy]
+    return _json({"ready": bool(up), "healthy_backends": up, "healthy_servers": servers}, 200 if up else 503)
+
+
+@router.get("/routing")
+async def routing(request: Request) -> Response:
+    gate: Gate = request.app.state.gate
+    if gate.settings.admin_keys:
+        ingress.check_key(gate.settings.admin_keys, _authorization(request), "admin key")
+    return _json(describe(gate))
+
+
+def describe(gate: Gate) -> dict[str, Any]:
+    """The /routing document: every server, role, group and the policy's beliefs."""
+    fleet, s, tracker = gate.fleet, gate.settings, gate.fleet.tracker
+    servers = {}
+    for name, srv in gate.health.servers.items():
+        h = srv.health
+        servers[name] = {
+            "role": srv.role,
+            "group": srv.group,
+            "url": redact_url(srv.url),
+            "healthy": h.healthy,
+            "inflight": tracker.count(name),
+            # Requests not this gateway's, as last read (the engine's count minus ours then).
+            "others": tracker.others(name),
+            "others_smoothed": round(tracker.others_smooth(name), 2),
+            "others_balance": round(tracker.others_balance(name), 2),
+            "load": fleet.router_of(name).server_load(name),
+            "engine": h.engine,
+            "engine_load": h.engine_load,
+            "engine_signal_up": bool(h.engine_signal_up),
+            "engine_signal_error": h.engine_signal_error,
+            "spec_accept_length": h.spec_accept_length,
+            "last_error": h.last_error,
+        }
+    # One server a role: the role's entry is that server's; several: a summary.
+    backends: dict[str, Any] = {}
+    for b in BACKENDS:
+        names = [n for n, srv in gate.health.servers.items() if srv.role == b]
+        if len(names) == 1:
+            backends[b] = {k: v for k, v in servers[names[0]].items() if k not in ("role", "group")}
+        else:
+            loads = [servers[n]["engine_load"] for n in names]
+            backends[b] = {
+                "servers": names,
+                "healthy": gate.health.role_healthy(b),
+                "inflight": sum(tracker.count(n) for n in names),
+                "engine_load": None if None in loads else sum(loads),
+            }
+    groups = [
+        {
+            "name": g.group.name,
+            "mode": g.state.mode,
+            "load": g.load,
+            "watermarks": {"high": g.cfg.high_watermark, "low": g.cfg.low_watermark},
+            "servers": {role: list(g.group.of(role)) for role in BACKENDS},
+            **({"adaptive": g.adaptive.describe(g.now())} if g.adaptive is not None else {}),
+        }
+        for g in fleet.routers
+    ]
+    first = fleet.routers[0]
+    in_effect, why = gate.health.signal_in_effect()
+    return {
+        "policy": s.policy,
+        "topology": fleet.topology.kind,
+        # The first group's mode, watermarks and beliefs (with one group, the gateway's); every
+        # group's are under "groups".
+        "mode": first.state.mode,
+        "load_signal": s.load_signal,
+        "load_signal_in_effect": in_effect,
+        "load_signal_why": why,
+        "engine_setting": s.engine,
+        "load": sum(g["load"] for g in groups),
+        "inflight": tracker.total,
+        "watermarks": {"high": first.cfg.high_watermark, "low": first.cfg.low_watermark},
+        "calibration": s.calibration,
+        "spillover_limit": s.spillover_limit,
+        "backends": backends,
+        "servers": servers,
+        "groups": groups,
+        **({"adaptive": first.adaptive.describe(first.now())} if first.adaptive is not None else {}),
+    }
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    gate: Gate = request.app.state.gate
+    if gate.settings.protect_metrics:
+        ingress.check_key(gate.settings.admin_keys, _authorization(request), "admin key")
+    return Response(generate_latest(gate.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    """Every healthy server's models, merged by id: clients list them before they send."""
+    gate: Gate = request.app.state.gate
+    ingress.authorize(gate.settings, _authorization(request))
+    healthy = [n for n, srv in gate.health.servers.items() if srv.healthy]
+    if not healthy:
+        raise ApiError(503, "No healthy backend: every server is down.", "server_error", "no_healthy_backend")
+    probes = await asyncio.gather(
+        *(gate.upstream.get(b, "/v1/models", gate.settings.health_timeout_s) for b in healthy)
+    )
+    seen: dict[str, Any] = {}
+    for probe in probes:
+        if probe.status != 200:
+            continue
+        with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
+            for card in orjson.loads(probe.body).get("data", []):
+                if isinstance(card, dict) and isinstance(card.get("id"), str):
+                    seen.setdefault(card["id"], card)
+    if not seen:
+        raise ApiError(502, "No backend listed its models.", "server_error", "upstream_unavailable")
+    return _json({"object": "list", "data": list(seen.values())}, headers={"x-request-id": request_id(request)})

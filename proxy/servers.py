@@ -1,0 +1,114 @@
+"""One object per upstream server: what it is (name, role, URL, group) and what is known of it now
+(its health and engine reading, this gateway's requests on it and the others'), as SGLang's
+gateway keeps one `Worker` per server.
+
+Each part has one writer: `health.HealthMonitor` the health and the engine's reading,
+`inflight.InflightTracker` the counts. Routing reads servers through `ServerView`, which has no
+setters, so the policy's side cannot change what it is told. The connection pool is the
+transport's (upstream.py), found by the same name: routing never reaches the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .engines import AcceptanceRate, EngineName
+from .policy import Backend
+from .topology import Topology
+
+# Acceptance from counters is averaged over this long: a few scrapes, enough drafts to mean something.
+ACCEPT_WINDOW_S = 10.0
+
+
+@dataclass
+class Health:
+    """What the health loops know of one server (written by HealthMonitor only)."""
+
+    healthy: bool = False
+    last_error: str | None = None
+    consecutive_timeouts: int = 0
+    # When a proxied request last got bytes from this server (the health clock).
+    last_alive: float | None = None
+    # The engine whose metrics the server exports (detected, or as configured).
+    engine: EngineName | None = None
+    engine_load: int | None = None
+    # None until the first scrape; then whether the engine load could be read, and if not, why.
+    engine_signal_up: bool | None = None
+    engine_signal_error: str | None = "not scraped yet"
+    # Live mean acceptance length (>= 1, bonus token included); None without speculation.
+    spec_accept_length: float | None = None
+    reading_at: float | None = field(default=None, repr=False)
+    # SGLang's frozen-gauge heuristic (health.py): the values that move while it works, since when
+    # they stand, and how often they usually move.
+    activity: tuple[float, ...] | None = field(default=None, repr=False)
+    activity_since: float = field(default=0.0, repr=False)
+    moves_every_s: float = field(default=0.0, repr=False)
+    acceptance: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(ACCEPT_WINDOW_S), repr=False)
+
+
+@dataclass
+class Load:
+    """This gateway's requests on one server and the others' as the engine reported them (written
+    by InflightTracker only; see inflight.py for the smoothing)."""
+
+    count: int = 0
+    at_scrape: int = 0
+    others: int = 0
+    others_smooth: float = 0.0
+    others_balance: float = 0.0
+    read_at: float | None = None
+
+
+@dataclass(eq=False)
+class Server:
+    name: str
+    role: Backend
+    url: str
+    group: str
+    health: Health = field(default_factory=Health)
+    load: Load = field(default_factory=Load)
+
+    @property
+    def healthy(self) -> bool:
+        return self.health.healthy
+
+    @property
+    def engine(self) -> EngineName | None:
+        return self.health.engine
+
+    @property
+    def engine_load(self) -> int | None:
+        return self.health.engine_load
+
+    @property
+    def spec_accept_length(self) -> float | None:
+        return self.health.spec_accept_length
+
+
+class ServerView(Protocol):
+    """What routing reads of a server."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def role(self) -> Backend: ...
+    @property
+    def healthy(self) -> bool: ...
+    @property
+    def engine(self) -> EngineName | None: ...
+    @property
+    def engine_load(self) -> int | None: ...
+    @property
+    def spec_accept_length(self) -> float | None: ...
+
+
+def servers_of(topology: Topology) -> dict[str, Server]:
+    """One Server for each of the topology's, by name, in the topology's order."""
+    group_of = {name: g.name for g in topology.groups for names in g.servers.values() for name in names}
+    return {s.name: Server(s.name, s.role, s.url, group_of[s.name]) for s in topology.servers}
+
+
+def of_role(servers: Mapping[str, Server], role: Backend) -> list[Server]:
+    return [s for s in servers.values() if s.role == role]
