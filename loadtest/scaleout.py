@@ -52,7 +52,7 @@ at time scale 1, at most every 0.2 s of wall time):
   compares with the watermarks, and specgate_server_inflight, its own requests. Per group and round,
   the spread (max - min) of the replicas' loads: mean and p95 over the scored part (the worst
   group's), and the largest over the whole level, step included, in requests and as a share of the
-  band high - low (README: keep the band wider than the drift). Against the truth: each replica's
+  band high - low (docs: keep the band wider than the drift). Against the truth: each replica's
   load minus the group's servers' running + queued at the same round (trusted and aligned as for the
   in-flight split; SGLang's gauges refresh at prefill and every 40 decode steps, so this truth lags
   too), mean |error| and mean (bias); and minus the replicas' own in-flight added up (exact but for
@@ -188,7 +188,7 @@ class ScaleoutPlan:
     min_requests: int = DEFAULT_MIN_REQUESTS
     # specgate's SPECGATE_SCRAPE_INTERVAL_S at time scale 1; None: its default (where it has one).
     scrape_interval_s: float | None = None
-    # specgate's SPECGATE_LOW_WATERMARK_HOLD_S at time scale 1 (README: 2 with several replicas).
+    # specgate's SPECGATE_LOW_WATERMARK_HOLD_S at time scale 1 (docs: 2 with several replicas).
     low_hold_s: float = 2.0
     # The simulators refresh their gauges on every scrape instead of SGLang's cadence (every prefill
     # and every 40 decode steps): what routing would do with fresh engine counts.
@@ -1082,11 +1082,11 @@ def level_table(plan: ScaleoutPlan, levels: Sequence[LevelReport]) -> str:
 
 
 def drift_lines(levels: Sequence[LevelReport], high: int, low: int) -> list[str]:
-    """The largest drift between replicas, in requests and as a share of the watermarks' band (README
-    advises keeping the band wider than the drift), and the error against the replicas' own counts."""
+    """The largest drift between replicas, in requests and as a share of the watermarks' band (the docs
+    advise keeping the band wider than the drift), and the error against the replicas' own counts."""
     band = high - low
     drifts = [(lv.concurrency, d) for lv in levels if (d := lv.configs["specgate"].drift) is not None]
-    label = "drift between specgate's replicas (reported, no target; README: keep high - low wider than it)"
+    label = "drift between specgate's replicas (reported, no target; docs: keep high - low wider than it)"
     if not drifts:
         return [f"{label}: n/a (one replica, or no samples)"]
 
@@ -1488,14 +1488,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=positive,
         default=0.2,
         help="specgate's SPECGATE_SCRAPE_INTERVAL_S at time scale 1 (divided by the time scale; default 0.2, what "
-        "README recommends for several replicas)",
+        "the docs recommend for several replicas)",
     )
     p.add_argument(
         "--low-hold-s",
         type=non_negative,
         default=2.0,
         help="specgate's SPECGATE_LOW_WATERMARK_HOLD_S at time scale 1 (divided by the time scale; default 2, what "
-        "README recommends for several replicas; 0: speculation returns at the first low reading)",
+        "the docs recommend for several replicas; 0: speculation returns at the first low reading)",
     )
     p.add_argument(
         "--live-gauges",

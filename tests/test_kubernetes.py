@@ -57,7 +57,7 @@ def kubectl() -> str:
 
 
 def stage(dest: Path, components: Iterable[str] = (), secret_env: bool = True) -> Path:
-    """A copy of deploy/kubernetes with secret.env written from the example, as the README says,
+    """A copy of deploy/kubernetes with secret.env written from the example, as docs/kubernetes.md says,
     and the given components turned on."""
     shutil.copytree(KDIR, dest, ignore=shutil.ignore_patterns("secret.env"))
     if secret_env:
@@ -134,7 +134,7 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 def uncommented(text: str, after: str) -> str:
     """`text` with the comment block that follows the line containing `after` uncommented, its
-    indentation kept: how the README tells users to turn it on."""
+    indentation kept: how docs/kubernetes.md tells users to turn it on."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if after in line) + 1
     end = start

@@ -141,9 +141,8 @@ def test_compose_gpu_profile() -> None:
     assert gate["environment"]["SPECGATE_SPECULATIVE_URL"] == "http://sglang-speculative:30001"
     for dep in ("sglang-speculative", "sglang-baseline"):
         assert gate["depends_on"][dep]["condition"] == "service_healthy"
-    settings = {
-        line.split("`")[1] for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `SPECGATE_")
-    }
+    reference = (ROOT / "docs" / "settings.md").read_text()  # the settings table
+    settings = {line.split("`")[1] for line in reference.splitlines() if line.startswith("| `SPECGATE_")}
     assert settings - {"SPECGATE_HOST", "SPECGATE_PORT"} <= set(gate["environment"])  # every setting passed
     assert gate["environment"]["SPECGATE_ENGINE"] == "auto"  # tells SGLang and vLLM apart by /metrics
     assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", services["prometheus"]["image"])

@@ -1,0 +1,79 @@
+"""The documentation site (mkdocs.yml, docs/): it builds with --strict (no broken link, anchor or
+page left out of the navigation), and its module map names exactly the modules that exist."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+MODULE_MAP = DOCS / "architecture.md"
+PACKAGES = ("proxy", "loadtest")
+# A row of the module map: "| `proxy/relay.py` | its job |".
+MAP_ROW = re.compile(r"^\| `((?:proxy|loadtest)/[\w/]+\.py)` \|")
+# A module's path anywhere in the prose (not `deploy/...`, nor an engine's own `.../engines.py`).
+MODULE_PATH = re.compile(r"(?<![\w/.-])((?:proxy|loadtest)/[\w/]+\.py)\b")
+
+
+def modules() -> set[str]:
+    """Every module of the packages, as a path from the repository root."""
+    return {
+        path.relative_to(ROOT).as_posix()
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
+
+
+def tree(path: Path) -> set[str]:
+    """What lies in a folder, one level down: the build must add nothing to the work tree."""
+    return {entry.name for entry in path.iterdir()}
+
+
+def test_site_builds_strict(tmp_path: Path) -> None:
+    before = {folder: tree(folder) for folder in (ROOT, DOCS)}
+    site = tmp_path / "site"
+    # Run from tmp_path, so that nothing the build might leave behind lands in the work tree; the
+    # config's docs_dir is relative to the config file, not to the working directory.
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's end-of-life banner, printed on every build
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml")]
+    done = subprocess.run(
+        [*command, "--site-dir", str(site)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}{done.stderr}"
+    for page in DOCS.glob("*.md"):
+        built = site / ("index.html" if page.stem == "index" else f"{page.stem}/index.html")
+        assert built.is_file(), f"{page.name} was not built"
+    for image in DOCS.glob("*.png"):
+        assert (site / image.name).is_file(), f"{image.name} is not in the site"
+    assert {folder: tree(folder) for folder in (ROOT, DOCS)} == before, "the build wrote into the work tree"
+
+
+def test_module_map_names_exactly_the_modules() -> None:
+    rows = [match[1] for line in MODULE_MAP.read_text().splitlines() if (match := MAP_ROW.match(line))]
+    assert len(rows) == len(set(rows)), f"modules listed twice: {sorted({r for r in rows if rows.count(r) > 1})}"
+    existing = modules()
+    missing = sorted(existing - set(rows))
+    gone = sorted(set(rows) - existing)
+    assert not missing, f"docs/architecture.md has no row for {missing}: add one with the module's job"
+    assert not gone, f"docs/architecture.md lists modules that do not exist: {gone}"
+
+
+def test_docs_name_only_modules_that_exist() -> None:
+    existing = modules()
+    stale = {
+        f"{page.relative_to(ROOT)}: {name}"
+        for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+        for name in MODULE_PATH.findall(page.read_text())
+        if name not in existing
+    }
+    assert not stale, f"pages name modules that do not exist: {sorted(stale)}"
