@@ -55,7 +55,7 @@ OTHERS_TAU_S = 1.0
 # it controls, and the replicas' requests sloshed between groups together, 3/17 then 19/1 every
 # two seconds. Each replica's own requests, known exactly and at once, keep its share even; the
 # others' part only needs to catch what persists (another client, a replica that routes
-# differently), so it may be slow. Five seconds brought the measured sloshing down; see README.
+# differently), so it may be slow. Five seconds brought the measured sloshing down; see docs/many-nodes.md.
 BALANCE_TAU_S = 5.0
 
 
