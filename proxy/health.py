@@ -19,43 +19,29 @@ The two loops are the only source of health and load: one that died would leave 
 standing, unsaid. So a round that fails (a probe, a reading, a callback) is logged once per
 outage, with its traceback, and the next round runs as usual; a line says when rounds work again.
 
-SGLang refreshes its gauges every 40 decode steps and keeps them when idle, so a server that went
-quiet can report running requests forever. For engines that do this, values that have not moved
-for `engine_stale_s` are read as an idle server: engine load 0; and sooner, when this gateway has
-nothing in flight there and they have stood still several times longer than they usually do while
-the server works (a server whose batch emptied between two refreshes: with several replicas, each
-balancing its own requests, none of ours there means few of anyone's).
+What a /metrics answer says (and SGLang's gauges that freeze when idle) is readings.py's business;
+the servers' records are in servers.py, and the role-level gauges are metrics.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
+from . import readings
 from .config import Settings
-from .engines import ENGINES, BadReading, Engine, Reading, describe_health, read_metrics
+from .engines import ENGINES, Engine, describe_health
 from .metrics import Metrics
 from .policy import BACKENDS, Backend
-from .servers import Health, Server, of_role
-from .upstream import HealthProbe, Upstream
+from .servers import Server, of_role
+from .upstream import Upstream
 
 log = logging.getLogger("specgate.health")
 
 # Consecutive /health timeouts that mark a server down (unless it is answering proxied requests).
 TIMEOUTS_BEFORE_DOWN = 3
-# Engine gauges frozen this long (at least), and IDLE_HINT_GAPS times longer than they usually
-# stay put while the server works, on a server with none of this gateway's requests: read as idle.
-IDLE_HINT_S = 2.0
-IDLE_HINT_GAPS = 4.0
-# Weight of each new gap between moves in the usual one.
-ACTIVITY_SMOOTHING = 0.2
-# The largest /metrics read. A real server's is tens to hundreds of KiB (mostly histogram buckets);
-# past this it is a fault or a flood, refused unread: even scanning it costs the event loop about
-# 2 ms a MiB, at every scrape.
-METRICS_MAX_BYTES = 4 * 1024 * 1024
 
 
 class _Outage:
@@ -231,86 +217,32 @@ class HealthMonitor:
         self._on_scrape(backend)
         probe = await self._upstream.get(backend, "/metrics", self._settings.health_timeout_s)
         now = self._clock()
-        found = self._reading_of(h, probe, now)
+        stale_s = self._settings.engine_stale_s
+        if probe.error is not None:
+            found: readings.Found | str = f"/metrics: {probe.error}"
+        else:
+            found = readings.read(h, probe.status, probe.body, now, self._engine, stale_s, self._own(backend))
         if isinstance(found, str):
             timed_out = probe.error is not None and probe.error.kind == "timeout"
-            fresh = h.reading_at is not None and now - h.reading_at < self._settings.engine_stale_s
+            fresh = h.reading_at is not None and now - h.reading_at < stale_s
             if not (timed_out and fresh):  # a busy server's slow scrape: its last reading stands a while
                 self._signal_down(srv, found)
             return
-        engine, reading, load, accept = found
-        h.engine = engine.name
-        if engine.freezes_when_idle:
-            stale_s = self._settings.engine_stale_s
-            activity = reading.activity
-            if activity != h.activity:
-                if h.activity is not None:
-                    # How often this server's values move while it works (SGLang: every 40 decode
-                    # steps, and at each prefill and finish).
-                    gap = min(now - h.activity_since, stale_s)
-                    h.moves_every_s += ACTIVITY_SMOOTHING * (gap - h.moves_every_s)
-                h.activity, h.activity_since = activity, now
-            frozen_s = now - h.activity_since
-            # Frozen several times longer than its values usually stay put, with nothing of ours on
-            # it: a server whose batch emptied between two refreshes (its last gauges can say 20
-            # running for as long as it stays idle). Ours there would keep them moving.
-            hint_s = min(stale_s, max(IDLE_HINT_S, IDLE_HINT_GAPS * h.moves_every_s))
-            if frozen_s >= stale_s or (frozen_s >= hint_s and self._own(backend) == 0):
-                load = 0
-        h.engine_load, h.reading_at = load, now
-        self._on_reading(backend, load)
-        h.spec_accept_length = accept
+        h.engine = found.engine.name
+        h.engine_load, h.reading_at = found.load, now
+        self._on_reading(backend, found.load)
+        h.spec_accept_length = found.accept_length
         if h.engine_signal_up is not True:
             h.engine_signal_up, h.engine_signal_error = True, None
-            log.info("engine load of %s readable (%s)", backend, engine.name)
-        self._publish(srv)
-
-    def _reading_of(self, h: Health, probe: HealthProbe, now: float) -> tuple[Engine, Reading, int, float | None] | str:
-        """From an answer to GET /metrics: the engine, its reading, the load and the acceptance in
-        it; or why there is none."""
-        if probe.error is not None:
-            return f"/metrics: {probe.error}"
-        if probe.status != 200:
-            return f"/metrics answered {probe.status} (SGLang needs --enable-metrics, llama-server --metrics)"
-        if len(probe.body) > METRICS_MAX_BYTES:
-            mib = 2**20
-            return (
-                f"/metrics is {len(probe.body) / mib:.1f} MiB, over the {METRICS_MAX_BYTES // mib} MiB specgate reads"
-            )
-        try:
-            engine, values = read_metrics(probe.body.decode("utf-8", "replace"), self._engine)
-            if engine is None:
-                return "/metrics holds no SGLang, vLLM or llama.cpp metrics"
-            reading = engine.read(values)
-            if reading.load is None:
-                return f"/metrics lacks {', '.join(engine.missing(values))} (is this a {engine.name} server?)"
-            accept = reading.accept_length
-            if accept is None and reading.accept_counters is not None:
-                accept = h.acceptance.update(now, *reading.accept_counters)
-        except BadReading as bad:
-            return str(bad)
-        except ValueError:
-            return "/metrics is not in Prometheus' text format"
-        return engine, reading, reading.load, accept
-
-    def _publish(self, srv: Server) -> None:
-        """The server's gauges, and its role's: load summed (-1 while any is unknown), acceptance
-        averaged over the servers that report one, signal up while every server's is."""
-        m = self._metrics
-        m.server_engine_load.labels(srv.name).set(-1 if srv.engine_load is None else srv.engine_load)
-        peers = self._roles[srv.role]
-        loads = [p.engine_load for p in peers]
-        m.engine_load.labels(srv.role).set(-1 if None in loads else sum(v or 0 for v in loads))
-        accepts = [p.spec_accept_length for p in peers if p.spec_accept_length is not None]
-        m.accept_length.labels(srv.role).set(sum(accepts) / len(accepts) if accepts else math.nan)
-        m.engine_signal_up.labels(srv.role).set(1 if all(p.health.engine_signal_up for p in peers) else 0)
+            log.info("engine load of %s readable (%s)", backend, found.engine.name)
+        self._metrics.publish_reading(srv, self._roles[srv.role])
 
     def _signal_down(self, srv: Server, error: str) -> None:
         h = srv.health
         h.engine_load, h.reading_at, h.activity, h.spec_accept_length = None, None, None, None
         was_up = h.engine_signal_up
         h.engine_signal_up, h.engine_signal_error = False, error
-        self._publish(srv)
+        self._metrics.publish_reading(srv, self._roles[srv.role])
         if was_up is not False:  # once per outage
             level = logging.WARNING if self._settings.load_signal != "local" else logging.DEBUG
             log.log(

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from .policy import BACKENDS, REASONS, other
+from .servers import Server
 
 Endpoint = Literal["chat", "completions", "generate", "other"]
 ENDPOINTS: tuple[Endpoint, ...] = ("chat", "completions", "generate", "other")
@@ -234,3 +235,14 @@ class Metrics:
             self.shadow_probes.labels(outcome)
         self.mode.set(1)
         self.crossover_estimate.set(math.nan)
+
+    def publish_reading(self, server: Server, peers: Sequence[Server]) -> None:
+        """A server's engine gauges, and its role's over `peers` (the role's servers): load summed
+        (-1 while any is unknown), acceptance averaged over the servers that report one, signal up
+        while every server's is."""
+        self.server_engine_load.labels(server.name).set(-1 if server.engine_load is None else server.engine_load)
+        loads = [p.engine_load for p in peers]
+        self.engine_load.labels(server.role).set(-1 if None in loads else sum(v or 0 for v in loads))
+        accepts = [p.spec_accept_length for p in peers if p.spec_accept_length is not None]
+        self.accept_length.labels(server.role).set(sum(accepts) / len(accepts) if accepts else math.nan)
+        self.engine_signal_up.labels(server.role).set(1 if all(p.health.engine_signal_up for p in peers) else 0)

@@ -1,0 +1,84 @@
+"""From a server's answer to `GET /metrics` to what is believed of it: its engine, its load and its
+acceptance, or why there is none. Pure: the health loop (health.py) fetches, this reads, and the
+server's `Health` record keeps what a reading needs of the last ones.
+
+SGLang keeps its gauges when idle, so a server that went quiet can report running requests
+forever (`Engine.freezes_when_idle`). Its values that have not moved for `engine_stale_s` are
+read as an idle server: engine load 0; and sooner, when this gateway has nothing in flight there
+and they have stood still several times longer than they usually do while the server works (a
+server whose batch emptied between two refreshes: with several replicas, each balancing its own
+requests, none of ours there means few of anyone's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .engines import BadReading, Engine, read_metrics
+from .servers import Health
+
+# Engine gauges frozen this long (at least), and IDLE_HINT_GAPS times longer than they usually
+# stay put while the server works, on a server with none of this gateway's requests: read as idle.
+IDLE_HINT_S = 2.0
+IDLE_HINT_GAPS = 4.0
+# Weight of each new gap between moves in the usual one.
+ACTIVITY_SMOOTHING = 0.2
+# The largest /metrics read. A real server's is tens to hundreds of KiB (mostly histogram buckets);
+# past this it is a fault or a flood, refused unread: even scanning it costs the event loop about
+# 2 ms a MiB, at every scrape.
+METRICS_MAX_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Found:
+    engine: Engine
+    load: int
+    accept_length: float | None
+
+
+def read(
+    h: Health, status: int | None, body: bytes, now: float, engine: Engine | None, stale_s: float, ours: int
+) -> Found | str:
+    """The reading in an answer (`engine`: the configured one, None to detect it), or why there is
+    none. `ours`: this gateway's requests in flight on the server. Updates what `h` keeps of the
+    readings (the acceptance counters' window, the frozen-gauge clock)."""
+    if status != 200:
+        return f"/metrics answered {status} (SGLang needs --enable-metrics, llama-server --metrics)"
+    if len(body) > METRICS_MAX_BYTES:
+        mib = 2**20
+        return f"/metrics is {len(body) / mib:.1f} MiB, over the {METRICS_MAX_BYTES // mib} MiB specgate reads"
+    try:
+        found, values = read_metrics(body.decode("utf-8", "replace"), engine)
+        if found is None:
+            return "/metrics holds no SGLang, vLLM or llama.cpp metrics"
+        reading = found.read(values)
+        if reading.load is None:
+            return f"/metrics lacks {', '.join(found.missing(values))} (is this a {found.name} server?)"
+        accept = reading.accept_length
+        if accept is None and reading.accept_counters is not None:
+            accept = h.acceptance.update(now, *reading.accept_counters)
+    except BadReading as bad:
+        return str(bad)
+    except ValueError:
+        return "/metrics is not in Prometheus' text format"
+    load = reading.load
+    if found.freezes_when_idle and _reads_idle(h, reading.activity, now, stale_s, ours):
+        load = 0
+    return Found(found, load, accept)
+
+
+def _reads_idle(h: Health, activity: tuple[float, ...], now: float, stale_s: float, ours: int) -> bool:
+    """Whether a server whose gauges freeze when idle is idle, though they say otherwise."""
+    if activity != h.activity:
+        if h.activity is not None:
+            # How often this server's values move while it works (SGLang: every 40 decode steps,
+            # and at each prefill and finish).
+            gap = min(now - h.activity_since, stale_s)
+            h.moves_every_s += ACTIVITY_SMOOTHING * (gap - h.moves_every_s)
+        h.activity, h.activity_since = activity, now
+    frozen_s = now - h.activity_since
+    # Frozen several times longer than its values usually stay put, with nothing of ours on it: a
+    # server whose batch emptied between two refreshes (its last gauges can say 20 running for as
+    # long as it stays idle). Ours there would keep them moving.
+    hint_s = min(stale_s, max(IDLE_HINT_S, IDLE_HINT_GAPS * h.moves_every_s))
+    return frozen_s >= stale_s or (frozen_s >= hint_s and ours == 0)
