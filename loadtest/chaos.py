@@ -25,6 +25,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from proxy import promtext
+
 from .procs import Proc, free_port, simulator_args, start
 
 PHASES = ("steady", "kill_speculative", "kill_baseline", "faults", "both_down", "recovery")
@@ -64,11 +66,9 @@ class ChaosReport:
 
 
 async def _metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
     async with session.get(url + "/metrics") as r:
         text = await r.text()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+    return promtext.totals(text, (name,)).get(name, 0.0)
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Random, timeout_s: float) -> str:

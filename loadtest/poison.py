@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.engines import parse_metrics
+from proxy import promtext
 
 from .procs import Proc, free_port, start
 from .prompts import source
@@ -68,7 +68,7 @@ async def _snapshot(session: aiohttp.ClientSession, url: str) -> tuple[float, fl
         text = await r.text()
     async with session.get(url + "/routing") as r:
         routing = await r.json()
-    values = parse_metrics(text, COUNTERS)
+    values = promtext.totals(text, COUNTERS)
     return values.get(COUNTERS[0], 0.0), values.get(COUNTERS[1], 0.0), routing
 
 

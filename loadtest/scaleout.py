@@ -94,8 +94,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from proxy import promtext
 from proxy.calibration import CalibrationError
 from proxy.calibration import load as load_calibration
 from proxy.config import Settings
@@ -413,13 +413,9 @@ def watermarks_from(path: Path, plan: ScaleoutPlan) -> Watermarks:
 
 def metric_samples(text: str, names: Sequence[str]) -> dict[str, list[tuple[dict[str, str], float]]]:
     """The samples of the named series only (the rest of the text is not parsed)."""
-    wanted = tuple(names)
-    lines = [line for line in text.splitlines() if line.startswith(wanted)]
     out: dict[str, list[tuple[dict[str, str], float]]] = {n: [] for n in names}
-    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-        for s in family.samples:
-            if s.name in out:
-                out[s.name].append((dict(s.labels), float(s.value)))
+    for s in promtext.samples(text, names):
+        out[s.name].append((dict(s.labels), s.value))
     return out
 
 

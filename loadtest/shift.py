@@ -62,8 +62,8 @@ from typing import Any
 
 import aiohttp
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
+from proxy import promtext
 from proxy.calibration import CalibrationError
 from proxy.calibration import load as load_calibration
 from proxy.config import Settings
@@ -101,6 +101,7 @@ SCALED_DOWN = ("min_dwell_s", "half_life_s", "probe_s", "probe_max_s")
 SCALED_UP = ("max_step_per_s",)
 UNSCALED = ("min_watermark", "max_watermark", "probe_tokens", "shadow_tokens")  # counts
 ADAPTIVE_SETTINGS = SCALED_DOWN + SCALED_UP + UNSCALED
+COUNTERS = ("specgate_mode_switches_total", "specgate_routing_decisions_total", "specgate_shadow_probes_total")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,16 +382,15 @@ async def _counters(session: aiohttp.ClientSession, url: str) -> dict[str, float
     async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
         text = await resp.text()
     out: dict[str, float] = {"switches": 0.0}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "specgate_mode_switches_total":
-                out["switches"] += s.value
-            elif s.name == "specgate_routing_decisions_total":
-                key = f"{s.labels.get('reason')}:{s.labels.get('backend')}"
-                out[key] = out.get(key, 0.0) + s.value
-            elif s.name == "specgate_shadow_probes_total":  # probes too: copies, not requests
-                key = f"probe:shadow-{s.labels.get('outcome')}"
-                out[key] = out.get(key, 0.0) + s.value
+    for s in promtext.samples(text, COUNTERS):
+        if s.name == "specgate_mode_switches_total":
+            out["switches"] += s.value
+        elif s.name == "specgate_routing_decisions_total":
+            key = f"{s.labels.get('reason')}:{s.labels.get('backend')}"
+            out[key] = out.get(key, 0.0) + s.value
+        else:  # shadow probes too: copies, not requests
+            key = f"probe:shadow-{s.labels.get('outcome')}"
+            out[key] = out.get(key, 0.0) + s.value
     return out
 
 

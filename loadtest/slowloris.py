@@ -37,7 +37,8 @@ from typing import Any
 
 import orjson
 import uvloop
-from prometheus_client.parser import text_string_to_metric_families
+
+from proxy import promtext
 
 from .procs import Proc, free_port, simulator_args, start
 from .rawclient import RawClient, post
@@ -258,12 +259,7 @@ async def _metrics(port: int) -> dict[str, float]:
     raw = await reader.read()
     writer.close()
     text = raw.partition(b"\r\n\r\n")[2].decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "specgate_client_rejections_total":
-                out[s.labels["reason"]] = s.value
-    return out
+    return promtext.by_label(text, "specgate_client_rejections_total", "reason")
 
 
 async def run_slowloris(
