@@ -567,10 +567,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_chaos(args)
     if args.command == "overhead":
         return cmd_overhead(args)
-    if args.command == "shift":
-        return cmd_shift(args)
-    if args.command == "scaleout":
-        return cmd_scaleout(args)
+    if args.command in ("shift", "scaleout"):
+        scenario = cmd_shift if args.command == "shift" else cmd_scaleout
+        try:
+            return scenario(args)
+        except ValueError as exc:
+            print(f"loadtest: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
     if args.command == "slowloris":
         return cmd_slowloris(args)
     if getattr(args, "prompts", "") is None:

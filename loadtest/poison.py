@@ -34,9 +34,9 @@ import aiohttp
 
 from proxy import promtext
 
+from .kit.processes import calibrate_fresh_pair
 from .procs import Proc, free_port, start
 from .prompts import source
-from .shift import calibrate_fresh_pair
 
 POISON = "the cat sat on the mat and " * 40
 # specgate's counters read at each phase's ends (summed over their labels).
