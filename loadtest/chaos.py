@@ -15,6 +15,7 @@ the proxy's memory after 10 N requests must match that after N. Bounded in time 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import time
@@ -28,6 +29,7 @@ import orjson
 from proxy import promtext
 
 from .procs import Proc, free_port, simulator_args, start
+from .report import write_json
 
 PHASES = ("steady", "kill_speculative", "kill_baseline", "faults", "both_down", "recovery")
 # Outcomes that are fine in any phase.
@@ -282,3 +284,21 @@ def format_report(r: ChaosReport) -> str:
                  f"({growth:+.1f} MiB over {r.memory_requests * 9 // 10} requests)")  # fmt: skip
     lines.append("PASS" if r.ok else "FAIL:\n  " + "\n  ".join(sorted(set(r.violations))))
     return "\n".join(lines)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    chaos = sub.add_parser("chaos", help="soak specgate and simulators while servers die, stall and fail")
+    chaos.add_argument("--phase-s", type=float, default=20.0, help="length of each of the six phases")
+    chaos.add_argument("--concurrency", type=int, default=12)
+    chaos.add_argument("--time-scale", type=float, default=20.0)
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--memory-requests", type=int, default=500, help="N of the N vs 10 N memory check")
+    chaos.add_argument("--out", default=None, help="write the report as JSON here")
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    report = asyncio.run(run_chaos(args.phase_s, args.concurrency, args.time_scale, args.seed, args.memory_requests))
+    print(format_report(report))
+    if args.out:
+        write_json(args.out, {"settings": vars(args), "report": report.to_dict(), "ok": report.ok})
+    return 0 if report.ok else 1
