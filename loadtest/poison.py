@@ -34,7 +34,7 @@ import aiohttp
 
 from proxy import promtext
 
-from .kit.processes import calibrate_fresh_pair
+from .kit.processes import calibrate_fresh_pair, calibrate_options
 from .procs import Proc, free_port, start
 from .prompts import source
 
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cal = calibrate_fresh_pair(
         lambda s, b: _pair(args, s, b),
         [1, 5, 10, 30, 70],
-        ["--seed", str(args.seed), "--max-tokens", str(args.max_tokens)],
+        calibrate_options(args.seed, args.max_tokens),
         3.0,
         out_dir,
         quiet=True,

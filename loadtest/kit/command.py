@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
+
+from ..stats import DEFAULT_MIN_REQUESTS
 
 
 def say(text: str, quiet: bool) -> None:
@@ -30,3 +33,16 @@ def check_settle(settle_s: float, window_s: float, window_flag: str) -> None:
 def check_max_tokens(max_tokens: int) -> None:
     if max_tokens < 2:
         raise ValueError("--max-tokens must be at least 2")
+
+
+def add_run_options(p: argparse.ArgumentParser, needs: str, out_dir: str) -> None:
+    """The options a side-by-side scenario ends with; `needs`: what --min-requests counts for."""
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=DEFAULT_MIN_REQUESTS,
+        help=f"good requests {needs} (default {DEFAULT_MIN_REQUESTS})",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--out-dir", default=out_dir)
+    p.add_argument("--quiet", action="store_true", help="no progress lines")

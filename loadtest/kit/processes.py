@@ -53,6 +53,12 @@ class Fleet:
             proc.stop()
 
 
+def calibrate_options(seed: int, max_tokens: int, min_requests: int | None = None) -> list[str]:
+    """`loadtest calibrate` arguments that make its sweep send what the scenario will."""
+    out = ["--seed", str(seed), "--max-tokens", str(max_tokens)]
+    return out if min_requests is None else [*out, "--min-requests", str(min_requests)]
+
+
 def calibrate_fresh_pair(
     pair_args: Callable[[int, int], list[str]],
     levels: Sequence[int],

@@ -85,10 +85,9 @@ from pathlib import Path
 from typing import Any
 
 from ..args import count, level_tuple, non_negative, positive
-from ..kit.command import check_max_tokens, check_profile, check_settle, say
+from ..kit.command import add_run_options, check_max_tokens, check_profile, check_settle, say
 from ..kit.sampling import CpuUse
 from ..report import write_json
-from ..stats import DEFAULT_MIN_REQUESTS
 from .plan import (
     BUSY_MIN,
     CONFIGS,
@@ -219,15 +218,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the simulators' gauges fresh at every scrape, not SGLang's cadence (every prefill and 40 decode steps)",
     )
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument(
-        "--min-requests",
-        type=int,
-        default=DEFAULT_MIN_REQUESTS,
-        help=f"good requests a level's scored part needs per configuration (default {DEFAULT_MIN_REQUESTS})",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
-    p.add_argument("--out-dir", default="scaleout-results")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_run_options(p, "a level's scored part needs per configuration", "scaleout-results")
 
 
 def plan_of(args: argparse.Namespace) -> tuple[ScaleoutPlan, Watermarks | None]:

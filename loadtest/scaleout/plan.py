@@ -73,16 +73,6 @@ class ScaleoutPlan:
     def pair_args(self, spec_port: int, base_port: int) -> list[str]:
         return pair_args(spec_port, base_port, *self.simulator_flags())
 
-    def calibrate_args(self) -> list[str]:
-        return [
-            "--seed",
-            str(self.seed),
-            "--max-tokens",
-            str(self.max_tokens),
-            "--min-requests",
-            str(self.min_requests),
-        ]
-
     def __post_init__(self) -> None:
         if not self.levels or any(b <= a for a, b in itertools.pairwise(self.levels)) or self.levels[0] < 1:
             raise ValueError(f"levels must rise, from at least 1 stream: {self.levels}")

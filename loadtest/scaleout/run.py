@@ -19,7 +19,7 @@ import aiohttp
 from ..client import RequestResult, Target
 from ..kit.command import say
 from ..kit.driving import chat_target, drain, sleep_until, stream, ticks
-from ..kit.processes import Fleet, calibrate_fresh_pair
+from ..kit.processes import Fleet, calibrate_fresh_pair, calibrate_options
 from ..kit.sampling import CpuMeter, CpuUse, cpu_use, get_text, metric_samples, self_cpu_s
 from ..procs import free_port, simulator_args
 from ..prompts import Prompt, source
@@ -126,8 +126,9 @@ def _start_servers(plan: ScaleoutPlan, run: ConfigRun, fleet: Fleet) -> None:
 
 def calibrate_pair(plan: ScaleoutPlan, out_dir: Path, quiet: bool) -> Path:
     """Calibrate one fresh simulated pair with diverse prompts; the watermarks come from its file."""
+    options = calibrate_options(plan.seed, plan.max_tokens, plan.min_requests)
     duration_s = CALIBRATE_DURATION_S / plan.time_scale
-    return calibrate_fresh_pair(plan.pair_args, CALIBRATE_LEVELS, plan.calibrate_args(), duration_s, out_dir, quiet)
+    return calibrate_fresh_pair(plan.pair_args, CALIBRATE_LEVELS, options, duration_s, out_dir, quiet)
 
 
 def server_sample(text: str, t: float, tick: bool) -> ServerSample:

@@ -55,12 +55,11 @@ from proxy.calibration import CalibrationError
 from proxy.calibration import load as load_calibration
 
 from ..args import level_tuple, positive
-from ..kit.command import check_max_tokens, check_profile, check_settle, say
+from ..kit.command import add_run_options, check_max_tokens, check_profile, check_settle, say
 from ..kit.processes import Fleet
 from ..kit.sampling import cpu_use, self_cpu_s
 from ..prompts import source
 from ..report import fmt, write_json
-from ..stats import DEFAULT_MIN_REQUESTS
 from .plan import ADAPTIVE_SETTINGS, POLICIES, RATIO_TARGET, TIE, ShiftPlan, adaptive_settings, specgate_env
 from .plot import plot_shift
 from .report import cpu_lines, level_table, verdicts, warnings
@@ -194,15 +193,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help=f"an adaptive setting at time scale 1 (scaled like the defaults), e.g. probe_max_s=20; NAME one "
         f"of {', '.join(ADAPTIVE_SETTINGS)} (repeatable)",
     )
-    p.add_argument(
-        "--min-requests",
-        type=int,
-        default=DEFAULT_MIN_REQUESTS,
-        help=f"good requests a phase's scored part needs per target (default {DEFAULT_MIN_REQUESTS})",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
-    p.add_argument("--out-dir", default="shift-results")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_run_options(p, "a phase's scored part needs per target", "shift-results")
 
 
 def plan_of(args: argparse.Namespace) -> ShiftPlan:

@@ -72,16 +72,6 @@ class ShiftPlan:
         flags = ["--profile", self.profile, "--accept-from-prompt", "--time-scale", f"{self.time_scale:g}"]
         return pair_args(spec_port, base_port, *flags)
 
-    def calibrate_args(self) -> list[str]:
-        return [
-            "--seed",
-            str(self.seed),
-            "--max-tokens",
-            str(self.max_tokens),
-            "--min-requests",
-            str(self.min_requests),
-        ]
-
 
 def adaptive_settings(plan: ShiftPlan) -> dict[str, float]:
     """The adaptive settings at time scale 1: specgate's defaults, with the plan's overrides."""

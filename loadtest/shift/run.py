@@ -20,7 +20,7 @@ from proxy import promtext
 from ..client import RequestResult, Target
 from ..kit.command import say
 from ..kit.driving import chat_target, drain, sleep_until, stream, ticks
-from ..kit.processes import Fleet, calibrate_fresh_pair
+from ..kit.processes import Fleet, calibrate_fresh_pair, calibrate_options
 from ..kit.sampling import CpuMeter, get_json, get_text
 from ..procs import free_port
 from ..prompts import Prompt, source
@@ -53,7 +53,14 @@ def calibrate_first(plan: ShiftPlan, out_dir: Path, quiet: bool) -> Path:
     """Calibrate a fresh simulated pair with diverse prompts; the file specgate will load."""
     levels = sorted({*CALIBRATE_LEVELS, *plan.levels})
     duration_s = CALIBRATE_DURATION_S / plan.time_scale
-    return calibrate_fresh_pair(plan.pair_args, levels, plan.calibrate_args(), duration_s, out_dir, quiet)
+    return calibrate_fresh_pair(
+        plan.pair_args,
+        levels,
+        calibrate_options(plan.seed, plan.max_tokens, plan.min_requests),
+        duration_s,
+        out_dir,
+        quiet,
+    )
 
 
 @dataclass(frozen=True)
