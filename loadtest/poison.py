@@ -35,7 +35,8 @@ import aiohttp
 from proxy import promtext
 
 from .kit.processes import calibrate_fresh_pair, calibrate_options
-from .procs import Proc, free_port, start
+from .kit.settings import specgate_env
+from .procs import Proc, free_port, pair_args, start
 from .prompts import source
 
 POISON = "the cat sat on the mat and " * 40
@@ -126,9 +127,8 @@ async def _phase(url: str, model: str, args: argparse.Namespace, name: str, atta
 
 
 def _pair(args: argparse.Namespace, spec_port: int, base_port: int) -> list[str]:
-    return ["-m", "loadtest.simulator", "pair", "--profile", "crossover", "--shared-gpu", "--accept-from-prompt",
-            "--time-scale", str(args.time_scale), "--speculative-port", str(spec_port), "--baseline-port",
-            str(base_port), "--log-level", "warning"]  # fmt: skip
+    flags = ("--profile", "crossover", "--accept-from-prompt", "--time-scale", str(args.time_scale))
+    return pair_args(spec_port, base_port, *flags)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -147,12 +147,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     procs: list[Proc] = []
     try:
         procs.append(start("pair", _pair(args, spec_port, base_port), ready_url=f"http://127.0.0.1:{base_port}/health"))
-        s = str(args.probe_s)
-        env = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(port), "SPECGATE_LOG_LEVEL": "warning",
-               "SPECGATE_SPECULATIVE_URL": f"http://127.0.0.1:{spec_port}",
-               "SPECGATE_BASELINE_URL": f"http://127.0.0.1:{base_port}", "SPECGATE_POLICY": "adaptive",
-               "SPECGATE_CALIBRATION": str(cal), "SPECGATE_ADAPTIVE_PROBE_S": s, "SPECGATE_ADAPTIVE_PROBE_MAX_S": s,
-               "SPECGATE_ADAPTIVE_MIN_DWELL_S": s, "SPECGATE_HEALTH_INTERVAL_S": "0.5"}  # fmt: skip
+        spec, base = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{base_port}"
+        probe = args.probe_s
+        env = specgate_env(port, spec, base, policy="adaptive", calibration=cal, adaptive_probe_s=probe,
+                           adaptive_probe_max_s=probe, adaptive_min_dwell_s=probe, health_interval_s=0.5)  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         procs.append(start("specgate", ["-m", "proxy"], ready_url=url + "/ready", env=env))
         phases: list[Phase] = []

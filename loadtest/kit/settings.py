@@ -13,7 +13,12 @@ def default_over(name: str, time_scale: float) -> float:
 
 
 def specgate_env(
-    port: int, speculative: str, baseline: str, time_scale: float | None = None, **settings: object
+    port: int,
+    speculative: str,
+    baseline: str,
+    time_scale: float | None = None,
+    log_level: str = "warning",
+    **settings: object,
 ) -> dict[str, str]:
     """SPECGATE_* for one specgate on 127.0.0.1:`port`, `settings` named as Settings' fields. With a
     time scale, how often it reads acceptance and load, and when a frozen gauge means an idle server,
@@ -24,7 +29,7 @@ def specgate_env(
         "SPECGATE_SPECULATIVE_URL": speculative,
         "SPECGATE_BASELINE_URL": baseline,
         **{f"SPECGATE_{name.upper()}": str(value) for name, value in settings.items()},
-        "SPECGATE_LOG_LEVEL": "warning",
+        "SPECGATE_LOG_LEVEL": log_level,
     }
     if time_scale is not None:
         env["SPECGATE_HEALTH_INTERVAL_S"] = f"{default_over('health_interval_s', time_scale):g}"
