@@ -6,7 +6,9 @@
 - `driving`: closed-loop streams, periodic ticks, draining what is in flight at the end;
 - `settings`: specgate's environment for a scenario, its time settings scaled to the simulators' clock;
 - `plots`: matplotlib, and the strips and shading the timelines share;
-- `command`: progress lines and the checks a scenario's arguments share.
+- `command`: progress lines and the options and checks a scenario's arguments share;
+- `sweeps`: the sweeping commands' (sweep, compare, calibrate, demo) load options and targets swept
+  level by level.
 
 One target's level (`loadtest.sweep`), its summary and the honest-sampling rule (`loadtest.stats`),
 verdicts and tables (`loadtest.report`) and the crossover rule (`loadtest.calibrate`) are the kit's too.
