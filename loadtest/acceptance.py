@@ -22,7 +22,8 @@ from collections.abc import Mapping
 
 import aiohttp
 
-from proxy.engines import Engine, detect, parse_metrics
+from proxy import promtext
+from proxy.engines import Engine, detect
 
 POLL_S = 1.0
 SCRAPE_TIMEOUT_S = 5.0
@@ -132,7 +133,7 @@ class AcceptanceMeter:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise MetricsUnavailable(f"cannot reach {where}: {exc or type(exc).__name__}") from None
         try:
-            return parse_metrics(text)
+            return promtext.totals(text)
         except ValueError:
             raise MetricsUnavailable(f"{where} is not Prometheus text") from None
 

@@ -16,6 +16,22 @@ def levels(raw: str) -> list[int]:
     return found
 
 
+def level_tuple(raw: str) -> tuple[int, ...]:
+    """levels() as a tuple, for a plan's frozen field."""
+    return tuple(levels(raw))
+
+
+def count(raw: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{raw} must be at least 1")
+    return value
+
+
 def positive(raw: str) -> float:
     """A number > 0."""
     value = float(raw)

@@ -15,6 +15,7 @@ the proxy's memory after 10 N requests must match that after N. Bounded in time 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import time
@@ -25,7 +26,11 @@ from typing import Any
 import aiohttp
 import orjson
 
+from proxy import promtext
+
+from .kit.settings import specgate_env
 from .procs import Proc, free_port, simulator_args, start
+from .report import write_json
 
 PHASES = ("steady", "kill_speculative", "kill_baseline", "faults", "both_down", "recovery")
 # Outcomes that are fine in any phase.
@@ -64,11 +69,9 @@ class ChaosReport:
 
 
 async def _metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
     async with session.get(url + "/metrics") as r:
         text = await r.text()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+    return promtext.totals(text, (name,)).get(name, 0.0)
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Random, timeout_s: float) -> str:
@@ -142,6 +145,99 @@ class _Cluster:
         self.procs[role].stop(timeout_s=5)
 
 
+@dataclass
+class _Soak:
+    """One chaos run: its servers, specgate, the client session and the report it fills."""
+
+    cluster: _Cluster
+    session: aiohttp.ClientSession
+    url: str
+    report: ChaosReport
+    seed: int
+    read_timeout: float
+    phase: str = PHASES[0]
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def worker(self, wid: int) -> None:
+        wrng = random.Random(self.seed * 1000 + wid)
+        report = self.report
+        while not self.stop.is_set():
+            name = self.phase
+            outcome = await one_request(self.session, self.url, wrng, timeout_s=self.read_timeout * 4 + 5)
+            report.requests += 1
+            report.outcomes[outcome] += 1
+            report.by_phase.setdefault(name, Counter())[outcome] += 1
+            if name == "steady" and outcome == "disconnected":
+                report.disconnects_steady += 1
+            if outcome not in ALWAYS_OK and outcome not in EXPLAINED.get(name, set()):
+                report.violations.append(f"{name}: {outcome}")
+            # Vary the load so it crosses the watermarks both ways.
+            await asyncio.sleep(wrng.choice([0, 0, 0.01, 0.05, 0.2]))
+
+    async def sims_aborted(self) -> float:
+        total = 0.0
+        for port in (self.cluster.spec_port, self.cluster.base_port):
+            total += await _metric(self.session, f"http://127.0.0.1:{port}", "sglang:num_aborted_requests_total")
+        return total
+
+    async def phases(self, phase_s: float) -> None:
+        """Steady, each server killed and restarted, a faulty speculative server, both down, recovery."""
+        cluster, report = self.cluster, self.report
+        loop = asyncio.get_running_loop()
+        aborted0 = await self.sims_aborted()
+        await asyncio.sleep(phase_s)
+        # Let the steady phase's streams end before reading the abort counters.
+        self.phase = "settle"
+        await asyncio.sleep(0.5)
+        report.aborted_steady = await self.sims_aborted() - aborted0
+        for role in ("speculative", "baseline"):
+            self.phase = f"kill_{role}"
+            await loop.run_in_executor(None, cluster.kill, role)
+            report.kills += 1
+            await asyncio.sleep(phase_s / 2)
+            await loop.run_in_executor(None, cluster.start_sim, role)
+            await asyncio.sleep(phase_s / 2)
+        self.phase = "faults"
+        await loop.run_in_executor(None, cluster.kill, "speculative")
+        report.kills += 1
+        faulty = ("--stall-rate", "0.1", "--fail-rate", "0.1", "--seed", str(self.seed))
+        await loop.run_in_executor(None, lambda: cluster.start_sim("speculative", *faulty))  # fmt: skip
+        await asyncio.sleep(phase_s)
+        self.phase = "both_down"
+        for role in ("speculative", "baseline"):
+            await loop.run_in_executor(None, cluster.kill, role)
+            report.kills += 1
+        await asyncio.sleep(min(1.0, phase_s / 2))
+        for role in ("speculative", "baseline"):
+            await loop.run_in_executor(None, cluster.start_sim, role)
+        self.phase = "recovery"
+        await asyncio.sleep(phase_s)
+
+    async def leaks(self) -> dict[str, float]:
+        """Nothing left behind: proxy counts, servers' running requests, routing mode (5 s to drain)."""
+        deadline = time.monotonic() + 5
+        while True:
+            async with self.session.get(self.url + "/routing") as r:
+                routing = await r.json()
+            loads = []
+            for port in (self.cluster.spec_port, self.cluster.base_port):
+                async with self.session.get(f"http://127.0.0.1:{port}/get_load") as r:
+                    loads.append((await r.json())[0]["num_reqs"])
+            leaks = {"proxy_inflight": routing["inflight"], "server_running": sum(loads),
+                     "mode_not_speculative": 0 if routing["mode"] == "speculative" else 1}  # fmt: skip
+            if not any(leaks.values()) or time.monotonic() > deadline:
+                return leaks
+            await asyncio.sleep(0.1)
+
+    async def burst(self, n: int) -> None:
+        async def w(k: int) -> None:
+            for _ in range(k):
+                async with self.session.post(self.url + "/v1/completions", json={"prompt": "p", "max_tokens": 2}) as r:
+                    await r.read()
+
+        await asyncio.gather(*(w(n // 10) for _ in range(10)))
+
+
 async def run_chaos(phase_s: float = 3.0, concurrency: int = 12, time_scale: float = 20.0, seed: int = 0,
                     memory_requests: int = 200) -> ChaosReport:  # fmt: skip
     report = ChaosReport()
@@ -149,13 +245,17 @@ async def run_chaos(phase_s: float = 3.0, concurrency: int = 12, time_scale: flo
     proxy_port = free_port()
     url = f"http://127.0.0.1:{proxy_port}"
     read_timeout = 1.0
-    env = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(proxy_port), "SPECGATE_LOG_LEVEL": "error",
-           "SPECGATE_SPECULATIVE_URL": f"http://127.0.0.1:{cluster.spec_port}",
-           "SPECGATE_BASELINE_URL": f"http://127.0.0.1:{cluster.base_port}",
-           "SPECGATE_HIGH_WATERMARK": str(max(2, concurrency // 2)),
-           "SPECGATE_LOW_WATERMARK": str(max(1, concurrency // 4)),
-           "SPECGATE_READ_TIMEOUT_S": str(read_timeout), "SPECGATE_HEALTH_INTERVAL_S": "0.2",
-           "SPECGATE_CONNECT_TIMEOUT_S": "1"}  # fmt: skip
+    env = specgate_env(
+        proxy_port,
+        f"http://127.0.0.1:{cluster.spec_port}",
+        f"http://127.0.0.1:{cluster.base_port}",
+        log_level="error",
+        high_watermark=max(2, concurrency // 2),
+        low_watermark=max(1, concurrency // 4),
+        read_timeout_s=read_timeout,
+        health_interval_s=0.2,
+        connect_timeout_s=1,
+    )
     proxy: Proc | None = None
     try:
         cluster.start_sim("speculative")
@@ -163,93 +263,18 @@ async def run_chaos(phase_s: float = 3.0, concurrency: int = 12, time_scale: flo
         proxy = start("specgate", ["-m", "proxy"], ready_url=url + "/ready", env=env)
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
-            phase = {"name": PHASES[0]}
-            stop = asyncio.Event()
-
-            async def worker(wid: int) -> None:
-                wrng = random.Random(seed * 1000 + wid)
-                while not stop.is_set():
-                    name = phase["name"]
-                    outcome = await one_request(session, url, wrng, timeout_s=read_timeout * 4 + 5)
-                    report.requests += 1
-                    report.outcomes[outcome] += 1
-                    report.by_phase.setdefault(name, Counter())[outcome] += 1
-                    if name == "steady" and outcome == "disconnected":
-                        report.disconnects_steady += 1
-                    if outcome not in ALWAYS_OK and outcome not in EXPLAINED.get(name, set()):
-                        report.violations.append(f"{name}: {outcome}")
-                    # Vary the load so it crosses the watermarks both ways.
-                    await asyncio.sleep(wrng.choice([0, 0, 0.01, 0.05, 0.2]))
-
-            async def sims_aborted() -> float:
-                total = 0.0
-                for port in (cluster.spec_port, cluster.base_port):
-                    total += await _metric(session, f"http://127.0.0.1:{port}", "sglang:num_aborted_requests_total")
-                return total
-
-            aborted0 = await sims_aborted()
-            workers = [asyncio.create_task(worker(i)) for i in range(concurrency)]
-            loop = asyncio.get_running_loop()
-            await asyncio.sleep(phase_s)
-            # Let the steady phase's streams end before reading the abort counters.
-            phase["name"] = "settle"
-            await asyncio.sleep(0.5)
-            report.aborted_steady = await sims_aborted() - aborted0
-            for role in ("speculative", "baseline"):
-                phase["name"] = f"kill_{role}"
-                await loop.run_in_executor(None, cluster.kill, role)
-                report.kills += 1
-                await asyncio.sleep(phase_s / 2)
-                await loop.run_in_executor(None, cluster.start_sim, role)
-                await asyncio.sleep(phase_s / 2)
-            phase["name"] = "faults"
-            await loop.run_in_executor(None, cluster.kill, "speculative")
-            report.kills += 1
-            faulty = ("--stall-rate", "0.1", "--fail-rate", "0.1", "--seed", str(seed))
-            await loop.run_in_executor(None, lambda: cluster.start_sim("speculative", *faulty))  # fmt: skip
-            await asyncio.sleep(phase_s)
-            phase["name"] = "both_down"
-            for role in ("speculative", "baseline"):
-                await loop.run_in_executor(None, cluster.kill, role)
-                report.kills += 1
-            await asyncio.sleep(min(1.0, phase_s / 2))
-            for role in ("speculative", "baseline"):
-                await loop.run_in_executor(None, cluster.start_sim, role)
-            phase["name"] = "recovery"
-            await asyncio.sleep(phase_s)
-            stop.set()
+            soak = _Soak(cluster, session, url, report, seed, read_timeout)
+            workers = [asyncio.create_task(soak.worker(i)) for i in range(concurrency)]
+            await soak.phases(phase_s)
+            soak.stop.set()
             await asyncio.wait(workers, timeout=read_timeout * 4 + 10)
-
-            # Nothing left behind: proxy counts, servers' running requests, routing mode.
-            deadline = time.monotonic() + 5
-            while True:
-                async with session.get(url + "/routing") as r:
-                    routing = await r.json()
-                loads = []
-                for port in (cluster.spec_port, cluster.base_port):
-                    async with session.get(f"http://127.0.0.1:{port}/get_load") as r:
-                        loads.append((await r.json())[0]["num_reqs"])
-                leaks = {"proxy_inflight": routing["inflight"], "server_running": sum(loads),
-                         "mode_not_speculative": 0 if routing["mode"] == "speculative" else 1}  # fmt: skip
-                if not any(leaks.values()) or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.1)
-            report.leaks = leaks
+            report.leaks = await soak.leaks()
             report.failovers = await _metric(session, url, "specgate_failovers_total")
             report.proxy_client_disconnects = await _metric(session, url, "specgate_client_disconnects_total")
-
             # Memory: flat between N and 10 N further requests.
-            async def burst(n: int) -> None:
-                async def w(k: int) -> None:
-                    for _ in range(k):
-                        async with session.post(url + "/v1/completions", json={"prompt": "p", "max_tokens": 2}) as r:
-                            await r.read()
-
-                await asyncio.gather(*(w(n // 10) for _ in range(10)))
-
-            await burst(memory_requests)
+            await soak.burst(memory_requests)
             report.rss_after_n_mib = proxy.rss_mib()
-            await burst(memory_requests * 9)
+            await soak.burst(memory_requests * 9)
             report.rss_after_10n_mib = proxy.rss_mib()
             report.memory_requests = memory_requests * 10
     finally:
@@ -257,6 +282,12 @@ async def run_chaos(phase_s: float = 3.0, concurrency: int = 12, time_scale: flo
             proxy.stop()
         for proc in cluster.procs.values():
             proc.stop()
+    _judge(report)
+    return report
+
+
+def _judge(report: ChaosReport) -> None:
+    """The violations the run's end shows: leaks, unaborted disconnects, memory growth, no success."""
     for name, value in report.leaks.items():
         if value:
             report.violations.append(f"leak: {name} = {value}")
@@ -266,7 +297,6 @@ async def run_chaos(phase_s: float = 3.0, concurrency: int = 12, time_scale: flo
         report.violations.append(f"memory grew {report.rss_after_10n_mib - report.rss_after_n_mib:.1f} MiB")
     if report.outcomes["ok"] == 0:
         report.violations.append("no request succeeded")
-    return report
 
 
 def format_report(r: ChaosReport) -> str:
@@ -282,3 +312,21 @@ def format_report(r: ChaosReport) -> str:
                  f"({growth:+.1f} MiB over {r.memory_requests * 9 // 10} requests)")  # fmt: skip
     lines.append("PASS" if r.ok else "FAIL:\n  " + "\n  ".join(sorted(set(r.violations))))
     return "\n".join(lines)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    chaos = sub.add_parser("chaos", help="soak specgate and simulators while servers die, stall and fail")
+    chaos.add_argument("--phase-s", type=float, default=20.0, help="length of each of the six phases")
+    chaos.add_argument("--concurrency", type=int, default=12)
+    chaos.add_argument("--time-scale", type=float, default=20.0)
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--memory-requests", type=int, default=500, help="N of the N vs 10 N memory check")
+    chaos.add_argument("--out", default=None, help="write the report as JSON here")
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    report = asyncio.run(run_chaos(args.phase_s, args.concurrency, args.time_scale, args.seed, args.memory_requests))
+    print(format_report(report))
+    if args.out:
+        write_json(args.out, {"settings": vars(args), "report": report.to_dict(), "ok": report.ok})
+    return 0 if report.ok else 1

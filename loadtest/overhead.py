@@ -22,6 +22,7 @@ generator, not the target.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import os
@@ -41,6 +42,7 @@ import uvloop
 
 from .procs import Proc, free_port, http_status, simulator_args, start
 from .rawclient import Exchange, RawClient, post
+from .report import write_json
 from .stats import percentile
 
 MODEL = "sim"
@@ -408,3 +410,30 @@ def default_peers_venv() -> Path | None:
     """`.venv-peers` beside the running venv (scripts/install-peers makes it), if there is one."""
     here = Path(sys.prefix).parent / ".venv-peers"
     return here if here.is_dir() else None
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    overhead = sub.add_parser("overhead", help="specgate's own cost per hop, beside nginx and direct")
+    overhead.add_argument("--reps", type=int, default=3)
+    overhead.add_argument("--no-nginx", action="store_true")
+    overhead.add_argument("--peers-venv", default=None,
+                          help="a venv with litellm[proxy] and sglang-router (scripts/install-peers); "
+                               "default: .venv-peers beside this venv, when it exists")  # fmt: skip
+    overhead.add_argument("--no-peers", action="store_true", help="measure neither LiteLLM nor sglang-router")
+    overhead.add_argument("--only", action="append", default=None, metavar="TEXT",
+                          help="run only the scenarios whose name contains TEXT (repeatable)")  # fmt: skip
+    overhead.add_argument("--out", default=None, help="write every sample as JSON here")
+
+
+def cmd_overhead(args: argparse.Namespace) -> int:
+    peers = None if args.no_peers else (Path(args.peers_venv) if args.peers_venv else default_peers_venv())
+    scenarios = tuple(sc for sc in SCENARIOS if not args.only or any(t in sc.name for t in args.only))
+    if not scenarios:
+        print(f"loadtest: no scenario matches {args.only}; there are: {', '.join(sc.name for sc in SCENARIOS)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    results = run_overhead(args.reps, nginx=not args.no_nginx, peers_venv=peers, scenarios=scenarios)
+    print(format_results(results))
+    if args.out:
+        write_json(args.out, {"settings": vars(args), "results": results})
+    return 0

@@ -32,11 +32,12 @@ from typing import Any
 
 import aiohttp
 
-from proxy.engines import parse_metrics
+from proxy import promtext
 
-from .procs import Proc, free_port, start
+from .kit.processes import calibrate_fresh_pair, calibrate_options
+from .kit.settings import specgate_env
+from .procs import Proc, free_port, pair_args, start
 from .prompts import source
-from .shift import calibrate_fresh_pair
 
 POISON = "the cat sat on the mat and " * 40
 # specgate's counters read at each phase's ends (summed over their labels).
@@ -68,7 +69,7 @@ async def _snapshot(session: aiohttp.ClientSession, url: str) -> tuple[float, fl
         text = await r.text()
     async with session.get(url + "/routing") as r:
         routing = await r.json()
-    values = parse_metrics(text, COUNTERS)
+    values = promtext.totals(text, COUNTERS)
     return values.get(COUNTERS[0], 0.0), values.get(COUNTERS[1], 0.0), routing
 
 
@@ -126,9 +127,8 @@ async def _phase(url: str, model: str, args: argparse.Namespace, name: str, atta
 
 
 def _pair(args: argparse.Namespace, spec_port: int, base_port: int) -> list[str]:
-    return ["-m", "loadtest.simulator", "pair", "--profile", "crossover", "--shared-gpu", "--accept-from-prompt",
-            "--time-scale", str(args.time_scale), "--speculative-port", str(spec_port), "--baseline-port",
-            str(base_port), "--log-level", "warning"]  # fmt: skip
+    flags = ("--profile", "crossover", "--accept-from-prompt", "--time-scale", str(args.time_scale))
+    return pair_args(spec_port, base_port, *flags)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cal = calibrate_fresh_pair(
         lambda s, b: _pair(args, s, b),
         [1, 5, 10, 30, 70],
-        ["--seed", str(args.seed), "--max-tokens", str(args.max_tokens)],
+        calibrate_options(args.seed, args.max_tokens),
         3.0,
         out_dir,
         quiet=True,
@@ -147,12 +147,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     procs: list[Proc] = []
     try:
         procs.append(start("pair", _pair(args, spec_port, base_port), ready_url=f"http://127.0.0.1:{base_port}/health"))
-        s = str(args.probe_s)
-        env = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(port), "SPECGATE_LOG_LEVEL": "warning",
-               "SPECGATE_SPECULATIVE_URL": f"http://127.0.0.1:{spec_port}",
-               "SPECGATE_BASELINE_URL": f"http://127.0.0.1:{base_port}", "SPECGATE_POLICY": "adaptive",
-               "SPECGATE_CALIBRATION": str(cal), "SPECGATE_ADAPTIVE_PROBE_S": s, "SPECGATE_ADAPTIVE_PROBE_MAX_S": s,
-               "SPECGATE_ADAPTIVE_MIN_DWELL_S": s, "SPECGATE_HEALTH_INTERVAL_S": "0.5"}  # fmt: skip
+        spec, base = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{base_port}"
+        probe = args.probe_s
+        env = specgate_env(port, spec, base, policy="adaptive", calibration=cal, adaptive_probe_s=probe,
+                           adaptive_probe_max_s=probe, adaptive_min_dwell_s=probe, health_interval_s=0.5)  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         procs.append(start("specgate", ["-m", "proxy"], ready_url=url + "/ready", env=env))
         phases: list[Phase] = []

@@ -115,3 +115,9 @@ def running(name: str, args: Sequence[str], **kwargs: object) -> Iterator[Proc]:
 
 def simulator_args(role: str, port: int, *extra: str) -> list[str]:
     return ["-m", "loadtest.simulator", "--role", role, "--port", str(port), "--log-level", "warning", *extra]
+
+
+def pair_args(spec_port: int, base_port: int, *extra: str) -> list[str]:
+    """A simulated pair sharing one compute budget (`loadtest.simulator pair --shared-gpu`)."""
+    ports = ["--speculative-port", str(spec_port), "--baseline-port", str(base_port)]
+    return ["-m", "loadtest.simulator", "pair", "--shared-gpu", *ports, "--log-level", "warning", *extra]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .calibrate import Crossover, Recommendation
+from .kit.plots import pyplot
 from .stats import LevelStats
 
 
@@ -179,13 +180,7 @@ def write_json(path: str | Path, payload: Mapping[str, Any]) -> None:
 
 def plot_compare(path: str | Path, sweeps: Mapping[str, Sequence[LevelStats]], crossover: Crossover) -> None:
     """Throughput, TTFT and ITL against concurrency for each target, the crossover marked."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # pragma: no cover - a dependency of the loadtest extra
-        raise SystemExit("plotting needs matplotlib: pip install 'specgate[loadtest]'") from exc
+    plt = pyplot()
     style = {"speculative": ("tab:orange", "--"), "baseline": ("tab:blue", "--"), "specgate": ("tab:green", "-")}
     others = iter(("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray"))
     for name in sweeps:

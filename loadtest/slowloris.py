@@ -37,8 +37,10 @@ from typing import Any
 
 import orjson
 import uvloop
-from prometheus_client.parser import text_string_to_metric_families
 
+from proxy import promtext
+
+from .kit.settings import specgate_env
 from .procs import Proc, free_port, simulator_args, start
 from .rawclient import RawClient, post
 from .stats import percentile
@@ -258,12 +260,41 @@ async def _metrics(port: int) -> dict[str, float]:
     raw = await reader.read()
     writer.close()
     text = raw.partition(b"\r\n\r\n")[2].decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "specgate_client_rejections_total":
-                out[s.labels["reason"]] = s.value
-    return out
+    return promtext.by_label(text, "specgate_client_rejections_total", "reason")
+
+
+async def _measure(
+    name: str, proxy: Proc, counters: SynchronizedArray[int], phase: dict[str, _Samples], phase_s: float
+) -> PhaseReport:
+    """One phase of the normal client's requests beside whatever the attacker does, and specgate's cost."""
+    before = counters[:]
+    samples = phase["now"] = _Samples()
+    cpu0, t0 = proxy.cpu_seconds(), time.monotonic()
+    fds_max = open_max = 0
+    while time.monotonic() - t0 < phase_s:
+        await asyncio.sleep(0.5)
+        fds_max = max(fds_max, _fds(proxy.pid))
+        open_max = max(open_max, counters[_OPEN] if name == "attack" else 0)
+    seconds = time.monotonic() - t0
+    after = counters[:]
+    lat = samples.latencies
+    return PhaseReport(
+        name=name,
+        seconds=seconds,
+        requests=len(lat),
+        errors=samples.errors,
+        req_s=len(lat) / seconds,
+        p50_ms=percentile(lat, 50) * 1000,
+        p99_ms=percentile(lat, 99) * 1000,
+        ttft_p50_ms=percentile(samples.ttfts, 50) * 1000,
+        specgate_cpu=(proxy.cpu_seconds() - cpu0) / seconds,
+        specgate_fds_max=fds_max,
+        attacker_open_max=open_max,
+        attacker_opened=after[_OPENED] - before[_OPENED],
+        attacker_closed_by_specgate=after[_CLOSED] - before[_CLOSED],
+        attacker_408=after[_GOT_408] - before[_GOT_408],
+        attacker_503=after[_GOT_503] - before[_GOT_503],
+    )
 
 
 async def run_slowloris(
@@ -289,12 +320,9 @@ async def run_slowloris(
         for role, p in (("speculative", spec_port), ("baseline", base_port)):
             args = simulator_args(role, p, *flags)
             procs.append(start(f"sim-{role}", args, ready_url=f"http://127.0.0.1:{p}/health"))
-        env = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(port), "SPECGATE_LOG_LEVEL": "error",
-               "SPECGATE_SPECULATIVE_URL": f"http://127.0.0.1:{spec_port}",
-               "SPECGATE_BASELINE_URL": f"http://127.0.0.1:{base_port}",
-               "SPECGATE_HEADER_TIMEOUT_S": str(header_timeout_s)}  # fmt: skip
-        if max_client_connections is not None:
-            env["SPECGATE_MAX_CLIENT_CONNECTIONS"] = str(max_client_connections)
+        cap = {} if max_client_connections is None else {"max_client_connections": max_client_connections}
+        spec, base = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{base_port}"
+        env = specgate_env(port, spec, base, log_level="error", header_timeout_s=header_timeout_s, **cap)
         proxy = start("specgate", ["-m", "proxy"], ready_url=f"http://127.0.0.1:{port}/ready", env=env)
         procs.append(proxy)
 
@@ -313,36 +341,7 @@ async def run_slowloris(
                 stop_attack.set()
                 attacker.join(30)
                 await asyncio.sleep(1.0)
-            before = counters[:]
-            samples = phase["now"] = _Samples()
-            cpu0, t0 = proxy.cpu_seconds(), time.monotonic()
-            fds_max = open_max = 0
-            while time.monotonic() - t0 < phase_s:
-                await asyncio.sleep(0.5)
-                fds_max = max(fds_max, _fds(proxy.pid))
-                open_max = max(open_max, counters[_OPEN] if name == "attack" else 0)
-            seconds = time.monotonic() - t0
-            after = counters[:]
-            lat = samples.latencies
-            report.phases.append(
-                PhaseReport(
-                    name=name,
-                    seconds=seconds,
-                    requests=len(lat),
-                    errors=samples.errors,
-                    req_s=len(lat) / seconds,
-                    p50_ms=percentile(lat, 50) * 1000,
-                    p99_ms=percentile(lat, 99) * 1000,
-                    ttft_p50_ms=percentile(samples.ttfts, 50) * 1000,
-                    specgate_cpu=(proxy.cpu_seconds() - cpu0) / seconds,
-                    specgate_fds_max=fds_max,
-                    attacker_open_max=open_max,
-                    attacker_opened=after[_OPENED] - before[_OPENED],
-                    attacker_closed_by_specgate=after[_CLOSED] - before[_CLOSED],
-                    attacker_408=after[_GOT_408] - before[_GOT_408],
-                    attacker_503=after[_GOT_503] - before[_GOT_503],
-                )
-            )
+            report.phases.append(await _measure(name, proxy, counters, phase, phase_s))
         stop.set()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(client, 90)

@@ -27,6 +27,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def ratio(a: float, b: float) -> float:
+    """a / b; NaN where b is not positive or a unknown."""
+    return a / b if b > 0 and not math.isnan(a) else math.nan
+
+
 def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 

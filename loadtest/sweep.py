@@ -18,7 +18,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -91,6 +91,95 @@ async def first_model(url: str, api_key: str | None) -> str:
         raise TargetUnreachable(f"{url}/v1/models did not list a model") from None
 
 
+@dataclass
+class _Level:
+    """One level's run: its streams, the window they are measured in and what they recorded."""
+
+    session: aiohttp.ClientSession
+    target: Target
+    concurrency: int
+    plan: LevelPlan
+    prompts: Iterator[Prompt]
+    progress: Progress | None
+    min_requests: int
+    results: list[RequestResult] = field(default_factory=list)
+    # Requests started inside the window, as they finish: good ones, the streams they came from, failures.
+    good: int = 0
+    failed: int = 0
+    good_streams: set[int] = field(default_factory=set)
+    extending: list[float] = field(default_factory=list)  # [time the window passed duration_s] while it runs on
+    first_done: int = 0
+    errors: int = 0
+    client_errors: int = 0
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    window: list[float] = field(default_factory=list)  # [t0] once measuring, [t0, t1] once done
+    start: float = field(default_factory=time.monotonic)
+
+    def report(self, phase: str) -> None:
+        if self.progress is not None:
+            self.progress(phase, len(self.results), self.errors, self.client_errors)
+
+    def phase(self) -> str:
+        if self.stop.is_set():
+            return "drain"
+        if self.extending:
+            return f"extended +{time.monotonic() - self.extending[0]:.0f} s"
+        return "measure" if self.window else "warm-up"
+
+    async def worker(self, stream: int) -> None:
+        counted_first = False
+        while not self.stop.is_set():
+            r = await stream_request(self.session, self.target, next(self.prompts))
+            self.results.append(r)
+            if self.window and r.started >= self.window[0]:
+                if r.ok:
+                    self.good += 1
+                    self.good_streams.add(stream)
+                else:
+                    self.failed += 1
+            if not counted_first:
+                counted_first = True
+                self.first_done += 1
+            if not r.ok:
+                if r.client_error:
+                    self.client_errors += 1
+                else:
+                    self.errors += 1
+                await asyncio.sleep(ERROR_BACKOFF_S)
+            self.report(self.phase())
+
+    def has_enough(self) -> bool:
+        return enough(self.concurrency, self.min_requests, self.good, len(self.good_streams), self.failed)
+
+    async def warm_up(self) -> None:
+        """Until every stream finished one request and the least warm-up passed (or the wait ran out)."""
+        deadline = self.start + self.plan.max_wait_s
+
+        def warming() -> bool:
+            return self.first_done < self.concurrency or time.monotonic() - self.start < self.plan.warmup_s
+
+        # Polling counters every 10 ms, bounded by the deadline, is simpler than an event per result.
+        while warming() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+    async def measure(self, t0: float) -> None:
+        """The window from t0: --requests of them, or --duration-s run on until the level has enough."""
+        plan = self.plan
+        if plan.requests is not None:
+            while time.monotonic() < t0 + plan.max_wait_s:
+                done = sum(1 for r in self.results if r.started >= t0)
+                if done >= plan.requests:
+                    break
+                await asyncio.sleep(0.01)
+            return
+        await asyncio.sleep(plan.duration_s or 0.0)
+        if plan.extends and not self.has_enough():
+            self.extending.append(time.monotonic())
+            self.report(self.phase())
+            while not self.has_enough() and time.monotonic() < t0 + (plan.max_duration_s or 0.0):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+
+
 async def run_level(
     session: aiohttp.ClientSession,
     target: Target,
@@ -101,91 +190,23 @@ async def run_level(
     min_requests: int = DEFAULT_MIN_REQUESTS,
     during_window: DuringWindow | None = None,
 ) -> tuple[LevelStats, list[RequestResult]]:
-    results: list[RequestResult] = []
-    # Requests started inside the window, as they finish: good ones, the streams they came from, failures.
-    good, failed = 0, 0
-    good_streams: set[int] = set()
-    extending: list[float] = []  # [time the window passed duration_s] while it runs on
-    first_done = 0
-    errors = 0
-    client_errors = 0
-    stop = asyncio.Event()
-    beside: list[asyncio.Task[None]] = []
-    window: list[float] = []  # [t0] once measuring, [t0, t1] once done
-    start = time.monotonic()
-
-    def report(phase: str) -> None:
-        if progress is not None:
-            progress(phase, len(results), errors, client_errors)
-
-    def phase() -> str:
-        if stop.is_set():
-            return "drain"
-        if extending:
-            return f"extended +{time.monotonic() - extending[0]:.0f} s"
-        return "measure" if window else "warm-up"
-
-    async def worker(stream: int) -> None:
-        nonlocal first_done, errors, client_errors, good, failed
-        counted_first = False
-        while not stop.is_set():
-            r = await stream_request(session, target, next(prompts))
-            results.append(r)
-            if window and r.started >= window[0]:
-                if r.ok:
-                    good += 1
-                    good_streams.add(stream)
-                else:
-                    failed += 1
-            if not counted_first:
-                counted_first = True
-                first_done += 1
-            if not r.ok:
-                if r.client_error:
-                    client_errors += 1
-                else:
-                    errors += 1
-                await asyncio.sleep(ERROR_BACKOFF_S)
-            report(phase())
-
-    def has_enough() -> bool:
-        return enough(concurrency, min_requests, good, len(good_streams), failed)
-
-    async def controller() -> None:
-        deadline = start + plan.max_wait_s
-        # Polling counters every 10 ms, bounded by the deadline, is simpler than an event per result.
-        while (first_done < concurrency or time.monotonic() - start < plan.warmup_s) and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
-        t0 = time.monotonic()
-        window.append(t0)
-        if during_window is not None:
-            beside.append(asyncio.create_task(during_window(stop)))
-        if plan.requests is not None:
-            while time.monotonic() < t0 + plan.max_wait_s:
-                done = sum(1 for r in results if r.started >= t0)
-                if done >= plan.requests:
-                    break
-                await asyncio.sleep(0.01)
-        else:
-            await asyncio.sleep(plan.duration_s or 0.0)
-            if plan.extends and not has_enough():
-                extending.append(time.monotonic())
-                report(phase())
-                while not has_enough() and time.monotonic() < t0 + (plan.max_duration_s or 0.0):  # noqa: ASYNC110
-                    await asyncio.sleep(0.01)
-        window.append(time.monotonic())
-        stop.set()
-
-    workers = [asyncio.create_task(worker(i)) for i in range(concurrency)]
-    await controller()
+    level = _Level(session, target, concurrency, plan, prompts, progress, min_requests)
+    workers = [asyncio.create_task(level.worker(i)) for i in range(concurrency)]
+    await level.warm_up()
+    t0 = time.monotonic()
+    level.window.append(t0)
+    beside = None if during_window is None else asyncio.create_task(during_window(level.stop))
+    await level.measure(t0)
+    level.window.append(time.monotonic())
+    level.stop.set()
     _, pending = await asyncio.wait(workers, timeout=plan.max_wait_s)
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    for task in beside:
-        await task
-    report("done")
-    stats = summarize(concurrency, results, window[0], window[1], min_requests)
-    if extending:
-        stats = dataclasses.replace(stats, extended_s=window[1] - extending[0])
-    return stats, results
+    if beside is not None:
+        await beside
+    level.report("done")
+    stats = summarize(concurrency, level.results, level.window[0], level.window[1], min_requests)
+    if level.extending:
+        stats = dataclasses.replace(stats, extended_s=level.window[1] - level.extending[0])
+    return stats, level.results

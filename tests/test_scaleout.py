@@ -36,7 +36,6 @@ from loadtest.scaleout import (
     server_sample,
     split_deviation,
     spread,
-    supports_groups,
     switches_between,
     view_errors,
     vs_better,
@@ -46,10 +45,6 @@ from loadtest.simulator.profile import load_profile
 # Two cores run three configurations side by side: a time scale of 2 keeps the baseline's chunks
 # (one a token) at a few thousand a second in all.
 TIME_SCALE = 2
-NEEDS_GROUPS = pytest.mark.skipif(
-    not supports_groups(),
-    reason="specgate takes one server per role here (proxy.config.Settings has no 'topology' yet)",
-)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,7 +377,7 @@ def args(**overrides: Any) -> argparse.Namespace:
     return argparse.Namespace(**base)
 
 
-def test_plan_refuses_what_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_refuses_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="--settle-s"):
         scaleout.plan_of(args(settle_s=10.0))
     with pytest.raises(ValueError, match="go together"):
@@ -393,11 +388,6 @@ def test_plan_refuses_what_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> Non
     assert wm is None and plan.watermark_scale() == 1  # no watermarks: a pair is calibrated first
     # Pooled: the per-pair watermarks of a calibration are the pool's times the speculative servers.
     assert scaleout.ScaleoutPlan(topology="pooled", speculative_servers=3).watermark_scale() == 3
-    monkeypatch.setattr(scaleout, "supports_groups", lambda: False)
-    with pytest.raises(ValueError, match="one server per role"):
-        scaleout.plan_of(args(groups=2))
-    with pytest.raises(ValueError, match="one server per role"):
-        scaleout.plan_of(args(topology="pooled"))
     plan, wm = scaleout.plan_of(args(groups=1))
     assert plan.group_names() == ["group-0"] and wm is not None and (wm.high, wm.low) == (20, 15)
 
@@ -448,8 +438,8 @@ def tokens(level: dict[str, Any], config: str, role: str) -> float:
 
 
 def test_paired_groups_behind_replicas(tmp_path: Path) -> None:
-    """Two groups where specgate takes lists of servers; one before (the harness itself)."""
-    groups = 2 if supports_groups() else 1
+    """Two groups behind the replicas."""
+    groups = 2
     report = run_cli(tmp_path, "--groups", str(groups), "--concurrency", f"2,{12 * groups}")
     low, high = report["levels"]
     assert [low["concurrency"], high["concurrency"]] == [2, 12 * groups]
@@ -477,7 +467,6 @@ def test_paired_groups_behind_replicas(tmp_path: Path) -> None:
                 assert cl["split_deviation"] is not None
 
 
-@NEEDS_GROUPS
 def test_pooled_servers_behind_replicas(tmp_path: Path) -> None:
     report = run_cli(
         tmp_path, "--topology", "pooled", "--speculative-servers", "2", "--baseline-servers", "2",

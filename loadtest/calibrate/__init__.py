@@ -32,7 +32,7 @@ from typing import Any, Literal
 from proxy.adaptive import crossing, hysteresis_low
 from proxy.calibration import Calibration, Curve
 
-from .stats import LevelStats
+from ..stats import LevelStats
 
 # `calibrate`'s exit status when the levels measured do not decide the watermarks: no recommendation.
 EXIT_NO_RECOMMENDATION = 3

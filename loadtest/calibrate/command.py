@@ -1,0 +1,143 @@
+"""`python -m loadtest calibrate`: sweep both servers, find where speculation stops paying, recommend
+watermarks and, with --save, write the calibration specgate loads (SPECGATE_CALIBRATION)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from proxy.calibration import parse, to_json
+
+from ..acceptance import AcceptanceMeter, redact
+from ..kit.sweeps import add_load_options, default_prompts, max_duration, settings_of, sweep_targets
+from ..report import calibration_text, compare_table, write_json
+from ..stats import LevelStats
+from ..sweep import first_model
+from . import EXIT_NO_RECOMMENDATION, Recommendation, calibrate, calibration_file
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("calibrate", help="find where speculation stops paying; recommend watermarks")
+    p.add_argument("--speculative", required=True, metavar="URL")
+    p.add_argument("--baseline", required=True, metavar="URL")
+    add_load_options(p)
+    p.add_argument(
+        "--save",
+        default=None,
+        metavar="FILE",
+        help="write the calibration specgate loads (SPECGATE_CALIBRATION): both servers' curves, the acceptance "
+        "length the speculative server's /metrics reported, the settings and the recommendation",
+    )
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    default_prompts(args)
+    return asyncio.run(_calibrate(args))
+
+
+async def _sweep(
+    args: argparse.Namespace, urls: Mapping[str, str]
+) -> tuple[dict[str, list[LevelStats]], AcceptanceMeter | None, dict[str, str]]:
+    """Both servers swept; with --save, the speculative server's acceptance read beside its levels."""
+    meter: AcceptanceMeter | None = None
+    models: dict[str, str] = {}
+    if args.save:
+        if not Path(args.save).parent.is_dir():
+            raise ValueError(f"--save {args.save}: no such directory")
+        models = {name: args.model or await first_model(url, args.api_key) for name, url in urls.items()}
+        meter = AcceptanceMeter(args.speculative, args.api_key)
+        await meter.open()
+        if meter.reason:
+            _not_measured(meter.reason)
+    try:
+        samplers = {"speculative": meter.during_window} if meter is not None and meter.engine else None
+        return await sweep_targets(urls, args, samplers), meter, models
+    finally:
+        if meter is not None:
+            await meter.close()
+
+
+async def _calibrate(args: argparse.Namespace) -> int:
+    urls = {"speculative": args.speculative, "baseline": args.baseline}
+    sweeps, meter, models = await _sweep(args, urls)
+    tp, lat, rec = calibrate(sweeps["speculative"], sweeps["baseline"])
+    print(compare_table(sweeps) + "\n")
+    print(calibration_text(tp, lat, rec))
+    if args.out:
+        write_json(
+            args.out, {"settings": settings_of(args), "sweeps": sweeps, "crossover": [tp, lat], "recommendation": rec}
+        )
+    if not rec.made:
+        if args.save:
+            print(f"loadtest: {args.save} not written: no recommendation to save", file=sys.stderr)
+        return EXIT_NO_RECOMMENDATION
+    if meter is not None:
+        if meter.engine is not None:
+            meter.finish()
+            if meter.reason:
+                _not_measured(meter.reason)
+        return _save(args.save, sweeps, rec, meter, _calibration_settings(args, models, meter))
+    return 0
+
+
+def _not_measured(reason: str) -> None:
+    print(f"acceptance length not measured (null in the file): {reason}", file=sys.stderr, flush=True)
+
+
+def _calibration_settings(
+    args: argparse.Namespace, models: Mapping[str, str], meter: AcceptanceMeter
+) -> dict[str, Any]:
+    """What the sweep was, for the file: no API key, no credentials in URLs."""
+    return {
+        "speculative": redact(args.speculative),
+        "baseline": redact(args.baseline),
+        "models": dict(models),
+        "endpoint": args.endpoint,
+        "prompts": args.prompts,
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
+        "ignore_eos": not args.no_ignore_eos,
+        "extra_body": args.extra_body or {},
+        "levels": list(args.concurrency),
+        "duration_s": None if args.requests else args.duration_s,
+        "max_duration_s": max_duration(args),
+        "requests": args.requests,
+        "warmup_s": args.warmup_s,
+        "min_requests": args.min_requests,
+        "acceptance": meter.source,
+    }
+
+
+def _save(
+    path: str,
+    sweeps: Mapping[str, Sequence[LevelStats]],
+    rec: Recommendation,
+    meter: AcceptanceMeter,
+    settings: Mapping[str, Any],
+) -> int:
+    created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    try:
+        cal = calibration_file(sweeps["speculative"], sweeps["baseline"], rec, meter.by_level, settings, created)
+    except ValueError as exc:
+        print(f"loadtest: {path} not written: {exc}", file=sys.stderr)
+        return 1
+    data = to_json(cal)
+    parse(data)  # what specgate will accept, or a bug here
+    tmp = f"{path}.tmp"
+    Path(tmp).write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
+    os.replace(tmp, path)
+    accept = "not measured" if cal.accept_length is None else f"{cal.accept_length:.2f}"
+    print(f"\ncalibration saved: {path} (levels {', '.join(map(str, cal.levels))}; acceptance length {accept})")
+    print(
+        f"use it: SPECGATE_CALIBRATION={path} (with SPECGATE_POLICY=threshold it applies the recommended "
+        "watermarks; with SPECGATE_POLICY=adaptive the curves)"
+    )
+    return 0

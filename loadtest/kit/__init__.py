@@ -1,0 +1,15 @@
+"""The scenario kit: what every load-testing command is built from.
+
+- `processes`: starting a scenario's simulators and specgates side by side, waiting for them together,
+  calibrating a fresh pair first (`loadtest.procs` starts and stops one process);
+- `sampling`: the machine's CPU, a server's /metrics (through `proxy.promtext`) and JSON pages;
+- `driving`: closed-loop streams, periodic ticks, draining what is in flight at the end;
+- `settings`: specgate's environment for a scenario, its time settings scaled to the simulators' clock;
+- `plots`: matplotlib, and the strips and shading the timelines share;
+- `command`: progress lines and the options and checks a scenario's arguments share;
+- `sweeps`: the sweeping commands' (sweep, compare, calibrate, demo) load options and targets swept
+  level by level.
+
+One target's level (`loadtest.sweep`), its summary and the honest-sampling rule (`loadtest.stats`),
+verdicts and tables (`loadtest.report`) and the crossover rule (`loadtest.calibrate`) are the kit's too.
+"""

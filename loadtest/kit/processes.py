@@ -1,0 +1,99 @@
+"""A scenario's processes: started together, waited for together, stopped together."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..calibrate import EXIT_NO_RECOMMENDATION
+from ..procs import Proc, free_port, http_status, start
+from .command import say
+
+
+def wait_ready(pending: Sequence[tuple[Proc, str]], timeout_s: float = 60.0) -> None:
+    """Wait until each URL answers 200; the processes start in parallel, so this costs the slowest."""
+    deadline = time.monotonic() + timeout_s
+    left = list(pending)
+    while left:
+        for proc, url in list(left):
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited with code {proc.popen.returncode} before it was ready")
+            if http_status(url, timeout_s=1.0) == 200:
+                left.remove((proc, url))
+        if left and time.monotonic() > deadline:
+            raise RuntimeError(f"{', '.join(p.name for p, _ in left)} not ready within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
+@dataclass
+class Fleet:
+    """Processes started without waiting, then waited for at once (`ready`): starting a kind of
+    process costs the slowest of them, not the sum. Stopped in reverse order."""
+
+    procs: list[Proc] = field(default_factory=list)
+    pending: list[tuple[Proc, str]] = field(default_factory=list)
+
+    def start(self, name: str, args: Sequence[str], urls: Sequence[str], env: Mapping[str, str] | None = None) -> Proc:
+        """Start `python ARGS`; `urls` answer 200 once it is ready."""
+        proc = start(name, args, env=dict(env) if env is not None else None)
+        self.procs.append(proc)
+        self.pending += [(proc, url) for url in urls]
+        return proc
+
+    def ready(self) -> None:
+        pending, self.pending = self.pending, []
+        wait_ready(pending)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+def calibrate_options(seed: int, max_tokens: int, min_requests: int | None = None) -> list[str]:
+    """`loadtest calibrate` arguments that make its sweep send what the scenario will."""
+    out = ["--seed", str(seed), "--max-tokens", str(max_tokens)]
+    return out if min_requests is None else [*out, "--min-requests", str(min_requests)]
+
+
+def calibrate_fresh_pair(
+    pair_args: Callable[[int, int], list[str]],
+    levels: Sequence[int],
+    extra: Sequence[str],
+    duration_s: float,
+    out_dir: Path,
+    quiet: bool,
+) -> Path:
+    """Start a simulated pair (`pair_args(speculative_port, baseline_port)`), run `loadtest calibrate
+    --save` on it with diverse prompts at `levels`, stop it; the calibration file's path. `extra`:
+    more calibrate arguments (seed, tokens, minimum requests). Its output goes to calibration.txt."""
+    spec_port, base_port = free_port(), free_port()
+    spec, base = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{base_port}"
+    pair = Fleet()
+    pair.start("simulators-calibration", pair_args(spec_port, base_port), [spec + "/health", base + "/health"])
+    path = out_dir / "calibration.json"
+    try:
+        pair.ready()
+        args = [
+            sys.executable, "-m", "loadtest", "calibrate", "--speculative", spec, "--baseline", base,
+            "--prompts", "diverse", "--concurrency", ",".join(map(str, levels)), "--duration-s", f"{duration_s:g}",
+            *extra, "--save", str(path), "--out", str(out_dir / "calibration-sweep.json"), "--quiet",
+        ]  # fmt: skip
+        say(f"calibrating a fresh pair with diverse prompts at {', '.join(map(str, levels))} streams...", quiet)
+        done = subprocess.run(args, capture_output=True, text=True, check=False)
+        (out_dir / "calibration.txt").write_text(done.stdout + done.stderr)
+        if done.returncode == EXIT_NO_RECOMMENDATION:
+            # Inconclusive levels left the crossover unknown: a scenario run on made-up watermarks
+            # would measure nothing worth reporting.
+            raise RuntimeError(
+                f"calibrate could not bracket the crossover with conclusive levels, so there are no watermarks to "
+                f"run with; see {out_dir / 'calibration.txt'}"
+            )
+        if done.returncode != 0 or not path.exists():
+            raise RuntimeError(f"calibrate failed (exit {done.returncode}); see {out_dir / 'calibration.txt'}")
+    finally:
+        pair.stop()
+    return path
