@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,8 @@ import pytest
 
 from loadtest.procs import Proc, free_port, simulator_args, start
 from proxy.config import Settings
+
+from .inprocess import StartGateway, gateways
 
 ROOT = Path(__file__).resolve().parent.parent
 TIERS = ("inprocess", "loopback", "real")
@@ -81,9 +83,6 @@ TEST_TIERS = {
     "test_hostile_config::test_overflowing_calibration_exits_2_with_one_line": "loopback",
     "test_hostile_config::test_url_password_with_a_hash_exits_2_with_one_line": "loopback",
     "test_hostile_config::test_a_fifo_is_refused_without_waiting_for_a_writer": "loopback",
-    "test_hostile_readings::test_one_infinite_reading_then_normal_ones_are_read_and_a_later_500_noticed": "loopback",
-    "test_hostile_readings::test_a_huge_reading_is_unreadable_not_a_routing_error_or_a_heavy_load": "loopback",
-    "test_hostile_readings::test_specgate_starts_with_an_impossible_reading_present": "loopback",
     "test_kubernetes::test_secret_env_stays_out_of_git_and_is_required": "loopback",
     "test_scaleout::test_paired_groups_behind_replicas": "loopback",
     "test_scaleout::test_pooled_servers_behind_replicas": "loopback",
@@ -178,6 +177,14 @@ def _nothing_written_into_the_tree() -> Iterator[None]:
 def anyio_backend() -> str:
     # The proxy runs on asyncio (uvloop in production); in-process tests share that loop.
     return "asyncio"
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[StartGateway]:
+    """`gw = await gateway(high_watermark=4)`: the app in-process in front of two in-process
+    simulators (tests/inprocess.py); needs `pytest.mark.anyio`."""
+    async with gateways() as start:
+        yield start
 
 
 @dataclass

@@ -1,6 +1,14 @@
-"""Shared test helpers: scraping Prometheus text, reading SSE streams."""
+"""Shared test helpers: waiting for a condition, scraping Prometheus text, reading SSE streams,
+the gateway's /routing."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import httpx
 import orjson
@@ -23,7 +31,58 @@ def sse_events(raw: bytes) -> list[bytes]:
     return events
 
 
-def sse_json(raw: bytes) -> list[dict[str, object]]:
+def sse_json(raw: bytes) -> list[dict[str, Any]]:
     events = sse_events(raw)
     assert events[-1] == b"[DONE]"
     return [orjson.loads(e) for e in events[:-1]]
+
+
+def wait_for(check: Callable[[], object], timeout_s: float = 5.0, interval_s: float = 0.02) -> float:
+    """Poll `check` until it is truthy; fail after `timeout_s`. Returns the seconds it took.
+    The bounded wait that replaces a fixed sleep before an assertion."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"condition not reached within {timeout_s:g} s: {check}"
+        time.sleep(interval_s)
+    return time.monotonic() - t0
+
+
+async def wait_until(
+    check: Callable[[], object | Awaitable[object]], timeout_s: float = 5.0, interval_s: float = 0.02
+) -> float:
+    """`wait_for` in an event loop: `check` may be a coroutine function, and the waits between its
+    tries leave the loop to the app and the servers running in it."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while not await _result(check()):
+        assert loop.time() < t0 + timeout_s, f"condition not reached within {timeout_s:g} s: {check}"
+        await asyncio.sleep(interval_s)
+    return loop.time() - t0
+
+
+async def _result(value: object | Awaitable[object]) -> object:
+    return await value if inspect.isawaitable(value) else value
+
+
+def routing(url: str, **headers: str) -> dict[str, Any]:
+    """The gateway's /routing at `url`."""
+    r = httpx.get(url + "/routing", headers=headers, timeout=5)
+    assert r.status_code == 200, r.text
+    found: dict[str, Any] = r.json()
+    return found
+
+
+# A generation that outlasts any test, within the simulator's context (131072 tokens: SGLang, and so
+# the simulator, refuses prompt + max_tokens past it with 400).
+LONG = {"prompt": "p", "max_tokens": 120_000, "stream": True}
+
+
+@contextlib.contextmanager
+def open_stream(url: str, body: dict[str, Any] | None = None, **kw: Any) -> Iterator[httpx.Response]:
+    """A streaming completion at `url` held open (first event read) until the block ends."""
+    with httpx.Client(timeout=30) as http, http.stream("POST", url + "/v1/completions", json=body or LONG, **kw) as r:
+        lines = r.iter_lines()
+        next(lines)
+        r.extensions["lines"] = lines  # keep the generator referenced: dropping it closes the stream
+        yield r

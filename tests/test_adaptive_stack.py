@@ -12,8 +12,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import Stack, StartStack
-from .helpers import scrape
-from .test_proxy import wait_for
+from .helpers import routing, scrape, wait_for
 
 # The shipped `crossover` profile's curves at its acceptance (3): speculation pays below 20 streams.
 CALIBRATION = {
@@ -33,10 +32,6 @@ FAST = {
 }
 
 
-def routing(s: Stack) -> dict:  # type: ignore[type-arg]
-    return httpx.get(s.url + "/routing").json()  # type: ignore[no-any-return]
-
-
 def calibration_file(tmp_path: Path) -> str:
     path = tmp_path / "calibration.json"
     path.write_bytes(orjson.dumps(CALIBRATION))
@@ -52,13 +47,13 @@ def stream_some(s: Stack, n: int, max_tokens: int = 64) -> None:
 
 def test_starts_from_the_calibration_and_learns_from_streams(stack: StartStack, tmp_path: Path) -> None:
     s = stack(("--time-scale", "20", "--profile", "crossover"), SPECGATE_CALIBRATION=calibration_file(tmp_path), **FAST)
-    r = routing(s)
+    r = routing(s.url)
     assert r["policy"] == "adaptive" and r["watermarks"] == {"high": 20, "low": 15}
     a = r["adaptive"]
     assert a["calibrated"] and a["curves"]["levels"] == CALIBRATION["levels"]
     stream_some(s, 4)
-    wait_for(lambda: routing(s)["adaptive"]["observations"] >= 4)
-    observed = routing(s)["adaptive"]["observed"]["speculative"]
+    wait_for(lambda: routing(s.url)["adaptive"]["observations"] >= 4)
+    observed = routing(s.url)["adaptive"]["observed"]["speculative"]
     assert observed["1"]["weight"] > 0 and observed["1"]["speed_ratio"] > 0
     m = scrape(s.url)
     assert m["specgate_crossover_estimate"] > 0
@@ -78,8 +73,8 @@ def test_a_fall_in_live_acceptance_moves_traffic_to_the_baseline(stack: StartSta
     assert first.headers["x-specgate-backend"] == "speculative"
     # Enough decode steps for SGLang's gauge to refresh (every 40), then a health poll to read it.
     stream_some(s, 2, max_tokens=200)
-    wait_for(lambda: routing(s)["watermarks"]["high"] == 0, timeout_s=10)
-    r = routing(s)
+    wait_for(lambda: routing(s.url)["watermarks"]["high"] == 0, timeout_s=10)
+    r = routing(s.url)
     assert abs(r["adaptive"]["accept_length_live"] - 1.2) < 0.05
     assert r["adaptive"]["crossover_estimate"] == 0 and "pays at no load" in r["adaptive"]["why"]
     after = httpx.post(s.url + "/v1/completions", json={"prompt": "p", "max_tokens": 4}, timeout=30)
@@ -109,13 +104,13 @@ def test_shadow_probes_see_acceptance_rise_and_bring_speculation_back(stack: Sta
     # Varied prompts accept about 1 token a step where the calibration saw 3: once the engine's
     # gauge says so, everything goes to the baseline.
     assert complete(s, VARIED, 200).headers["x-specgate-backend"] == "speculative"
-    wait_for(lambda: routing(s)["watermarks"]["high"] == 0, timeout_s=10)
+    wait_for(lambda: routing(s.url)["watermarks"]["high"] == 0, timeout_s=10)
     # Shadows of varied prompts measure ~1 and change nothing; the client is served by the baseline.
     for _ in range(3):
         assert complete(s, VARIED).headers["x-specgate-backend"] == "baseline"
         time.sleep(0.4)
     assert scrape(s.url)["specgate_shadow_probes_total"] >= 1
-    assert routing(s)["watermarks"]["high"] == 0
+    assert routing(s.url)["watermarks"]["high"] == 0
     # The traffic turns repetitive: a shadow of such a request measures ~4 tokens a step from its
     # own stream (the gauge, refreshed every 40 steps, has not moved), and speculation pays again.
     seen: list[str] = []
@@ -126,7 +121,7 @@ def test_shadow_probes_see_acceptance_rise_and_bring_speculation_back(stack: Sta
 
     wait_for(back_to_speculation, timeout_s=15)
     assert seen[0] == "baseline"
-    a = routing(s)["adaptive"]
+    a = routing(s.url)["adaptive"]
     assert a["accept_length_live"] > 3.0 and "from probe streams" in a["why"], a["why"]
     assert a["accept_length_source"] == "from probe streams"
     # Every shadow measured: none failed or came back without usage.

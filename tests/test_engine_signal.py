@@ -13,15 +13,14 @@ import httpx
 from loadtest.procs import free_port, http_status
 
 from .conftest import StartStack
-from .helpers import scrape
-from .test_proxy import LONG, open_stream, routing, wait_for
+from .helpers import LONG, open_stream, routing, scrape, wait_for
 
 
 def test_unreadable_engine_signal_is_said_not_hidden(stack: StartStack) -> None:
     # SGLang without --enable-metrics: no /metrics on the speculative server.
     s = stack(spec_args=("--no-metrics",), SPECGATE_LOAD_SIGNAL="engine")
-    wait_for(lambda: routing(s)["backends"]["baseline"]["engine_signal_up"])
-    r = routing(s)
+    wait_for(lambda: routing(s.url)["backends"]["baseline"]["engine_signal_up"])
+    r = routing(s.url)
     assert (r["load_signal"], r["load_signal_in_effect"]) == ("engine", "mixed")
     assert "speculative" in r["load_signal_why"] and "404" in r["load_signal_why"]
     spec, base = r["backends"]["speculative"], r["backends"]["baseline"]
@@ -36,8 +35,8 @@ def test_unreadable_engine_signal_is_said_not_hidden(stack: StartStack) -> None:
 
 def test_no_engine_signal_at_all_routes_on_the_local_count_and_says_so(stack: StartStack) -> None:
     s = stack(sim_args=("--time-scale", "20", "--no-metrics"), SPECGATE_LOAD_SIGNAL="max")
-    wait_for(lambda: routing(s)["load_signal_in_effect"] == "local")
-    assert "no engine load readable" in routing(s)["load_signal_why"]
+    wait_for(lambda: routing(s.url)["load_signal_in_effect"] == "local")
+    assert "no engine load readable" in routing(s.url)["load_signal_why"]
     # The warning comes once per outage, not once per poll: run a second proxy with its log kept.
     port = free_port()
     log_path = Path(f"signal-{port}.log").absolute()
@@ -64,21 +63,21 @@ def test_engine_metrics_name_the_engine_and_its_acceptance(stack: StartStack) ->
     s = stack(sim_args=("--time-scale", "20", "--live-gauges"), spec_args=("--accept-length", "2.5"))
     httpx.post(s.url + "/v1/completions", json={"prompt": "p", "max_tokens": 40})
     # The simulator's gauge: tokens per decode step over its last log interval (SGLang's own rule).
-    wait_for(lambda: 2 <= (routing(s)["backends"]["speculative"]["spec_accept_length"] or 0) <= 2.5)
-    r = routing(s)
+    wait_for(lambda: 2 <= (routing(s.url)["backends"]["speculative"]["spec_accept_length"] or 0) <= 2.5)
+    r = routing(s.url)
     assert r["backends"]["speculative"]["engine"] == "sglang" and r["engine_setting"] == "auto"
     assert r["backends"]["baseline"]["spec_accept_length"] is None  # no speculation there
     assert r["load_signal_in_effect"] == "local" and r["load_signal_why"] is None
     text = httpx.get(s.url + "/metrics").text
-    shown = routing(s)["backends"]["speculative"]["spec_accept_length"]
+    shown = routing(s.url)["backends"]["speculative"]["spec_accept_length"]
     assert f'specgate_accept_length{{backend="speculative"}} {shown}' in text
     assert 'specgate_accept_length{backend="baseline"} NaN' in text
 
 
 def test_a_configured_engine_that_is_not_there_is_reported(stack: StartStack) -> None:
     s = stack(SPECGATE_ENGINE="vllm", SPECGATE_LOAD_SIGNAL="engine")
-    wait_for(lambda: routing(s)["load_signal_in_effect"] == "local")
-    err = routing(s)["backends"]["speculative"]["engine_signal_error"]
+    wait_for(lambda: routing(s.url)["load_signal_in_effect"] == "local")
+    err = routing(s.url)["backends"]["speculative"]["engine_signal_error"]
     assert "vllm:num_requests_running" in err and "vllm" in err
 
 
@@ -94,15 +93,15 @@ def test_a_server_answering_proxied_requests_stays_up_while_its_health_is_slow(s
         assert r.headers["x-specgate-backend"] == "speculative"
         deadline = time.monotonic() + 3  # ~6 polls, each timing out
         while time.monotonic() < deadline:
-            assert routing(s)["backends"]["speculative"]["healthy"]
+            assert routing(s.url)["backends"]["speculative"]["healthy"]
             time.sleep(0.1)
-        assert "proxied requests got answers" in routing(s)["backends"]["speculative"]["last_error"]
-    wait_for(lambda: routing(s)["backends"]["speculative"]["last_error"] is None)
+        assert "proxied requests got answers" in routing(s.url)["backends"]["speculative"]["last_error"]
+    wait_for(lambda: routing(s.url)["backends"]["speculative"]["last_error"] is None)
     # The same slow /health with the work coming from elsewhere (nothing through specgate): down.
     with open_stream(s.spec.url, LONG):
-        wait_for(lambda: not routing(s)["backends"]["speculative"]["healthy"], timeout_s=10)
-        assert "timed out 3 times" in routing(s)["backends"]["speculative"]["last_error"]
-    wait_for(lambda: routing(s)["backends"]["speculative"]["healthy"], timeout_s=10)
+        wait_for(lambda: not routing(s.url)["backends"]["speculative"]["healthy"], timeout_s=10)
+        assert "timed out 3 times" in routing(s.url)["backends"]["speculative"]["last_error"]
+    wait_for(lambda: routing(s.url)["backends"]["speculative"]["healthy"], timeout_s=10)
 
 
 def test_fields_specgate_need_not_understand_are_the_servers_to_judge(stack: StartStack) -> None:
@@ -116,4 +115,4 @@ def test_fields_specgate_need_not_understand_are_the_servers_to_judge(stack: Sta
         json={"prompt": "p", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": "yes"}},
     )
     assert r.headers["x-specgate-backend"] == "speculative"  # passed on as sent
-    assert routing(s)["inflight"] == 0
+    assert routing(s.url)["inflight"] == 0

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadtest.procs import Proc, free_port, start
 
 from .conftest import Sim, StartSim
-from .test_proxy import wait_for
+from .helpers import wait_for
 
 
 @pytest.fixture
