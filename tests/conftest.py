@@ -37,7 +37,7 @@ MODULE_TIERS = {
     "test_calibration_file": "inprocess",
     "test_config": "inprocess",
     "test_edge": "loopback",
-    "test_engine_signal": "loopback",
+    "test_engine_signal": "inprocess",
     "test_engines": "inprocess",
     "test_evidence": "inprocess",
     "test_gateway": "inprocess",

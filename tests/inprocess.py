@@ -13,11 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from aiohttp import web
+from aiohttp.typedefs import Handler
 from starlette.types import ASGIApp, Message
 
 from loadtest.procs import free_port
@@ -170,21 +173,42 @@ class StreamingASGITransport(httpx.AsyncBaseTransport):
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
+class _CountingSimServer(SimServer):
+    """The simulator, counting the requests it is asked by path (what a test waits on: so many
+    health polls, so many scrapes)."""
+
+    def __init__(self, config: ServerConfig, hits: Counter[str]) -> None:
+        super().__init__(config)
+        self.hits = hits
+
+    def app(self) -> web.Application:
+        app = super().app()
+
+        @web.middleware
+        async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
+            self.hits[request.path] += 1
+            return await handler(request)
+
+        app.middlewares.insert(0, count)
+        return app
+
+
 @dataclass
 class Sim:
     """A simulated SGLang server in this process: `await sim.stop()` refuses connections from then
-    on, `await sim.restart()` listens again on the same port."""
+    on, `await sim.restart()` listens again on the same port; `hits` counts requests by path."""
 
     url: str
     config: ServerConfig
     server: SimServer
+    hits: Counter[str]
 
     async def stop(self) -> None:
         await self.server.stop()
         await self.server.engine.stop()
 
     async def restart(self) -> None:
-        self.server = SimServer(self.config)
+        self.server = _CountingSimServer(self.config, self.hits)
         await self.server.start()
 
 
@@ -192,9 +216,10 @@ async def start_sim(role: str, **config: Any) -> Sim:
     """`config`: ServerConfig's fields (the simulator's flags), e.g. time_scale=20, stall_rate=1."""
     port = free_port()
     cfg = ServerConfig(role=role, profile=load_profile("seed-parallel"), port=port, **config)  # type: ignore[arg-type]
-    server = SimServer(cfg)
+    hits: Counter[str] = Counter()
+    server = _CountingSimServer(cfg, hits)
     await server.start()
-    return Sim(f"http://127.0.0.1:{port}", cfg, server)
+    return Sim(f"http://127.0.0.1:{port}", cfg, server, hits)
 
 
 @dataclass
