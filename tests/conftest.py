@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import hypothesis.configuration
 import pytest
 
 from loadtest.procs import Proc, free_port, simulator_args, start
 from proxy.config import Settings
 
+from .helpers import start_proxy
 from .inprocess import StartGateway, gateways
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +97,12 @@ TEST_TIERS = {
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Before collection: importing a module with @given already writes Hypothesis's caches, into
+    # ./.hypothesis unless told otherwise.
+    home = tempfile.mkdtemp(prefix="specgate-hypothesis-")
+    config.add_cleanup(lambda: shutil.rmtree(home, ignore_errors=True))
+    hypothesis.configuration.set_hypothesis_home_dir(home)
+    config.stash[_TREE_BEFORE] = _tree_state()
     for tier, what in (
         ("inprocess", "no child process: units, and the ASGI app against upstreams in the test's own loop"),
         ("loopback", "starts processes on 127.0.0.1: simulators, the proxy under uvicorn, tools"),
@@ -164,10 +173,13 @@ def _tree_state() -> set[str] | None:
     return {entry for entry in out.split("\0") if entry and not any(c in entry for c in caches)}
 
 
+_TREE_BEFORE = pytest.StashKey[set[str] | None]()
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _nothing_written_into_the_tree() -> Iterator[None]:
-    before = _tree_state()
+def _nothing_written_into_the_tree(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
+    before = request.config.stash.get(_TREE_BEFORE, None)
     after = _tree_state()
     if before is not None and after is not None and after - before:
         pytest.fail(f"tests wrote into the work tree: {sorted(after - before)}; write under tmp_path", False)
@@ -224,7 +236,6 @@ class Stack:
     base: Sim
     proxy: Proc
     env: dict[str, str]
-    restart_sim: Callable[[str], Sim]
 
 
 StartStack = Callable[..., Stack]
@@ -243,29 +254,9 @@ def stack(simulator: StartSim) -> Iterator[StartStack]:
     ) -> Stack:
         spec = simulator("speculative", *sim_args, *spec_args)
         base = simulator("baseline", *sim_args, *base_args)
-        port = free_port()
-        full_env = {
-            "SPECGATE_HOST": "127.0.0.1",
-            "SPECGATE_PORT": str(port),
-            "SPECGATE_SPECULATIVE_URL": spec.url,
-            "SPECGATE_BASELINE_URL": base.url,
-            "SPECGATE_HEALTH_INTERVAL_S": "0.2",
-            "SPECGATE_LOG_LEVEL": "warning",
-            **env,
-        }
-        url = f"http://127.0.0.1:{port}"
-        proxy = start("proxy", ["-m", "proxy"], ready_url=url + "/health", env=full_env)
-        procs.append(proxy)
-        roles = {"speculative": (spec, (*sim_args, *spec_args)), "baseline": (base, (*sim_args, *base_args))}
-
-        def restart_sim(role: str) -> Sim:
-            old, args = roles[role]
-            old.proc.stop()
-            new = start(f"simulator-{role}", simulator_args(role, old.port, *args), ready_url=old.url + "/health")
-            procs.append(new)
-            return Sim(old.url, old.port, new)
-
-        return Stack(url, spec, base, proxy, full_env, restart_sim)
+        proxy = start_proxy(spec.url, base.url, **env)
+        procs.append(proxy.proc)
+        return Stack(proxy.url, spec, base, proxy.proc, proxy.env)
 
     yield start_stack
     for proc in procs:

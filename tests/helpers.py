@@ -8,11 +8,13 @@ import contextlib
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import orjson
 
+from loadtest.procs import Proc, free_port, start
 from proxy import promtext
 
 
@@ -86,3 +88,29 @@ def open_stream(url: str, body: dict[str, Any] | None = None, **kw: Any) -> Iter
         next(lines)
         r.extensions["lines"] = lines  # keep the generator referenced: dropping it closes the stream
         yield r
+
+
+@dataclass
+class Proxy:
+    """specgate running as a process: its URL, the process, and the environment it was given."""
+
+    url: str
+    proc: Proc
+    env: dict[str, str]
+
+
+def start_proxy(speculative_url: str, baseline_url: str, ready: str = "/health", **env: str) -> Proxy:
+    """specgate as a process (`python -m proxy`) on a free loopback port in front of the given
+    servers, returned once `ready` answers 200. `env`: SPECGATE_* settings over these defaults."""
+    port = free_port()
+    full = {
+        "SPECGATE_HOST": "127.0.0.1",
+        "SPECGATE_PORT": str(port),
+        "SPECGATE_SPECULATIVE_URL": speculative_url,
+        "SPECGATE_BASELINE_URL": baseline_url,
+        "SPECGATE_HEALTH_INTERVAL_S": "0.2",
+        "SPECGATE_LOG_LEVEL": "warning",
+        **env,
+    }
+    url = f"http://127.0.0.1:{port}"
+    return Proxy(url, start("proxy", ["-m", "proxy"], ready_url=url + ready, env=full), full)
