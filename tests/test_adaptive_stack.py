@@ -3,7 +3,6 @@ simulator processes, its beliefs read back from /routing and /metrics."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -106,10 +105,12 @@ def test_shadow_probes_see_acceptance_rise_and_bring_speculation_back(stack: Sta
     assert complete(s, VARIED, 200).headers["x-specgate-backend"] == "speculative"
     wait_for(lambda: routing(s.url)["watermarks"]["high"] == 0, timeout_s=10)
     # Shadows of varied prompts measure ~1 and change nothing; the client is served by the baseline.
-    for _ in range(3):
+
+    def shadowed() -> bool:
         assert complete(s, VARIED).headers["x-specgate-backend"] == "baseline"
-        time.sleep(0.4)
-    assert scrape(s.url)["specgate_shadow_probes_total"] >= 1
+        return scrape(s.url)["specgate_shadow_probes_total"] >= 1
+
+    wait_for(shadowed, timeout_s=10, interval_s=0.1)  # a probe is due every 0.3 s
     assert routing(s.url)["watermarks"]["high"] == 0
     # The traffic turns repetitive: a shadow of such a request measures ~4 tokens a step from its
     # own stream (the gauge, refreshed every 40 steps, has not moved), and speculation pays again.

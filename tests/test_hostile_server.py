@@ -4,7 +4,6 @@ healthy, keeps memory bounded and leaves nothing in flight."""
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -13,21 +12,18 @@ import pytest
 
 from loadtest.procs import Proc, free_port, start
 
+from . import helpers
 from .conftest import StartSim
-from .helpers import scrape
+from .helpers import routing, scrape, wait_for
 
 # The default inference routes, and the hostile server's echo route under them.
 ALLOWED = "/v1/chat/completions,/v1/completions,/v1/embeddings,/v1/models,/generate,/v1/echo/*"
 
 
 def start_proxy(speculative: str, baseline: str, **env: str) -> tuple[str, Proc]:
-    port = free_port()
-    full = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(port), "SPECGATE_LOG_LEVEL": "warning",
-            "SPECGATE_SPECULATIVE_URL": speculative, "SPECGATE_BASELINE_URL": baseline,
-            "SPECGATE_READ_TIMEOUT_S": "1", "SPECGATE_HEALTH_INTERVAL_S": "0.5",
-            "SPECGATE_ALLOWED_PATHS": ALLOWED, **env}  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    return url, start("proxy", ["-m", "proxy"], ready_url=url + "/ready", env=full)
+    p = helpers.start_proxy(speculative, baseline, "/ready", SPECGATE_READ_TIMEOUT_S="1",
+                            SPECGATE_HEALTH_INTERVAL_S="0.5", SPECGATE_ALLOWED_PATHS=ALLOWED, **env)  # fmt: skip
+    return p.url, p.proc
 
 
 @pytest.fixture
@@ -117,9 +113,7 @@ def test_never_ending_stream_is_cut_when_the_client_leaves(hostile: tuple[str, P
         while got < 20:
             next(lines)
             got += 1
-    deadline = time.monotonic() + 5
-    while httpx.get(url + "/routing").json()["inflight"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: routing(url)["inflight"] == 0)
     still_healthy(url)
     assert scrape(url)["specgate_client_disconnects_total"] == 1
 
@@ -135,12 +129,7 @@ def test_client_that_stops_reading_is_dropped(hostile: tuple[str, Proc]) -> None
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
         # Never read: buffers fill, the relay blocks, the watchdog drops the client after ~1 s.
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if httpx.get(url + "/routing").json()["inflight"] == 0:
-                break
-            time.sleep(0.2)
-        assert httpx.get(url + "/routing").json()["inflight"] == 0
+        wait_for(lambda: routing(url)["inflight"] == 0, timeout_s=15, interval_s=0.2)
         assert scrape(url)["specgate_client_disconnects_total"] == 1
     finally:
         sock.close()
