@@ -16,6 +16,10 @@ import orjson
 
 from loadtest.procs import Proc, free_port, start
 from proxy import promtext
+from proxy.config import Settings
+from proxy.health import HealthMonitor
+from proxy.metrics import Metrics
+from proxy.upstream import Upstream
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -114,3 +118,23 @@ def start_proxy(speculative_url: str, baseline_url: str, ready: str = "/health",
     }
     url = f"http://127.0.0.1:{port}"
     return Proxy(url, start("proxy", ["-m", "proxy"], ready_url=url + ready, env=full), full)
+
+
+@dataclass
+class Clock:
+    """A clock the test moves by hand (`clock.t += 2`), for what takes `clock=`."""
+
+    t: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def all_healthy(settings: Settings) -> tuple[HealthMonitor, Metrics]:
+    """What a Router or a Fleet reads, for the settings' servers: all healthy, never polled."""
+    topology = settings.routing_topology()
+    metrics = Metrics(topology.names(), [g.name for g in topology.groups])
+    health = HealthMonitor(settings, Upstream(settings), metrics)
+    for server in health.backends.values():
+        server.healthy = True
+    return health, metrics

@@ -29,7 +29,8 @@ from proxy.metrics import Metrics
 from proxy.policy import LoadSnapshot, PolicyConfig, PolicyState, decide, dwell_mode
 from proxy.probe import completion_tokens, content_events, shadow_body
 from proxy.routing import AdaptiveConfig, Router
-from proxy.upstream import Upstream
+
+from .helpers import Clock, all_healthy
 
 LEVELS = (1, 2, 5, 10, 20, 30, 50, 70)
 # The shipped `crossover` profile: equal at 20 streams, speculation ahead below, behind above.
@@ -249,20 +250,8 @@ def test_no_return_to_speculation_on_a_stale_acceptance_reading() -> None:
     assert (d.backend, d.reason, d.state.mode) == ("speculative", "light_load", "speculative")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def router(cal: Calibration | None, clock: Clock, **cfg: float) -> tuple[Router, HealthMonitor, Metrics]:
-    settings = Settings(_env_file=None)
-    metrics = Metrics()
-    health = HealthMonitor(settings, Upstream(settings), metrics)
-    for b in health.backends.values():
-        b.healthy = True
+    health, metrics = all_healthy(Settings(_env_file=None))
     health.backends["speculative"].spec_accept_length = 3.0
     policy = PolicyConfig("adaptive", 16, 8, min_dwell_s=2.0, probe_s=0.0, probe_max_load=70)
     adaptive = AdaptiveConfig(**{"margin": 0.0, **cfg})  # type: ignore[arg-type]

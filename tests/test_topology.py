@@ -13,11 +13,11 @@ from pydantic import ValidationError
 
 from proxy.config import Settings
 from proxy.health import HealthMonitor
-from proxy.metrics import Metrics
 from proxy.policy import PolicyConfig, least_loaded, near_ties
 from proxy.routing import Fleet
 from proxy.topology import build
-from proxy.upstream import Upstream
+
+from .helpers import Clock, all_healthy
 
 S0, S1, B0, B1 = (f"http://127.0.0.1:{p}" for p in (30001, 30011, 30002, 30012))
 
@@ -67,13 +67,6 @@ def test_near_ties_are_within_half_a_request_of_the_least() -> None:
     assert {least_loaded([("a", 3), ("b", 4)], p) for p in (0.0, 0.99)} == {"a"}
 
 
-class Clock:
-    t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def fleet(
     spec: str, base: str, topology: str | None = None, signal: str = "local", high: int = 16, clock: Clock | None = None
 ) -> tuple[Fleet, HealthMonitor]:
@@ -84,12 +77,9 @@ def fleet(
         topology=topology,
         load_signal=signal,
     )
-    t = settings.routing_topology()
-    metrics = Metrics(t.names(), [g.name for g in t.groups])
-    health = HealthMonitor(settings, Upstream(settings), metrics)
-    for h in health.backends.values():
-        h.healthy = True
+    health, metrics = all_healthy(settings)
     cfg = PolicyConfig("threshold", high, high // 2, load_signal=signal)  # type: ignore[arg-type]
+    t = settings.routing_topology()
     return Fleet(t, cfg, health, metrics, clock=clock or Clock(), rng=random.Random(7)), health
 
 
