@@ -49,6 +49,7 @@ MODULE_TIERS = {
     "test_hostile_input": "loopback",
     "test_hostile_readings": "inprocess",
     "test_hostile_server": "loopback",
+    "test_hostile_upstream": "inprocess",
     "test_kubernetes": "loopback",
     "test_loadtest_cli": "loopback",
     "test_loadtest_connections": "loopback",
