@@ -35,7 +35,7 @@ TIERS = ("inprocess", "loopback", "real")
 
 MODULE_TIERS = {
     "test_adaptive": "inprocess",
-    "test_adaptive_stack": "loopback",
+    "test_adaptive_stack": "inprocess",
     "test_calibrate": "inprocess",
     "test_calibration_file": "inprocess",
     "test_config": "inprocess",

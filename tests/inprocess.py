@@ -212,10 +212,11 @@ class Sim:
         await self.server.start()
 
 
-async def start_sim(role: str, **config: Any) -> Sim:
-    """`config`: ServerConfig's fields (the simulator's flags), e.g. time_scale=20, stall_rate=1."""
+async def start_sim(role: str, profile: str = "seed-parallel", **config: Any) -> Sim:
+    """`config`: ServerConfig's fields (the simulator's flags), e.g. time_scale=20, stall_rate=1;
+    `profile`: a shipped profile's name, as --profile takes it."""
     port = free_port()
-    cfg = ServerConfig(role=role, profile=load_profile("seed-parallel"), port=port, **config)  # type: ignore[arg-type]
+    cfg = ServerConfig(role=role, profile=load_profile(profile), port=port, **config)  # type: ignore[arg-type]
     hits: Counter[str] = Counter()
     server = _CountingSimServer(cfg, hits)
     await server.start()
