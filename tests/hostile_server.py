@@ -1,15 +1,20 @@
-"""A misbehaving 'SGLang' for tests: `python -m tests.hostile_server PORT`. The request body's
-`mode` picks the misbehaviour; /health answers 200 so the proxy routes to it."""
+"""A misbehaving 'SGLang' for tests: `python -m tests.hostile_server PORT`, or `serving(port)` in
+the test's own loop. The request body's `mode` picks the misbehaviour; /health answers 200 so the
+proxy routes to it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 SSE = {"Content-Type": "text/event-stream"}
+RELEASE = web.AppKey("release", asyncio.Event)
+SEEN = web.AppKey("seen", list[str])
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -51,7 +56,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     elif mode == "done_then_hold":
         # `[DONE]`, then the body stays open until someone POSTs /release.
         await resp.write(b"data: [DONE]\n\n")
-        release: asyncio.Event = request.app["release"]
+        release = request.app[RELEASE]
         await release.wait()
         release.clear()
     elif mode == "reset_mid_stream":
@@ -72,16 +77,16 @@ async def echo(request: web.Request) -> web.Response:
 
 async def record(request: web.Request) -> web.Response:
     """Any other request: noted (method and target as they came), then 404."""
-    request.app["seen"].append(f"{request.method} {request.raw_path}")
+    request.app[SEEN].append(f"{request.method} {request.raw_path}")
     return web.Response(status=404, text="not here")
 
 
 async def seen(request: web.Request) -> web.Response:
-    return web.json_response(request.app["seen"])
+    return web.json_response(request.app[SEEN])
 
 
 async def release(request: web.Request) -> web.Response:
-    request.app["release"].set()
+    request.app[RELEASE].set()
     return web.Response(text="")
 
 
@@ -89,7 +94,7 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(text="")
 
 
-async def main(port: int) -> None:
+def make_app() -> web.Application:
     app = web.Application(client_max_size=1024**2)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/chat/completions", generate)
@@ -97,12 +102,26 @@ async def main(port: int) -> None:
     app.router.add_post("/release", release)
     app.router.add_get("/seen", seen)
     app.router.add_route("*", "/{tail:.*}", record)  # last: whatever matched nothing above
-    app["release"] = asyncio.Event()
-    app["seen"] = []
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    app[RELEASE] = asyncio.Event()
+    app[SEEN] = []
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serving(port: int) -> AsyncIterator[str]:
+    """The server on 127.0.0.1:`port` in the running loop (in-process tests use it directly)."""
+    runner = web.AppRunner(make_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    await asyncio.Event().wait()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def main(port: int) -> None:
+    async with serving(port):
+        await asyncio.Event().wait()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from proxy.probe import completion_tokens, content_events, shadow_body
 from proxy.routing import Fleet, Router
 from proxy.servers import Health
 
-from .configs import adaptive_cfg, policy_cfg, rig
+from .helpers import Clock, adaptive_cfg, policy_cfg, rig
 
 LEVELS = (1, 2, 5, 10, 20, 30, 50, 70)
 # The shipped `crossover` profile: equal at 20 streams, speculation ahead below, behind above.
@@ -249,20 +249,10 @@ def test_no_return_to_speculation_on_a_stale_acceptance_reading() -> None:
     assert (d.backend, d.reason, d.state.mode) == ("speculative", "light_load", "speculative")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def router(cal: Calibration | None, clock: Clock, **cfg: float) -> tuple[Router, dict[str, Health], Metrics]:
     """One pair's router under the adaptive policy, both servers up, acceptance 3 read."""
     r = rig()
     health = r.health
-    for h in health.values():
-        h.healthy = True
     health["speculative"].spec_accept_length = 3.0
     policy = policy_cfg("adaptive", 16, 8, min_dwell_s=2.0, probe_s=0.0, probe_max_load=70)
     adaptive = adaptive_cfg(**{"margin": 0.0, **cfg})

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +16,7 @@ from loadtest.procs import free_port, http_status
 from proxy.config import Settings, redact_url
 
 from .conftest import StartSim
+from .helpers import wait_for
 
 
 def test_defaults_and_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,7 +127,7 @@ def test_threshold_takes_the_calibrations_watermarks_unless_set(
     assert s.load_calibration() is None and s.watermarks(None) == (30, 8)
 
 
-def test_passwords_in_server_urls_are_never_printed(simulator: StartSim) -> None:
+def test_passwords_in_server_urls_are_never_printed(simulator: StartSim, tmp_path: Path) -> None:
     """`http://user:password@host` becomes Basic auth upstream; the password appears in no log line,
     no /routing answer and no error message, whatever the URL's fate."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SPECGATE_")}
@@ -144,18 +144,19 @@ def test_passwords_in_server_urls_are_never_printed(simulator: StartSim) -> None
            "SPECGATE_BASELINE_URL": f"http://ops:pw-d3ad@127.0.0.1:{free_port()}",
            "SPECGATE_HEALTH_INTERVAL_S": "0.2"}  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    proxy = subprocess.Popen([sys.executable, "-m", "proxy"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tmp_path / "proxy.log"
+    with log.open("wb") as sink:
+        proxy = subprocess.Popen([sys.executable, "-m", "proxy"], env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 20
-        while http_status(url + "/ready") != 200:
-            assert time.monotonic() < deadline and proxy.poll() is None
-            time.sleep(0.05)
+        wait_for(lambda: proxy.poll() is not None or http_status(url + "/ready") == 200, timeout_s=20)
+        assert proxy.poll() is None, log.read_text()
         routing = httpx.get(url + "/routing").text
         httpx.post(url + "/v1/completions", json={"prompt": "p", "max_tokens": 2})
-        time.sleep(0.5)  # a few failed polls of the dead server
+        wait_for(lambda: "baseline: cannot connect" in log.read_text())  # the dead server's failed polls
     finally:
         proxy.send_signal(signal.SIGTERM)
-        out = proxy.communicate(timeout=15)[0].decode()
+        proxy.wait(15)
+    out = log.read_text()
     assert f"127.0.0.1:{sim.port}" in routing and "pw-" not in routing
     assert f"speculative=http://127.0.0.1:{sim.port}" in out, out  # the startup line, redacted
     assert "baseline: cannot connect" in out, out  # the dead server's polls are logged too

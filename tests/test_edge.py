@@ -12,10 +12,11 @@ import httpx
 import orjson
 import uvloop
 
+from loadtest.procs import http_status
 from loadtest.slowloris import format_report, run_slowloris
 
 from .conftest import StartStack
-from .helpers import scrape
+from .helpers import scrape, wait_for
 
 
 def _port(url: str) -> int:
@@ -98,7 +99,9 @@ def test_connections_past_the_cap_are_refused_and_streams_run_on(stack: StartSta
     got = stream.recv(65536)
     assert got.startswith(b"HTTP/1.1 200")
     idle = [socket.create_connection(addr) for _ in range(2)]  # three open now: the cap
-    time.sleep(0.2)
+    for sock in idle:  # answered, so the server holds them (kept alive, idle from then on)
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
     with socket.create_connection(addr) as extra:
         extra.sendall(_request("/v1/completions", b'{"prompt": "p", "max_tokens": 2}'))
         _, said = _closed_within(extra, 5)
@@ -112,15 +115,7 @@ def test_connections_past_the_cap_are_refused_and_streams_run_on(stack: StartSta
     assert b'"error"' not in got
     for sock in (stream, *idle):
         sock.close()
-    deadline = time.monotonic() + 5
-    while True:  # the closes reach the server; then new connections are served again
-        try:
-            if httpx.get(s.url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: http_status(s.url + "/health") == 200)  # the closes reach the server: served again
     metrics = scrape(s.url)
     assert metrics["specgate_client_rejections_total"] >= 1
     assert metrics["specgate_client_connections"] == 1  # this scrape's own

@@ -1,119 +1,135 @@
-"""What specgate reads beside the relayed API, end to end: the engine load signal and when it
-cannot be read, passive health, and fields passed on for the server to judge."""
+"""What specgate reads beside the relayed API, in-process (tests/inprocess.py): the engine load
+signal and when it cannot be read, passive health, and fields passed on for the server to judge."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-from pathlib import Path
+import logging
+from typing import Any
 
-import httpx
+import pytest
 
-from loadtest.procs import free_port, http_status
+from .helpers import LONG, wait_until
+from .inprocess import Gateway, StartGateway
 
-from .conftest import StartStack
-from .helpers import scrape
-from .test_proxy import LONG, open_stream, routing, wait_for
+pytestmark = pytest.mark.anyio
 
 
-def test_unreadable_engine_signal_is_said_not_hidden(stack: StartStack) -> None:
+async def server(gw: Gateway, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = (await gw.routing())["backends"][name]
+    return found
+
+
+async def test_unreadable_engine_signal_is_said_not_hidden(gateway: StartGateway) -> None:
     # SGLang without --enable-metrics: no /metrics on the speculative server.
-    s = stack(spec_args=("--no-metrics",), SPECGATE_LOAD_SIGNAL="engine")
-    wait_for(lambda: routing(s)["backends"]["baseline"]["engine_signal_up"])
-    r = routing(s)
+    gw = await gateway(spec={"metrics": False}, load_signal="engine")
+
+    async def baseline_read() -> bool:
+        return bool((await server(gw, "baseline"))["engine_signal_up"])
+
+    await wait_until(baseline_read)
+    r = await gw.routing()
     assert (r["load_signal"], r["load_signal_in_effect"]) == ("engine", "mixed")
     assert "speculative" in r["load_signal_why"] and "404" in r["load_signal_why"]
     spec, base = r["backends"]["speculative"], r["backends"]["baseline"]
     assert not spec["engine_signal_up"] and "404" in spec["engine_signal_error"] and spec["engine_load"] is None
     assert base["engine"] == "sglang" and base["engine_load"] == 0 and base["engine_signal_error"] is None
-    m = scrape(s.url)
-    assert m["specgate_engine_signal_up"] == 1  # summed over the two backends: baseline 1, speculative 0
-    text = httpx.get(s.url + "/metrics").text
+    assert (await gw.metrics())["specgate_engine_signal_up"] == 1  # summed: baseline 1, speculative 0
+    text = await gw.metrics_text()
     assert 'specgate_engine_signal_up{backend="speculative"} 0.0' in text
     assert 'specgate_accept_length{backend="speculative"} NaN' in text
 
 
-def test_no_engine_signal_at_all_routes_on_the_local_count_and_says_so(stack: StartStack) -> None:
-    s = stack(sim_args=("--time-scale", "20", "--no-metrics"), SPECGATE_LOAD_SIGNAL="max")
-    wait_for(lambda: routing(s)["load_signal_in_effect"] == "local")
-    assert "no engine load readable" in routing(s)["load_signal_why"]
-    # The warning comes once per outage, not once per poll: run a second proxy with its log kept.
-    port = free_port()
-    log_path = Path(f"signal-{port}.log").absolute()
-    env = {**s.env, "SPECGATE_PORT": str(port), "SPECGATE_LOG_LEVEL": "info", "SPECGATE_HEALTH_INTERVAL_S": "0.05"}
-    with log_path.open("wb") as log:
-        proxy = subprocess.Popen([sys.executable, "-m", "proxy"], env=env, stdout=log, stderr=log)
-        try:
-            deadline = time.monotonic() + 20
-            while http_status(f"http://127.0.0.1:{port}/health") != 200:
-                assert time.monotonic() < deadline and proxy.poll() is None
-                time.sleep(0.05)
-            time.sleep(1)  # about 20 polls
-        finally:
-            proxy.terminate()
-            proxy.wait(10)
-    logged = log_path.read_text()
-    log_path.unlink()
-    warnings = [line for line in logged.splitlines() if "engine load of" in line and "unreadable" in line]
-    assert len(warnings) == 2, logged  # one per server
-    assert all("SPECGATE_LOAD_SIGNAL=max" in w and "WARNING" in w for w in warnings)
+async def test_no_engine_signal_at_all_routes_on_the_local_count_and_says_once(
+    gateway: StartGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="specgate")
+    gw = await gateway(sim={"metrics": False}, load_signal="max", health_interval_s=0.05)
+
+    async def local() -> bool:
+        return bool((await gw.routing())["load_signal_in_effect"] == "local")
+
+    await wait_until(local)
+    assert "no engine load readable" in (await gw.routing())["load_signal_why"]
+    # The warning comes once per outage, not once per scrape: let each server fail ~20 of them.
+    await wait_until(lambda: min(gw.spec.hits["/metrics"], gw.base.hits["/metrics"]) >= 20)
+    warnings = [r for r in caplog.records if "engine load of" in r.getMessage() and "unreadable" in r.getMessage()]
+    assert len(warnings) == 2, [r.getMessage() for r in warnings]  # one per server
+    assert all("SPECGATE_LOAD_SIGNAL=max" in w.getMessage() and w.levelno == logging.WARNING for w in warnings)
 
 
-def test_engine_metrics_name_the_engine_and_its_acceptance(stack: StartStack) -> None:
-    s = stack(sim_args=("--time-scale", "20", "--live-gauges"), spec_args=("--accept-length", "2.5"))
-    httpx.post(s.url + "/v1/completions", json={"prompt": "p", "max_tokens": 40})
+async def test_engine_metrics_name_the_engine_and_its_acceptance(gateway: StartGateway) -> None:
+    gw = await gateway(sim={"live_gauges": True}, spec={"accept_length": 2.5})
+    await gw.client.post("/v1/completions", json={"prompt": "p", "max_tokens": 40})
+
+    async def accept_read() -> bool:
+        return 2 <= ((await server(gw, "speculative"))["spec_accept_length"] or 0) <= 2.5
+
     # The simulator's gauge: tokens per decode step over its last log interval (SGLang's own rule).
-    wait_for(lambda: 2 <= (routing(s)["backends"]["speculative"]["spec_accept_length"] or 0) <= 2.5)
-    r = routing(s)
+    await wait_until(accept_read)
+    r = await gw.routing()
     assert r["backends"]["speculative"]["engine"] == "sglang" and r["engine_setting"] == "auto"
     assert r["backends"]["baseline"]["spec_accept_length"] is None  # no speculation there
     assert r["load_signal_in_effect"] == "local" and r["load_signal_why"] is None
-    text = httpx.get(s.url + "/metrics").text
-    shown = routing(s)["backends"]["speculative"]["spec_accept_length"]
+    text = await gw.metrics_text()
+    shown = (await server(gw, "speculative"))["spec_accept_length"]
     assert f'specgate_accept_length{{backend="speculative"}} {shown}' in text
     assert 'specgate_accept_length{backend="baseline"} NaN' in text
 
 
-def test_a_configured_engine_that_is_not_there_is_reported(stack: StartStack) -> None:
-    s = stack(SPECGATE_ENGINE="vllm", SPECGATE_LOAD_SIGNAL="engine")
-    wait_for(lambda: routing(s)["load_signal_in_effect"] == "local")
-    err = routing(s)["backends"]["speculative"]["engine_signal_error"]
-    assert "vllm:num_requests_running" in err and "vllm" in err
+async def test_a_configured_engine_that_is_not_there_is_reported(gateway: StartGateway) -> None:
+    gw = await gateway(engine="vllm", load_signal="engine")
+
+    async def local() -> bool:
+        return bool((await gw.routing())["load_signal_in_effect"] == "local")
+
+    await wait_until(local)
+    err = (await server(gw, "speculative"))["engine_signal_error"]
+    assert isinstance(err, str) and "vllm:num_requests_running" in err
 
 
-def test_a_server_answering_proxied_requests_stays_up_while_its_health_is_slow(stack: StartStack) -> None:
+async def test_a_server_answering_proxied_requests_stays_up_while_its_health_is_slow(gateway: StartGateway) -> None:
     # /health takes 3 s while the server has work (as SGLang's and a saturated llama-server's do),
     # against a 0.3 s health timeout: every poll times out while a stream runs.
-    s = stack(
-        spec_args=("--busy-health-s", "3"),
-        SPECGATE_HEALTH_TIMEOUT_S="0.3",
-        SPECGATE_HEALTH_INTERVAL_S="0.2",
-    )
-    with open_stream(s.url) as r:  # a long stream through specgate: proxied traffic flows
+    gw = await gateway(spec={"busy_health_s": 3}, health_timeout_s=0.3, health_interval_s=0.2)
+
+    async def spec_error() -> str:
+        return str((await server(gw, "speculative"))["last_error"])
+
+    async with gw.stream(LONG) as r:  # a long stream through specgate: proxied traffic flows
         assert r.headers["x-specgate-backend"] == "speculative"
-        deadline = time.monotonic() + 3  # ~6 polls, each timing out
-        while time.monotonic() < deadline:
-            assert routing(s)["backends"]["speculative"]["healthy"]
-            time.sleep(0.1)
-        assert "proxied requests got answers" in routing(s)["backends"]["speculative"]["last_error"]
-    wait_for(lambda: routing(s)["backends"]["speculative"]["last_error"] is None)
+        polls = gw.spec.hits["/health"]
+
+        async def six_polls_timed_out_while_up() -> bool:
+            # Up throughout six polls, each timing out (three make a server down when nothing answers).
+            assert (await server(gw, "speculative"))["healthy"]
+            return gw.spec.hits["/health"] >= polls + 6 and "proxied requests got answers" in await spec_error()
+
+        await wait_until(six_polls_timed_out_while_up, timeout_s=10, interval_s=0.05)
+    await wait_until(lambda: _last_error_is_none(gw))
     # The same slow /health with the work coming from elsewhere (nothing through specgate): down.
-    with open_stream(s.spec.url, LONG):
-        wait_for(lambda: not routing(s)["backends"]["speculative"]["healthy"], timeout_s=10)
-        assert "timed out 3 times" in routing(s)["backends"]["speculative"]["last_error"]
-    wait_for(lambda: routing(s)["backends"]["speculative"]["healthy"], timeout_s=10)
+    async with gw.stream(LONG, gw.spec.url):
+        await wait_until(lambda: _healthy_is(gw, False), timeout_s=10)
+        assert "timed out 3 times" in await spec_error()
+    await wait_until(lambda: _healthy_is(gw, True), timeout_s=10)
 
 
-def test_fields_specgate_need_not_understand_are_the_servers_to_judge(stack: StartStack) -> None:
-    s = stack()
+async def _last_error_is_none(gw: Gateway) -> bool:
+    return (await server(gw, "speculative"))["last_error"] is None
+
+
+async def _healthy_is(gw: Gateway, healthy: bool) -> bool:
+    return (await server(gw, "speculative"))["healthy"] is healthy
+
+
+async def test_fields_specgate_need_not_understand_are_the_servers_to_judge(gateway: StartGateway) -> None:
+    gw = await gateway()
     for body in ({"prompt": "p", "stream": "yes"}, {"prompt": "p", "stream": True, "stream_options": 3}):
-        r = httpx.post(s.url + "/v1/completions", json=body)
+        r = await gw.client.post("/v1/completions", json=body)
         # The server's own answer (the simulator refuses both), not specgate's.
         assert r.status_code == 400 and r.headers["x-specgate-backend"] == "speculative", r.text
-    r = httpx.post(
-        s.url + "/v1/completions",
+    r = await gw.client.post(
+        "/v1/completions",
         json={"prompt": "p", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": "yes"}},
     )
     assert r.headers["x-specgate-backend"] == "speculative"  # passed on as sent
-    assert routing(s)["inflight"] == 0
+    assert (await gw.routing())["inflight"] == 0

@@ -12,7 +12,8 @@ from proxy.evidence import KEY_TOKENS, MAX_KEYS, AcceptanceEvidence
 from proxy.ingress import client_key
 from proxy.probe import MIN_SHADOW_TOKENS, shadow_body
 
-from .test_adaptive import Clock, calibration, router
+from .helpers import Clock
+from .test_adaptive import calibration, router
 
 
 def test_a_probe_sessions_streams_pool_by_tokens_and_a_new_reading_replaces_the_last() -> None:

@@ -34,7 +34,7 @@ from proxy.calibration import (
 from proxy.config import Settings, describe_error, redact_url
 from proxy.policy import BACKENDS, Backend
 
-from .configs import adaptive_cfg
+from .helpers import adaptive_cfg
 from .test_config import CALIBRATION
 
 GOOD = CALIBRATION

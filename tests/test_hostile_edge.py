@@ -16,7 +16,7 @@ import pytest
 from loadtest.procs import Proc
 
 from .conftest import StartSim
-from .helpers import scrape
+from .helpers import scrape, wait_for
 from .test_hostile_server import bad_server, start_proxy
 
 __all__ = ["bad_server"]  # a fixture, used by name
@@ -58,13 +58,6 @@ def _read_until_closed(sock: socket.socket, limit_s: float) -> bytes:
     raise AssertionError(f"still open after {limit_s} s: {got[:200]!r}")
 
 
-def _wait(cond: object, limit_s: float = 10.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 def _connections(url: str) -> float:
     return scrape(url).get("specgate_client_connections", 0.0)
 
@@ -91,7 +84,7 @@ def test_upgrade_requests_are_answered_as_http_and_leave_no_connection_behind(ed
             s.close()
     assert httpx.get(url + "/health", timeout=5).status_code == 200
     # The gauge is exact once they closed (this scrape's own connection aside).
-    _wait(lambda: _connections(url) <= before)
+    wait_for(lambda: _connections(url) <= before, timeout_s=10)
 
 
 def test_an_h2c_upgrade_is_served_as_http_without_a_body_and_refused_with_one(edge: tuple[str, Proc]) -> None:

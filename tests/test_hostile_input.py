@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .conftest import StartStack
-from .helpers import scrape
+from .helpers import routing, scrape, wait_for
 
 PATHS = ["/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings", "/v1/", "/generate?x=1"]
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n",
@@ -88,10 +88,7 @@ def test_random_requests_never_500_hang_or_leak(stack: StartStack, data: st.Data
     if r.status_code >= 400 and not routed:
         assert is_openai_error(r.json()), r.text[:300]  # the proxy's own rejections
     assert r.headers["x-request-id"]
-    deadline = time.monotonic() + 5
-    while httpx.get(s.url + "/routing").json()["inflight"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert httpx.get(s.url + "/routing").json()["inflight"] == 0
+    wait_for(lambda: routing(s.url)["inflight"] == 0, interval_s=0.01)
 
 
 def test_requests_that_fail_or_succeed_leave_nothing_in_flight(stack: StartStack) -> None:

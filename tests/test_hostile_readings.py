@@ -16,10 +16,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import httpx
 import pytest
 
-from loadtest.procs import Proc, free_port, start
 from proxy import engines
 from proxy.config import Settings
 from proxy.health import HealthMonitor
@@ -27,7 +25,8 @@ from proxy.metrics import Metrics
 from proxy.servers import servers_of
 from proxy.upstream import Upstream
 
-from .test_proxy import wait_for
+from .helpers import wait_until
+from .inprocess import Gateway, StartGateway
 
 Answer = tuple[int, str]
 
@@ -138,7 +137,8 @@ def scripted(script: Script) -> Iterator[str]:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # A short poll: shutdown() waits for the loop's next look, 0.5 s by default, twice a test.
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -162,13 +162,6 @@ async def monitor(
             yield HealthMonitor(s, upstream, servers_of(t), metrics, **(sinks or {}))
         finally:
             await upstream.aclose()
-
-
-async def until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 SGLANG_OK = sglang("2", tokens=5)
@@ -306,7 +299,7 @@ def run_loops(
             done = arrange(m)
             task = asyncio.get_running_loop().create_task(m.run())
             try:
-                await until(lambda: done() and any("works again" in r.getMessage() for r in caplog.records))
+                await wait_until(lambda: done() and any("works again" in r.getMessage() for r in caplog.records), 10)
             finally:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -385,76 +378,86 @@ def test_the_poll_loop_survives_a_failing_probe(caplog: pytest.LogCaptureFixture
     run_loops(caplog, arrange, "poll")
 
 
-# --- End to end: specgate in front of lying servers ----------------------------------------------
+# --- End to end: the app in front of lying servers ----------------------------------------------
 
 
-def start_proxy(spec_url: str, base_url: str, **env: str) -> tuple[str, Proc]:
-    port = free_port()
-    full = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(port), "SPECGATE_LOG_LEVEL": "warning",
-            "SPECGATE_SPECULATIVE_URL": spec_url, "SPECGATE_BASELINE_URL": base_url,
-            "SPECGATE_HEALTH_INTERVAL_S": "0.1", "SPECGATE_LOAD_SIGNAL": "engine", **env}  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    return url, start("proxy", ["-m", "proxy"], ready_url=url + "/ready", env=full)
-
-
-@contextlib.contextmanager
-def proxied(spec: Script, base: Script, **env: str) -> Iterator[str]:
+@contextlib.asynccontextmanager
+async def proxied(gateway: StartGateway, spec: Script, base: Script) -> AsyncIterator[Gateway]:
     with scripted(spec) as spec_url, scripted(base) as base_url:
-        url, proxy = start_proxy(spec_url, base_url, **env)
-        try:
-            yield url
-        finally:
-            proxy.stop()
+        yield await gateway(
+            speculative_url=spec_url, baseline_url=base_url, health_interval_s=0.1, load_signal="engine"
+        )
 
 
-def server(url: str, name: str) -> dict[str, Any]:
-    r = httpx.get(url + "/routing")
-    assert r.status_code == 200, r.text
-    found: dict[str, Any] = r.json()["servers"][name]
+async def server(gw: Gateway, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = (await gw.routing())["servers"][name]
     return found
 
 
-def signal_gauge(url: str, backend: str) -> str:
-    text = httpx.get(url + "/metrics").text
+async def signal_gauge(gw: Gateway, backend: str) -> str:
+    text = await gw.metrics_text()
     return next(ln for ln in text.splitlines() if ln.startswith(f'specgate_engine_signal_up{{backend="{backend}"}}'))
 
 
-def test_one_infinite_reading_then_normal_ones_are_read_and_a_later_500_noticed() -> None:
+@pytest.mark.anyio
+async def test_one_infinite_reading_then_normal_ones_are_read_and_a_later_500_noticed(gateway: StartGateway) -> None:
     spec = Script(steady(lambda n: sglang("3", tokens=n)))
     base = Script(steady(lambda n: sglang("3", tokens=n)))
-    with proxied(spec, base) as url:
-        wait_for(lambda: server(url, "speculative")["engine_load"] == 3)
+    async with proxied(gateway, spec, base) as gw:
+
+        async def loads() -> tuple[object, object]:
+            return (await server(gw, "speculative"))["engine_load"], (await server(gw, "baseline"))["engine_load"]
+
+        async def loads_are(want: tuple[int, int]) -> bool:
+            return await loads() == want
+
+        await wait_until(lambda: loads_are((3, 3)))
         spec.once((200, sglang("+Inf", tokens=10**6)))
-        wait_for(lambda: spec.pending() == 0)
+        await wait_until(lambda: spec.pending() == 0)
         spec.steady = steady(lambda n: sglang("7", tokens=n))
         base.steady = steady(lambda n: sglang("9", tokens=n))
-        wait_for(lambda: (server(url, "speculative")["engine_load"], server(url, "baseline")["engine_load"]) == (7, 9))
+        await wait_until(lambda: loads_are((7, 9)))
         spec.steady = steady("oops", status=500)
-        wait_for(lambda: not server(url, "speculative")["engine_signal_up"])
-        assert "500" in server(url, "speculative")["engine_signal_error"]
-        assert signal_gauge(url, "speculative").endswith(" 0.0")
+
+        async def spec_signal_down() -> bool:
+            return not (await server(gw, "speculative"))["engine_signal_up"]
+
+        await wait_until(spec_signal_down)
+        assert "500" in (await server(gw, "speculative"))["engine_signal_error"]
+        assert (await signal_gauge(gw, "speculative")).endswith(" 0.0")
 
 
-def test_a_huge_reading_is_unreadable_not_a_routing_error_or_a_heavy_load() -> None:
+@pytest.mark.anyio
+async def test_a_huge_reading_is_unreadable_not_a_routing_error_or_a_heavy_load(gateway: StartGateway) -> None:
     spec = Script(steady(lambda n: sglang("1e300", tokens=n)))
     base = Script(steady(lambda n: sglang("0", tokens=n)))
-    with proxied(spec, base) as url:
-        wait_for(lambda: server(url, "speculative")["engine_signal_error"] not in (None, "not scraped yet"))
-        s = server(url, "speculative")
+    async with proxied(gateway, spec, base) as gw:
+
+        async def scraped() -> bool:
+            return (await server(gw, "speculative"))["engine_signal_error"] not in (None, "not scraped yet")
+
+        await wait_until(scraped)
+        s = await server(gw, "speculative")
         assert s["engine_load"] is None and "1e+300" in s["engine_signal_error"]
-        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        chat = {"messages": [{"role": "user", "content": "x"}]}
+        r = await gw.client.post("/v1/chat/completions", json=chat)
         assert r.status_code == 200 and r.headers["x-specgate-reason"] == "light_load"
         spec.steady = steady(lambda n: sglang("2", tokens=n))
-        wait_for(lambda: server(url, "speculative")["engine_load"] == 2)
-        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+
+        async def reads_2() -> bool:
+            return bool((await server(gw, "speculative"))["engine_load"] == 2)
+
+        await wait_until(reads_2)
+        r = await gw.client.post("/v1/chat/completions", json=chat)
         assert r.headers["x-specgate-reason"] == "light_load"
 
 
-def test_specgate_starts_with_an_impossible_reading_present() -> None:
+@pytest.mark.anyio
+async def test_specgate_starts_with_an_impossible_reading_present(gateway: StartGateway) -> None:
     spec = Script(steady(lambda n: sglang("+Inf", tokens=n)))
     base = Script(steady(lambda n: sglang("1", tokens=n)))
-    with proxied(spec, base) as url:  # before: the first scrape's OverflowError ended the start (exit 3)
-        s = server(url, "speculative")
+    async with proxied(gateway, spec, base) as gw:  # before: the first scrape's OverflowError ended the start
+        s = await server(gw, "speculative")
         assert not s["engine_signal_up"] and "inf" in s["engine_signal_error"]
-        assert server(url, "baseline")["engine_load"] == 1
-        assert signal_gauge(url, "speculative").endswith(" 0.0")
+        assert (await server(gw, "baseline"))["engine_load"] == 1
+        assert (await signal_gauge(gw, "speculative")).endswith(" 0.0")

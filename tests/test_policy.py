@@ -17,7 +17,7 @@ from proxy.policy import (
     next_mode,
 )
 
-from .configs import policy_cfg
+from .helpers import policy_cfg
 
 UP = {"speculative": True, "baseline": True}
 THRESHOLD = policy_cfg("threshold", high_watermark=10, low_watermark=4)

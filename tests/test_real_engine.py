@@ -13,8 +13,7 @@ import re
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,9 +27,9 @@ import orjson
 import pytest
 
 from loadtest.llamacpp import LlamaNotInstalled, Pair, model_path, pair, server_binary
-from loadtest.procs import Proc, free_port, start
+from loadtest.procs import Proc
 
-from .helpers import scrape
+from .helpers import routing, scrape, start_proxy, wait_for
 
 # Small enough that the whole module takes well under a minute or two on 2 cores; the long
 # generation (the disconnect test) needs the room.
@@ -64,22 +63,12 @@ class Gateway:
     llama: Pair
 
     def routing(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/routing", timeout=5).json()  # type: ignore[no-any-return]
+        return routing(self.url)
 
 
 def start_gateway(llama: Pair, **env: str) -> Gateway:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    full_env = {
-        "SPECGATE_HOST": "127.0.0.1",
-        "SPECGATE_PORT": str(port),
-        "SPECGATE_SPECULATIVE_URL": llama.speculative.url,
-        "SPECGATE_BASELINE_URL": llama.baseline.url,
-        "SPECGATE_HEALTH_INTERVAL_S": "0.2",
-        "SPECGATE_LOG_LEVEL": "warning",
-        **env,
-    }
-    return Gateway(url, start("proxy", ["-m", "proxy"], ready_url=url + "/health", env=full_env), llama)
+    proxy = start_proxy(llama.speculative.url, llama.baseline.url, **env)
+    return Gateway(proxy.url, proxy.proc, llama)
 
 
 @pytest.fixture(scope="module")
@@ -100,15 +89,6 @@ def switching(llama: Pair) -> Iterator[Gateway]:
 
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float = 5.0) -> float:
-    """Seconds until `check` held."""
-    start_t = time.monotonic()
-    while not check():
-        assert time.monotonic() - start_t < timeout_s, "condition not reached in time"
-        time.sleep(0.02)
-    return time.monotonic() - start_t
 
 
 def idle(server_url: str) -> bool:

@@ -8,13 +8,15 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from loadtest.procs import http_status
+
 from .conftest import StartStack
+from .helpers import routing, wait_for
 
 
 def test_chaos_soak_short(tmp_path: Path) -> None:
@@ -48,13 +50,12 @@ def test_sigterm_under_load_finishes_streams_and_refuses_new_ones(stack: StartSt
     threads = [threading.Thread(target=client) for _ in range(10)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
-    while httpx.get(s.url + "/routing").json()["inflight"] < 10 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: routing(s.url)["inflight"] == 10, timeout_s=10)
     s.proxy.popen.send_signal(signal.SIGTERM)
-    time.sleep(0.1)
-    with pytest.raises(httpx.ConnectError):  # no new connections once draining
+    wait_for(lambda: http_status(s.url + "/health") is None)  # the listener closes at once...
+    with pytest.raises(httpx.ConnectError):  # ...so no new connections once draining
         httpx.post(s.url + "/v1/completions", json={"prompt": "p", "max_tokens": 2}, timeout=5)
+    assert s.proxy.alive()  # while the streams run on
     for t in threads:
         t.join(30)
     assert s.proxy.popen.wait(15) == 0
@@ -64,23 +65,18 @@ def test_sigterm_under_load_finishes_streams_and_refuses_new_ones(stack: StartSt
         assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw  # nothing cut mid-stream
 
 
-def test_upstream_key_never_reaches_a_client_or_a_log(stack: StartStack) -> None:
+def test_upstream_key_never_reaches_a_client_or_a_log(stack: StartStack, tmp_path: Path) -> None:
     key = "upstream-secret-4f9c"
     s = stack(sim_args=("--time-scale", "20", "--api-key", key), SPECGATE_UPSTREAM_API_KEY=key,
               SPECGATE_API_KEYS="client-key-77", SPECGATE_LOG_LEVEL="debug")  # fmt: skip
     # The proxy under test logs to a file we can read: restart it with stderr captured.
     s.proxy.stop()
-    log_path = Path(s.env["SPECGATE_PORT"] + ".log").absolute()
+    log_path = tmp_path / "proxy.log"
     with log_path.open("wb") as log:
         proxy = subprocess.Popen([sys.executable, "-m", "proxy"], env={**s.env}, stdout=log, stderr=log)
         try:
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(s.url + "/ready").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.05)
+            wait_for(lambda: proxy.poll() is not None or http_status(s.url + "/ready") == 200, timeout_s=20)
+            assert proxy.poll() is None, log_path.read_text()
             seen = b""
             for headers in ({"Authorization": "Bearer client-key-77"}, {"Authorization": "Bearer wrong"}, {}):
                 for path, body in (("/v1/completions", {"prompt": "secret prompt text", "max_tokens": 3}),
@@ -96,7 +92,6 @@ def test_upstream_key_never_reaches_a_client_or_a_log(stack: StartStack) -> None
             proxy.send_signal(signal.SIGTERM)
             proxy.wait(15)
     logged = log_path.read_bytes()
-    log_path.unlink()
     assert logged, "the proxy logged nothing at debug level"
     assert key.encode() not in logged
     assert b"client-key-77" not in logged

@@ -266,7 +266,7 @@ def test_chunks_and_live_gauge_follow_the_prompt_mix(simulator: StartSim) -> Non
     def stream(prompt: str, max_tokens: int) -> list[int]:
         body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
         events = sse_json(httpx.post(sim.url + "/v1/completions", json=body, timeout=30).content)
-        texts = [e["choices"][0]["text"] for e in events if e["choices"][0]["finish_reason"] is None]  # type: ignore[index]
+        texts = [e["choices"][0]["text"] for e in events if e["choices"][0]["finish_reason"] is None]
         return [t.count(" ") for t in texts]
 
     def gauge() -> float:

@@ -15,7 +15,7 @@ from loadtest.procs import http_status
 from loadtest.simulator.wire import EOS_TOKEN_ID, token_text
 
 from .conftest import StartSim, StartStack
-from .helpers import scrape, sse_events, sse_json
+from .helpers import scrape, sse_events, sse_json, wait_for
 
 FAST = ("--time-scale", "50")
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Explain speculative decoding in one paragraph."}]
@@ -43,12 +43,12 @@ def test_chat_stream_usage_chunk_when_asked_then_done(simulator: StartSim) -> No
     body = {"messages": CHAT, "max_tokens": 9, "stream": True, "stream_options": {"include_usage": True}}
     raw = httpx.post(sim.url + "/v1/chat/completions", json=body, timeout=20).content
     events = sse_json(raw)
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # type: ignore[index]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     usage_chunk = events[-1]
     assert usage_chunk["choices"] == []
-    assert usage_chunk["usage"]["completion_tokens"] == 9  # type: ignore[index]
-    assert usage_chunk["usage"]["prompt_tokens"] > 0  # type: ignore[index]
-    assert events[-2]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    assert usage_chunk["usage"]["completion_tokens"] == 9
+    assert usage_chunk["usage"]["prompt_tokens"] > 0
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert all("usage" not in e for e in events[:-1])
 
 
@@ -98,7 +98,7 @@ def test_native_generate_streaming_and_not(simulator: StartSim) -> None:
     assert full["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
     events = sse_json(httpx.post(sim.url + "/generate", json={**body, "stream": True}, timeout=20).content)
     assert [e["text"] for e in events] == [token_text(0, n) for n in (1, 2, 3, 4, 4)]
-    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"  # type: ignore[index]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_models_and_server_info(simulator: StartSim) -> None:
@@ -119,14 +119,14 @@ def test_models_and_server_info(simulator: StartSim) -> None:
 def test_health_during_load_and_warmup(simulator: StartSim) -> None:
     sim = simulator("baseline", "--load-s", "1", "--warmup-s", "1.5", wait_ready=False)
     statuses: list[int | None] = []
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         status = http_status(sim.url + "/health", timeout_s=1)
         if not statuses or statuses[-1] != status:
             statuses.append(status)
-        if status == 200:
-            break
-        time.sleep(0.05)
+        return status == 200
+
+    wait_for(ready, timeout_s=10, interval_s=0.05)
     # Refused while "loading weights", then 503 while warming up, then 200.
     assert statuses == [None, 503, 200]
 
@@ -175,9 +175,7 @@ def test_client_disconnect_aborts_generation(simulator: StartSim) -> None:
         for _ in range(5):
             next(lines)
         assert httpx.get(sim.url + "/get_load").json()[0]["num_reqs"] == 1
-    deadline = time.monotonic() + 5
-    while scrape(sim.url)["sglang:num_aborted_requests_total"] < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: scrape(sim.url)["sglang:num_aborted_requests_total"] >= 1)
     assert scrape(sim.url)["sglang:num_aborted_requests_total"] == 1
     assert httpx.get(sim.url + "/get_load").json()[0]["num_reqs"] == 0
     assert scrape(sim.url)["sglang:num_requests_total"] == 0
@@ -279,7 +277,7 @@ def test_queueing_past_max_running_requests(simulator: StartSim) -> None:
         first_lines = first.iter_lines()
         next(first_lines)
         with http.stream("POST", sim.url + "/v1/completions", json=body) as second:
-            time.sleep(0.3)
+            wait_for(lambda: httpx.get(sim.url + "/get_load").json()[0]["num_waiting_reqs"] == 1)
             load = httpx.get(sim.url + "/get_load").json()[0]
             assert load["num_waiting_reqs"] == 1 and load["num_reqs"] == 2
             m = scrape(sim.url)

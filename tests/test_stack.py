@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,10 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from loadtest.procs import Proc, free_port
+from loadtest.procs import Proc, free_port, http_status
 
 from .conftest import StartStack
+from .helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -402,8 +403,18 @@ def test_dockerfile_passes_hadolint() -> None:
 
 
 def test_install_step_of_the_image(tmp_path: Path) -> None:
-    # The very script the Dockerfile's build stage runs, into a fresh venv.
-    proc = run("sh", "deploy/install-venv.sh", str(tmp_path / "venv"), str(ROOT))
+    # The very script the Dockerfile's build stage runs, into a fresh venv, on what that stage
+    # copies in (a build in this checkout would leave build/ and *.egg-info in it).
+    src = tmp_path / "src"
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY ") and "--from" not in line:
+            for name in line.split()[1:-1]:
+                if (ROOT / name).is_dir():
+                    shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    (src / name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(ROOT / name, src / name)
+    proc = run("sh", "deploy/install-venv.sh", str(tmp_path / "venv"), str(src))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     venv_python = tmp_path / "venv" / "bin" / "python"
     # Run from elsewhere, so the installed package is what gets imported, not this checkout.
@@ -504,19 +515,21 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         )
         procs.append(Proc("prometheus", proc))
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/-/ready", timeout=1).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        pytest.fail("prometheus did not become ready")
+        wait_for(lambda: http_status(url + "/-/ready", timeout_s=1) == 200, timeout_s=30, interval_s=0.2)
+        return url
 
     yield launch  # type: ignore[misc]
     for proc in procs:
         proc.stop()
+
+
+def within(deadline: float, check: Callable[[], bool]) -> bool:
+    """Whether `check` came true before `deadline` (time.monotonic()), tried once a second."""
+    try:
+        wait_for(check, timeout_s=max(0.0, deadline - time.monotonic()), interval_s=1)
+    except AssertionError:
+        return False
+    return True
 
 
 def query(url: str, expr: str) -> list[Any]:
@@ -547,9 +560,7 @@ def test_every_dashboard_and_alert_expression_returns_data(stack: StartStack, pr
     missing: list[str] = []
     for expr in [*dashboard_exprs(), *map(without_thresholds, alert_exprs())]:
         concrete = expr.replace("$__rate_interval", "30s")
-        while not query(prom, concrete) and time.monotonic() < deadline:
-            time.sleep(1)
-        if not query(prom, concrete):
+        if not within(deadline, lambda c=concrete: bool(query(prom, c))):  # type: ignore[misc]
             missing.append(concrete)
     assert not missing, "expressions that match nothing:\n" + "\n".join(missing)
     rules = httpx.get(prom + "/api/v1/rules").json()["data"]["groups"][0]["rules"]
@@ -627,9 +638,7 @@ def test_server_panels_read_vllm_names_too(fake_vllm: str, prometheus: Any) -> N
     missing: list[str] = []
     for expr in server_exprs:
         concrete = expr.replace("$__rate_interval", "30s")
-        while backends(concrete) != both and time.monotonic() < deadline:
-            time.sleep(1)
-        if backends(concrete) != both:
+        if not within(deadline, lambda c=concrete: backends(c) == both):  # type: ignore[misc]
             missing.append(concrete)
     assert not missing, "server panels blank under vLLM:\n" + "\n".join(missing)
     accept = query(prom, next(e for e in server_exprs if "spec_accept_length" in e).replace("$__rate_interval", "30s"))

@@ -17,7 +17,7 @@ from proxy.routing import Fleet
 from proxy.servers import Health
 from proxy.topology import build
 
-from .configs import policy_cfg, rig
+from .helpers import Clock, policy_cfg, rig
 
 S0, S1, B0, B1 = (f"http://127.0.0.1:{p}" for p in (30001, 30011, 30002, 30012))
 
@@ -67,20 +67,11 @@ def test_near_ties_are_within_half_a_request_of_the_least() -> None:
     assert {least_loaded([("a", 3), ("b", 4)], p) for p in (0.0, 0.99)} == {"a"}
 
 
-class Clock:
-    t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def fleet(
     spec: str, base: str, topology: str | None = None, signal: str = "local", high: int = 16, clock: Clock | None = None
 ) -> tuple[Fleet, dict[str, Health]]:
     r = rig(speculative_url=spec, baseline_url=base, topology=topology, load_signal=signal)
     health = r.health
-    for h in health.values():
-        h.healthy = True
     cfg = policy_cfg("threshold", high, high // 2, load_signal=signal)
     return Fleet(r.topology, r.servers, cfg, r.metrics, clock=clock or Clock(), rng=random.Random(7)), health
 

@@ -11,10 +11,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.procs import Proc, free_port, start
+from loadtest.procs import Proc
 
 from .conftest import Sim, StartSim
-from .test_proxy import wait_for
+from .helpers import start_proxy, wait_for
 
 
 @pytest.fixture
@@ -26,19 +26,9 @@ def procs() -> Iterator[list[Proc]]:
 
 
 def gateway(procs: list[Proc], spec: list[Sim], base: list[Sim], **env: str) -> str:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    full = {
-        "SPECGATE_HOST": "127.0.0.1",
-        "SPECGATE_PORT": str(port),
-        "SPECGATE_SPECULATIVE_URL": ",".join(s.url for s in spec),
-        "SPECGATE_BASELINE_URL": ",".join(s.url for s in base),
-        "SPECGATE_HEALTH_INTERVAL_S": "0.2",
-        "SPECGATE_LOG_LEVEL": "warning",
-        **env,
-    }
-    procs.append(start("proxy", ["-m", "proxy"], ready_url=url + "/health", env=full))
-    return url
+    proxy = start_proxy(",".join(s.url for s in spec), ",".join(s.url for s in base), **env)
+    procs.append(proxy.proc)
+    return proxy.url
 
 
 def by_label(url: str, name: str, label: str) -> dict[str, float]:

@@ -20,6 +20,8 @@ import proxy.upstream as upstream_module
 from proxy.config import Settings
 from proxy.upstream import Upstream, UpstreamError
 
+from .helpers import wait_until
+
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Script"], Awaitable[None]]
@@ -69,7 +71,8 @@ async def run_with(handler: Handler, test: Callable[[Upstream, Script], Awaitabl
     port = server.sockets[0].getsockname()[1]
     url = settings.pop("url", f"http://127.0.0.1:{port}")
     assert isinstance(url, str)
-    up = Upstream(Settings(speculative_url=url.format(port=port), baseline_url=url.format(port=port), **settings))  # type: ignore[arg-type]
+    where = url.format(port=port)
+    up = Upstream(Settings(_env_file=None, speculative_url=where, baseline_url=where, **settings))  # type: ignore[arg-type]
     try:
         await asyncio.wait_for(test(up, script), 20)
     finally:
@@ -124,7 +127,7 @@ def test_a_connection_the_server_closed_while_idle_is_not_an_error() -> None:
     async def test(up: Upstream, s: Script) -> None:
         for _ in range(5):
             assert await post(up) == (200, b"{}")
-            await asyncio.sleep(0.02)  # the close reaches the pool before the next request
+            await wait_until(lambda: s.open_now == 0)  # the server closed it before the next request
 
     script = asyncio.run(run_with(one_per_connection, test))
     assert script.connections == 5
@@ -284,7 +287,7 @@ def test_an_https_server_is_reached_over_tls(tmp_path: Path, monkeypatch: pytest
         script = Script(keep_alive)
         server = await asyncio.start_server(script.serve, "127.0.0.1", 0, ssl=server_tls)
         url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        up = Upstream(Settings(speculative_url=url, baseline_url=url))
+        up = Upstream(Settings(_env_file=None, speculative_url=url, baseline_url=url))
         try:
             assert await post(up) == (200, b"{}")
             assert await post(up) == (200, b"{}")
@@ -320,8 +323,7 @@ def test_idle_connections_are_closed_once_stale(monkeypatch: pytest.MonkeyPatch)
             # One stream keeps reusing the newest connection; the four below it go stale.
             await asyncio.sleep(0.1)
             assert await post(up) == (200, b"{}")
-        await asyncio.sleep(0.05)
-        assert s.open_now == 1  # closed when they went stale, not left for the next burst
+        await wait_until(lambda: s.open_now == 1)  # closed when they went stale, not left for the next burst
 
     script = asyncio.run(run_with(keep_alive, test))
     assert script.connections == 5
