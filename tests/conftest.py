@@ -39,6 +39,8 @@ MODULE_TIERS = {
     "test_calibrate": "inprocess",
     "test_calibration_file": "inprocess",
     "test_config": "inprocess",
+    # mkdocs builds the site in a process of its own.
+    "test_docs": "loopback",
     "test_edge": "loopback",
     "test_engine_signal": "inprocess",
     "test_engines": "inprocess",
@@ -51,6 +53,7 @@ MODULE_TIERS = {
     "test_hostile_server": "loopback",
     "test_hostile_upstream": "inprocess",
     "test_kubernetes": "loopback",
+    "test_layers": "inprocess",
     "test_loadtest_cli": "loopback",
     "test_loadtest_connections": "loopback",
     "test_logs": "inprocess",
