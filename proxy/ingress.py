@@ -21,7 +21,8 @@ from starlette.types import Receive, Scope, Send
 from .config import Settings
 from .errors import ApiError
 from .gate import Gate
-from .metrics import Endpoint, code_class
+from .kinds import Endpoint
+from .metrics import code_class
 from .relay import ProxyCall, RelayResponse
 
 _EXACT: dict[str, Endpoint] = {

@@ -26,7 +26,8 @@ from starlette.types import Message, Receive, Scope, Send
 from .errors import ApiError, sse_error
 from .gate import Gate
 from .inflight import Lease
-from .metrics import Endpoint, code_class
+from .kinds import Endpoint
+from .metrics import code_class
 from .policy import Backend, Reason, other
 from .probe import content_events
 from .routing import Router

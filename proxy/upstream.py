@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from .config import Settings
-from .metrics import ErrorKind
+from .kinds import ErrorKind
 from .policy import Backend
 
 # Connection-scoped headers (RFC 9110 7.6.1) and those the proxy sets itself.
