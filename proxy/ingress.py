@@ -18,12 +18,13 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
+from .call import ProxyCall
 from .config import Settings
 from .errors import ApiError
 from .gate import Gate
 from .kinds import Endpoint
 from .metrics import code_class
-from .relay import ProxyCall, RelayResponse
+from .relay import RelayResponse
 
 _EXACT: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",

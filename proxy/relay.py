@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from typing import Any
 
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
+from .call import ProxyCall
 from .errors import ApiError, sse_error
 from .gate import Gate
 from .inflight import Lease
-from .kinds import Endpoint
 from .metrics import code_class
 from .policy import Backend, Reason, other
-from .probe import content_events
 from .routing import Router
+from .sse import DONE, SseRelay, content_events, usage_of
 from .upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("specgate.relay")
@@ -41,139 +39,11 @@ USAGE_BODY_LIMIT = 4 * 1024 * 1024
 MIN_LEARN_TOKENS = 8
 # A probe stream longer than this is not counted (its acceptance then comes from the engine).
 PROBE_BODY_LIMIT = 1024 * 1024
-# A partial SSE event held back (only when a usage chunk must be dropped) is released past this.
-PARTIAL_EVENT_LIMIT = 256 * 1024
-_USAGE_MARK = b'"completion_tokens"'
-# A finish event: its `finish_reason` is a string, not null (compact JSON, as every engine writes it).
-_FINISH_MARK = b'"finish_reason":"'
 # How often a running stream tells the health monitor that its server is answering.
 ALIVE_EVERY_S = 1.0
-# The fields of a usage chunk that are the chunk's own; anything else the server moved there.
-_ENVELOPE = frozenset({"id", "object", "created", "model", "system_fingerprint", "service_tier", "choices", "usage"})
-_DONE = b"data: [DONE]\n\n"
 # How long `[DONE]` is held for the server's end of body to go with it. SGLang's follows at once;
 # a server that keeps its body open after `[DONE]` has its last bytes delayed this long, no more.
 DONE_GRACE_S = 0.01
-
-
-@dataclass(frozen=True)
-class ProxyCall:
-    """A validated client request, ready to send to a backend."""
-
-    target: bytes  # path and query, as the client sent them
-    endpoint: Endpoint
-    body: bytes
-    headers: bytes  # the upstream request's header lines (Upstream.request_headers)
-    request_id: str
-    stream: bool
-    # The proxy asked the server for a usage chunk the client did not ask for: drop it again.
-    strip_usage: bool
-    started: float
-    # Who sent it, for pooling acceptance evidence by client (ingress.client_key): never a secret.
-    client: str = ""
-
-
-class SseRelay:
-    """Tracks SSE event boundaries in a relayed stream, to read token usage and, when asked, to
-    drop the usage chunk that specgate itself asked for. Bytes pass through unchanged and unmerged;
-    only when dropping is on is a partial trailing event held until its end arrives (a client
-    cannot use half an event), and the finish event until the next bytes: a server may have moved
-    fields into the usage chunk only because usage was asked for (llama-server moves `timings`
-    there), and those go back onto the finish event, where the client would have found them."""
-
-    __slots__ = ("_held", "_partial", "_strip", "_usage_event")
-
-    def __init__(self, strip_usage: bool) -> None:
-        self._strip = strip_usage
-        self._partial = b""
-        self._held = b""
-        self._usage_event: bytes | None = None
-
-    def feed(self, chunk: bytes) -> bytes:
-        """Bytes to send to the client for this piece of upstream body."""
-        data = self._partial + chunk if self._partial else chunk
-        end = data.rfind(b"\n\n")
-        cut = end + 2 if end >= 0 else 0
-        complete, self._partial = data[:cut], data[cut:]
-        if self._held:
-            complete, self._held = self._held + complete, b""
-        if _USAGE_MARK in complete:
-            complete = self._scan(complete)
-        if self._strip and complete and _FINISH_MARK in complete:
-            # The usage chunk follows the finish event: hold that event until the next bytes come.
-            last = complete.rfind(b"\n\n", 0, len(complete) - 2)
-            tail = complete[last + 2 :] if last >= 0 else complete
-            if _FINISH_MARK in tail:
-                complete, self._held = complete[: len(complete) - len(tail)], tail
-        if len(self._partial) > PARTIAL_EVENT_LIMIT:
-            # Not SSE as servers write it (no blank line for this long): stop holding anything back.
-            held, self._partial = self._held + self._partial, b""
-            self._held = b""
-            if self._strip:
-                self._strip = False
-                return complete + held
-        return complete if self._strip else chunk
-
-    def flush(self) -> bytes:
-        rest, self._partial, self._held = self._held + self._partial, b"", b""
-        return rest if self._strip else b""
-
-    def _scan(self, complete: bytes) -> bytes:
-        kept: list[bytes] = []
-        for event in complete.split(b"\n\n"):
-            if _USAGE_MARK in event:
-                self._usage_event = event
-                if self._strip and (b'"choices":[]' in event or b'"choices": []' in event):
-                    self._drop_usage(event, kept)
-                    continue
-            kept.append(event)
-        return b"\n\n".join(kept)
-
-    def _drop_usage(self, event: bytes, kept: list[bytes]) -> None:
-        """Drop the usage chunk, keeping what else the server put in it (see the class)."""
-        try:
-            obj = orjson.loads(event.strip().removeprefix(b"data:"))
-        except orjson.JSONDecodeError:
-            return
-        if not isinstance(obj, dict):
-            return
-        extra = {k: v for k, v in obj.items() if k not in _ENVELOPE and v is not None}
-        if not extra:
-            return
-        for i in range(len(kept) - 1, -1, -1):
-            if kept[i].startswith(b"data:") and _FINISH_MARK in kept[i]:
-                try:
-                    prev = orjson.loads(kept[i].removeprefix(b"data:"))
-                except orjson.JSONDecodeError:
-                    break
-                if isinstance(prev, dict):
-                    prev.update({k: v for k, v in extra.items() if k not in prev})
-                    kept[i] = b"data: " + orjson.dumps(prev)
-                    return
-                break
-        # The finish event is gone already: the rest of the chunk goes on without the usage.
-        kept.append(b"data: " + orjson.dumps({k: v for k, v in obj.items() if k != "usage"}))
-
-    def usage(self) -> tuple[int, int] | None:
-        if self._usage_event is None:
-            return None
-        payload = self._usage_event.strip().removeprefix(b"data:").strip()
-        try:
-            return usage_of(orjson.loads(payload))
-        except orjson.JSONDecodeError:
-            return None
-
-
-def usage_of(obj: Any) -> tuple[int, int] | None:
-    """(prompt, completion) tokens from an OpenAI `usage` or a native `meta_info`."""
-    if not isinstance(obj, dict):
-        return None
-    src = obj.get("usage") or obj.get("meta_info")
-    if isinstance(src, dict):
-        p, c = src.get("prompt_tokens"), src.get("completion_tokens")
-        if isinstance(p, int) and isinstance(c, int):
-            return p, c
-    return None
 
 
 class RelayResponse:
@@ -352,7 +222,7 @@ class _Relay:
             # and can reuse its connection, and it is not woken twice. SGLang writes its end of
             # body right after `[DONE]`, but apart: `[DONE]` waits a moment for it.
             while True:
-                if is_sse and chunk.endswith(_DONE) and not up.ended:
+                if is_sse and chunk.endswith(DONE) and not up.ended:
                     await up.wait_end(DONE_GRACE_S)
                 if not chunk or up.ended:
                     break

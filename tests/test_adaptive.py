@@ -27,8 +27,9 @@ from proxy.config import Settings
 from proxy.health import HealthMonitor
 from proxy.metrics import Metrics
 from proxy.policy import LoadSnapshot, PolicyConfig, PolicyState, decide, dwell_mode
-from proxy.probe import completion_tokens, content_events, shadow_body
+from proxy.probe import shadow_body
 from proxy.routing import AdaptiveConfig, Router
+from proxy.sse import completion_tokens, content_events
 from proxy.upstream import Upstream
 
 LEVELS = (1, 2, 5, 10, 20, 30, 50, 70)
