@@ -46,7 +46,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         topology = settings.routing_topology()
         metrics = Metrics(topology.names(), [g.name for g in topology.groups])
-        upstream = Upstream(settings)  # connections open on first use
+        upstream = Upstream.of(topology, settings)  # connections open on first use
         health = HealthMonitor(settings, upstream, metrics)
         calibration = settings.load_calibration()
         high, low = settings.watermarks(calibration)

@@ -15,7 +15,7 @@ class ProxyCall:
     target: bytes  # path and query, as the client sent them
     endpoint: Endpoint
     body: bytes
-    headers: bytes  # the upstream request's header lines (Upstream.request_headers)
+    headers: bytes  # the upstream request's header lines (Forwarding.request_headers)
     request_id: str
     stream: bool
     # The proxy asked the server for a usage chunk the client did not ask for: drop it again.

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .adaptive import MIN_STREAM_EVENTS
+from .forwarding import renamed
 from .sse import completion_tokens, content_events
-from .upstream import UpstreamError, renamed
+from .upstream import UpstreamError
 
 if TYPE_CHECKING:
     from .call import ProxyCall

@@ -261,7 +261,7 @@ class Clock:
 def router(cal: Calibration | None, clock: Clock, **cfg: float) -> tuple[Router, HealthMonitor, Metrics]:
     settings = Settings(_env_file=None)
     metrics = Metrics()
-    health = HealthMonitor(settings, Upstream(settings), metrics)
+    health = HealthMonitor(settings, Upstream.of(settings.routing_topology(), settings), metrics)
     for b in health.backends.values():
         b.healthy = True
     health.backends["speculative"].spec_accept_length = 3.0

@@ -151,7 +151,7 @@ async def monitor(spec: Script, base: Script, **settings: Any) -> AsyncIterator[
     """A HealthMonitor in this process reading two scripted servers through the real upstream."""
     with scripted(spec) as spec_url, scripted(base) as base_url:
         s = Settings(_env_file=None, speculative_url=spec_url, baseline_url=base_url, **settings)
-        upstream = Upstream(s)
+        upstream = Upstream.of(s.routing_topology(), s)
         try:
             yield HealthMonitor(s, upstream, Metrics())
         finally:

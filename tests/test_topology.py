@@ -86,7 +86,7 @@ def fleet(
     )
     t = settings.routing_topology()
     metrics = Metrics(t.names(), [g.name for g in t.groups])
-    health = HealthMonitor(settings, Upstream(settings), metrics)
+    health = HealthMonitor(settings, Upstream.of(t, settings), metrics)
     for h in health.backends.values():
         h.healthy = True
     cfg = PolicyConfig("threshold", high, high // 2, load_signal=signal)  # type: ignore[arg-type]
