@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from .call import ProxyCall
 from .config import Settings
+from .engines import GENERATE_PATH
 from .errors import ApiError
 from .gate import Gate
 from .kinds import Endpoint
@@ -29,7 +30,7 @@ from .relay import RelayResponse
 _EXACT: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
-    "/generate": "generate",
+    GENERATE_PATH: "generate",
 }
 _JSON_TYPES = (b"application/json",)
 

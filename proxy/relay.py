@@ -22,6 +22,7 @@ import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 from .call import ProxyCall
+from .engines import DONE_GRACE_S
 from .errors import ApiError, sse_error
 from .gate import Gate
 from .inflight import Lease
@@ -41,9 +42,6 @@ MIN_LEARN_TOKENS = 8
 PROBE_BODY_LIMIT = 1024 * 1024
 # How often a running stream tells the health monitor that its server is answering.
 ALIVE_EVERY_S = 1.0
-# How long `[DONE]` is held for the server's end of body to go with it. SGLang's follows at once;
-# a server that keeps its body open after `[DONE]` has its last bytes delayed this long, no more.
-DONE_GRACE_S = 0.01
 
 
 class RelayResponse:
@@ -219,8 +217,8 @@ class _Relay:
         try:
             # Each piece goes on as it came, except that the last one goes with the body's end, in
             # one write: a client that stops reading at `[DONE]` then finds the response complete
-            # and can reuse its connection, and it is not woken twice. SGLang writes its end of
-            # body right after `[DONE]`, but apart: `[DONE]` waits a moment for it.
+            # and can reuse its connection, and it is not woken twice. `[DONE]` waits a moment for
+            # the end of body (engines.DONE_GRACE_S).
             while True:
                 if is_sse and chunk.endswith(DONE) and not up.ended:
                     await up.wait_end(DONE_GRACE_S)

@@ -13,6 +13,8 @@ from typing import Any
 
 import orjson
 
+from .engines import USAGE_FIELDS
+
 # A partial SSE event held back (only when a usage chunk must be dropped) is released past this.
 PARTIAL_EVENT_LIMIT = 256 * 1024
 _USAGE_MARK = b'"completion_tokens"'
@@ -32,8 +34,8 @@ class SseRelay:
     drop the usage chunk that specgate itself asked for. Bytes pass through unchanged and unmerged;
     only when dropping is on is a partial trailing event held until its end arrives (a client
     cannot use half an event), and the finish event until the next bytes: a server may have moved
-    fields into the usage chunk only because usage was asked for (llama-server moves `timings`
-    there), and those go back onto the finish event, where the client would have found them."""
+    fields into the usage chunk only because usage was asked for (llama-server's `timings`, see
+    engines.py), and those go back onto the finish event, where the client would have found them."""
 
     __slots__ = ("_held", "_partial", "_strip", "_usage_event")
 
@@ -119,10 +121,14 @@ class SseRelay:
 
 
 def usage_of(obj: Any) -> tuple[int, int] | None:
-    """(prompt, completion) tokens from an OpenAI `usage` or a native `meta_info`."""
+    """(prompt, completion) tokens from an OpenAI `usage` or SGLang's native `meta_info`."""
     if not isinstance(obj, dict):
         return None
-    src = obj.get("usage") or obj.get("meta_info")
+    src = None
+    for field in USAGE_FIELDS:
+        src = obj.get(field)
+        if src:
+            break
     if isinstance(src, dict):
         p, c = src.get("prompt_tokens"), src.get("completion_tokens")
         if isinstance(p, int) and isinstance(c, int):

@@ -10,10 +10,10 @@ request against this pool: aiohttp 2.7-4.3x for small requests and 1.4x for 64-t
 (URL objects, header multidicts, tracing, a timer per read).
 
 What it does and no more: keep-alive connections per server (LIFO, dropped before the engine's
-server closes them), at most `max_connections_per_backend` at once, connect and read timeouts, flow
-control, and one resend when a reused connection turns out to be closed before any answer. No
-redirects, cookies, compression or proxies: the engines need none, and the relay passes bytes
-through as they came.
+server closes them: engines.POOL_KEEPALIVE_S), at most `max_connections_per_backend` at once,
+connect and read timeouts, flow control, and one resend when a reused connection turns out to be
+closed before any answer. No redirects, cookies, compression or proxies: the engines need none,
+and the relay passes bytes through as they came.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .conn import Broken, Conn
+from .engines import POOL_KEEPALIVE_S
 from .forwarding import Forwarding, response_headers
 from .kinds import ErrorKind
 from .policy import Backend
@@ -33,9 +34,6 @@ from .topology import Topology
 if TYPE_CHECKING:
     from .config import Settings
 
-# Idle connections older than this are closed rather than reused: SGLang's uvicorn closes its
-# side after 5 s, and a request written into a connection it is closing is lost.
-_KEEPALIVE_S = 4.0
 # Largest body `get` reads (health, metrics, models).
 _GET_BODY_LIMIT = 8 * 1024 * 1024
 
@@ -140,7 +138,7 @@ class Upstream:
         """The upstream the settings ask for, to the servers of `topology` (built by the caller)."""
         key = settings.upstream_api_key
         limits = Limits(
-            settings.connect_timeout_s, settings.read_timeout_s, settings.max_connections_per_backend, _KEEPALIVE_S
+            settings.connect_timeout_s, settings.read_timeout_s, settings.max_connections_per_backend, POOL_KEEPALIVE_S
         )
         api_key = key.get_secret_value() if key else None
         return cls(topology, limits, api_key=api_key, trusted_proxies=settings.trusted_proxies)

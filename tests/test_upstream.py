@@ -314,7 +314,7 @@ def test_a_reset_cuts_short_a_body_that_ends_at_eof() -> None:
 
 
 def test_idle_connections_are_closed_once_stale(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(upstream_module, "_KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(upstream_module, "POOL_KEEPALIVE_S", 0.2)
 
     async def test(up: Upstream, s: Script) -> None:
         await asyncio.gather(*(post(up) for _ in range(5)))
