@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 from .call import ProxyCall
@@ -27,21 +26,13 @@ from .errors import ApiError, sse_error
 from .gate import Gate
 from .inflight import Lease
 from .metrics import code_class
+from .observe import Learning, Liveness, StreamObserver, StreamTiming, TokenCounts
 from .policy import Backend, Reason, other
 from .routing import Router
-from .sse import DONE, SseRelay, content_events, usage_of
+from .sse import DONE, reader_for
 from .upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("specgate.relay")
-
-# Bytes of a non-streamed JSON body kept to read its `usage`; larger bodies are relayed unread.
-USAGE_BODY_LIMIT = 4 * 1024 * 1024
-# Streams shorter than this say too little of a server's decode speed to learn from.
-MIN_LEARN_TOKENS = 8
-# A probe stream longer than this is not counted (its acceptance then comes from the engine).
-PROBE_BODY_LIMIT = 1024 * 1024
-# How often a running stream tells the health monitor that its server is answering.
-ALIVE_EVERY_S = 1.0
 
 
 class RelayResponse:
@@ -57,18 +48,16 @@ class RelayResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
-        state = {"gone": False, "done": False}
-
         loop = asyncio.get_running_loop()
-        relay = _Relay(self.gate, self.call, send, state)
+        relay = _Relay(self.gate, self.call, send)
         timeout = self.gate.settings.read_timeout_s
 
         async def watch() -> None:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    if not state["done"]:
-                        state["gone"] = True
+                    if not relay.complete:
+                        relay.gone = True
                         task.cancel()
                     return
 
@@ -77,9 +66,9 @@ class RelayResponse:
             # gone one, so its generation does not hold a GPU slot forever. A timer, not a timeout
             # around receive(): that would cost a task per request.
             since = relay.sending_since
-            if since is not None and loop.time() - since >= timeout and not state["done"]:
+            if since is not None and loop.time() - since >= timeout and not relay.complete:
                 log.warning("request %s: client took no data for %.0f s", self.call.request_id, timeout)
-                state["gone"] = True
+                relay.gone = True
                 task.cancel()
                 return
             timers[0] = loop.call_later(timeout / 2, check_reader)
@@ -89,7 +78,7 @@ class RelayResponse:
         try:
             await relay.run()
         except asyncio.CancelledError:
-            if not (state["gone"] and task.uncancel() == 0):
+            if not (relay.gone and task.uncancel() == 0):
                 raise
             relay.client_gone()
         finally:
@@ -101,16 +90,18 @@ class RelayResponse:
 class _Relay:
     """One request's journey. `finish()` runs exactly once, on every path."""
 
-    def __init__(self, gate: Gate, call: ProxyCall, send: Send, state: dict[str, bool]) -> None:
+    def __init__(self, gate: Gate, call: ProxyCall, send: Send) -> None:
         self.gate = gate
         self.call = call
         self._send = send
-        self._state = state
+        # The client left (or took no bytes for too long): the relay was cancelled for it.
+        self.gone = False
         self.lease: Lease | None = None
         self.backend: Backend | None = None  # the role; the server is the lease's
         self.router: Router | None = None
         self.upstream: UpstreamResponse | None = None
         self.status = 0
+        # The last bytes are on their way: a disconnect now changes nothing.
         self.complete = False
         # When the send in progress began (None between sends): the watcher's slow-client check.
         self.sending_since: float | None = None
@@ -178,42 +169,27 @@ class _Relay:
         return None
 
     async def _relay(self, first: bytes, reason: Reason) -> None:
+        """Pump the body to the client; the subscribers (observe.py) see it pass."""
         gate, call = self.gate, self.call
         up = self.upstream
-        assert up is not None and self.backend is not None and self.lease is not None and self.router is not None
-        backend, server, router = self.backend, self.lease.server, self.router
+        assert up is not None and self.backend is not None
+        backend = self.backend
         self.status = up.status
         is_sse = up.content_type.startswith("text/event-stream")
-        sse = SseRelay(call.strip_usage) if is_sse else None
+        reader = reader_for(up.content_type, up.status, call.strip_usage)
         headers = up.headers()
-        if sse is not None and call.strip_usage:
+        if is_sse and call.strip_usage:
             headers = [(k, v) for k, v in headers if k != b"content-length"]
         headers += self._own_headers(backend, reason)
         # Sent just before the first body bytes: until then a failure can still be answered cleanly.
         self._head = {"type": "http.response.start", "status": up.status, "headers": headers}
+        observers = self._observers(is_sse and reason == "probe")
         loop = asyncio.get_running_loop()
-        timed = call.stream and up.status == 200
-        keep_body = not is_sse and up.status == 200 and "json" in up.content_type
-        inter_chunk = gate.metrics.child(gate.metrics.inter_chunk, backend)
-        now = first_at = loop.time()
-        # The adaptive policy learns each server's per-stream speed at the load the stream ran at,
-        # from streams that ran while the other server had nothing from us: the curves are of one
-        # server alone, and on a shared GPU each slows the other (a switch's drain would read as
-        # the new server being slow).
-        learn = timed and router.adaptive is not None and router.backend_load(other(backend)) == 0
-        start_load = router.backend_load(backend) if learn else 0
-        # A probe's acceptance is read from its own stream: tokens over content events, counted at
-        # the end (an event may be split between reads).
-        count = is_sse and reason == "probe"
-        probe_body = [first] if count else []
-        probe_size = len(first)
-        if timed and first:
-            gate.metrics.child(gate.metrics.ttft, backend).observe(now - call.started)
-        alive_at = now
-        body_parts = [first] if keep_body else []
-        kept = len(first)
+        now = loop.time()
+        for o in observers:
+            o.first(first, now)
         chunk = first
-        out = sse.feed(chunk) if sse is not None else chunk
+        out = reader.feed(chunk)
         try:
             # Each piece goes on as it came, except that the last one goes with the body's end, in
             # one write: a client that stops reading at `[DONE]` then finds the response complete
@@ -232,53 +208,40 @@ class _Relay:
                 if not chunk:
                     out = b""
                     break
-                t = loop.time()
-                if timed:
-                    inter_chunk.observe(t - now)
-                if t - alive_at >= ALIVE_EVERY_S and up.status < 500:
-                    gate.health.note_alive(server)
-                    alive_at = t
-                now = t
-                if count:
-                    probe_size += len(chunk)
-                    if probe_size <= PROBE_BODY_LIMIT:
-                        probe_body.append(chunk)
-                    else:
-                        count, probe_body = False, []
-                if keep_body:
-                    kept += len(chunk)
-                    if kept <= USAGE_BODY_LIMIT:
-                        body_parts.append(chunk)
-                    else:
-                        keep_body, body_parts = False, []
-                out = sse.feed(chunk) if sse is not None else chunk
+                now = loop.time()
+                for o in observers:
+                    o.chunk(chunk, now)
+                out = reader.feed(chunk)
         except UpstreamError as err:
             gate.metrics.upstream_errors.labels(backend, err.kind).inc()
             log.warning("request %s: stream from %s broke: %s", call.request_id, backend, err)
             await self._last(sse_error(f"Upstream stream broke: {err}", "upstream_" + err.kind) if is_sse else b"")
             return
-        tail = sse.flush() if sse is not None else b""
-        usage = sse.usage() if sse is not None else None
-        if keep_body and body_parts:
-            try:
-                usage = usage_of(orjson.loads(b"".join(body_parts)))
-            except orjson.JSONDecodeError:
-                usage = None
-        if usage is not None:
-            gate.metrics.child(gate.metrics.prompt_tokens, backend).inc(usage[0])
-            gate.metrics.child(gate.metrics.output_tokens, backend).inc(usage[1])
-            events = content_events(b"".join(probe_body)) if count else None
-            router.note_output(backend, usage[1], events, call.client)
-            if learn and usage[1] >= MIN_LEARN_TOKENS and now > first_at and not router.backend_load(other(backend)):
-                load = (start_load + router.backend_load(backend)) / 2
-                router.observe(backend, load, (usage[1] - 1) / (now - first_at))
+        tail = reader.flush()
+        usage = reader.usage()
+        for o in observers:
+            o.end(usage, now)
         await self._last(out + tail if tail else out)
+
+    def _observers(self, probe: bool) -> tuple[StreamObserver, ...]:
+        """This response's subscribers, each only where it has work."""
+        gate, call, up, lease = self.gate, self.call, self.upstream, self.lease
+        assert up is not None and self.backend is not None and lease is not None and self.router is not None
+        backend = self.backend
+        timed = call.stream and up.status == 200
+        out: list[StreamObserver] = []
+        if timed:
+            out.append(StreamTiming(gate.metrics, backend, call.started))
+        if up.status < 500:  # a server that fails everything it gets is no proof of life
+            out.append(Liveness(gate.health, lease.server))
+        out.append(TokenCounts(gate.metrics, backend))
+        out.append(Learning(self.router, backend, call.client, probe=probe, timed=timed))
+        return tuple(out)
 
     async def _last(self, data: bytes) -> None:
         """The response's last bytes. Everything the request held is released and counted first:
         the client, woken by them, may send its next request at once, and on a small machine it
         runs on this CPU until it does, so work left for after this write delays that request."""
-        self._state["done"] = True
         self.complete = True
         self.finish()
         await self._body(data, more=False)

@@ -9,12 +9,14 @@ Every mark below is matched on compact JSON, as every engine writes it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
 from .engines import USAGE_FIELDS
 
+# Bytes of a non-streamed JSON body kept to read its `usage`; larger bodies are relayed unread.
+USAGE_BODY_LIMIT = 4 * 1024 * 1024
 # A partial SSE event held back (only when a usage chunk must be dropped) is released past this.
 PARTIAL_EVENT_LIMIT = 256 * 1024
 _USAGE_MARK = b'"completion_tokens"'
@@ -27,6 +29,68 @@ DONE = b"data: [DONE]\n\n"
 # Where a decode step's output sits in a chat or completion event; `content":"` also finds
 # `"reasoning_content":"`, a reasoning model's steps.
 _OUTPUT = (b'content":"', b'"text":"')
+
+
+class BodyReader(Protocol):
+    """What the relay passes a response body through: bytes in, bytes for the client out, and the
+    body's token usage once it has ended."""
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def flush(self) -> bytes: ...
+
+    def usage(self) -> tuple[int, int] | None: ...
+
+
+def reader_for(content_type: str, status: int, strip_usage: bool) -> BodyReader:
+    """The reader for a response: an event stream's events, a successful JSON body's usage, or neither."""
+    if content_type.startswith("text/event-stream"):
+        return SseRelay(strip_usage)
+    if status == 200 and "json" in content_type:
+        return JsonUsage()
+    return Passthrough()
+
+
+class Passthrough:
+    """A body specgate reads nothing of."""
+
+    __slots__ = ()
+
+    def feed(self, chunk: bytes) -> bytes:
+        return chunk
+
+    def flush(self) -> bytes:
+        return b""
+
+    def usage(self) -> tuple[int, int] | None:
+        return None
+
+
+class JsonUsage(Passthrough):
+    """A JSON body, passed on as it comes and kept (up to USAGE_BODY_LIMIT) to read its usage."""
+
+    __slots__ = ("_kept", "_parts")
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._kept = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._kept <= USAGE_BODY_LIMIT:
+            self._kept += len(chunk)
+            if self._kept <= USAGE_BODY_LIMIT:
+                self._parts.append(chunk)
+            else:
+                self._parts.clear()
+        return chunk
+
+    def usage(self) -> tuple[int, int] | None:
+        if not self._parts:
+            return None
+        try:
+            return usage_of(orjson.loads(b"".join(self._parts)))
+        except orjson.JSONDecodeError:
+            return None
 
 
 class SseRelay:
