@@ -76,7 +76,8 @@ async def _measure(client: str, port: int, case: Case) -> tuple[float, float]:
     closers: list[Callable[[], Awaitable[None]]] = []
     make: Callable[[], Send]
     if client == "specgate":
-        upstream = Upstream(Settings(speculative_url=url, baseline_url=url, max_connections_per_backend=1024))
+        settings = Settings(speculative_url=url, baseline_url=url, max_connections_per_backend=1024)
+        upstream = Upstream.of(settings.routing_topology(), settings)
         closers.append(upstream.aclose)
         up_headers = upstream.request_headers([], "bench")
 

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from . import ingress
+from . import access
 from .config import redact_url
 from .errors import ApiError
 from .gate import Gate
@@ -27,7 +27,7 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 
 def request_id(request: Request) -> str:
-    return ingress.request_id_of(request.headers.get("x-request-id", "").encode("latin-1"))
+    return access.request_id_of(request.headers.get("x-request-id", "").encode("latin-1"))
 
 
 def _authorization(request: Request) -> bytes:
@@ -51,7 +51,7 @@ async def ready(request: Request) -> Response:
 async def routing(request: Request) -> Response:
     gate: Gate = request.app.state.gate
     if gate.settings.admin_keys:
-        ingress.check_key(gate.settings.admin_keys, _authorization(request), "admin key")
+        access.check_key(gate.settings.admin_keys, _authorization(request), "admin key")
     return _json(describe(gate))
 
 
@@ -132,7 +132,7 @@ def describe(gate: Gate) -> dict[str, Any]:
 async def metrics(request: Request) -> Response:
     gate: Gate = request.app.state.gate
     if gate.settings.protect_metrics:
-        ingress.check_key(gate.settings.admin_keys, _authorization(request), "admin key")
+        access.check_key(gate.settings.admin_keys, _authorization(request), "admin key")
     return Response(generate_latest(gate.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -140,7 +140,7 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request) -> Response:
     """Every healthy server's models, merged by id: clients list them before they send."""
     gate: Gate = request.app.state.gate
-    ingress.authorize(gate.settings, _authorization(request))
+    access.authorize(gate.settings, _authorization(request))
     healthy = [n for n, srv in gate.health.servers.items() if srv.healthy]
     if not healthy:
         raise ApiError(503, "No healthy backend: every server is down.", "server_error", "no_healthy_backend")

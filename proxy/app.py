@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import admin, ingress
+from . import access, admin, ingress
 from .config import Settings, redact_url
 from .edge import METRICS_KEY
 from .errors import ApiError
@@ -46,7 +46,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
         fleet = Fleet(
             topology, servers, settings.policy_config(calibration), metrics, settings.adaptive_config(), calibration
         )
-        upstream = Upstream(settings)  # connections open on first use
+        upstream = Upstream.of(topology, settings)  # connections open on first use
         health = HealthMonitor(
             settings,
             upstream,
@@ -175,5 +175,5 @@ def _refusal(scope: Scope, verdict: Verdict, routes: Routes) -> ApiError:
 def _scope_request_id(scope: Scope) -> str:
     for k, v in scope["headers"]:
         if k == b"x-request-id":
-            return ingress.request_id_of(v)
-    return ingress.request_id_of(None)
+            return access.request_id_of(v)
+    return access.request_id_of(None)

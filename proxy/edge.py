@@ -35,7 +35,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .errors import error_body
-from .metrics import Rejection
+from .kinds import Rejection
 
 # The largest request head (request line and headers) read; nginx's default allows 4 x 8 KiB lines.
 MAX_HEAD_BYTES = 64 * 1024

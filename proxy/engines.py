@@ -14,7 +14,17 @@ engine-specific lives in an `Engine` value here; the rest of the proxy asks thes
 
 Streams: SGLang (with its default `--stream-interval 1`) and vLLM send one SSE content event per
 decode step, so a single stream's tokens over its content events is its acceptance length, with no
-wait for a gauge's refresh (`stream_steps`); llama-server sends one event per token.
+wait for a gauge's refresh (`stream_steps`); llama-server sends one event per token. Asked for
+usage, llama-server moves its `timings` from the finish chunk into the usage chunk; the SSE module
+(sse.py) puts any such field back when it drops a usage chunk specgate asked for. SGLang writes its
+end of body right after `data: [DONE]`, but in a write of its own (`DONE_GRACE_S`).
+
+SGLang's native API: `POST /generate` (`GENERATE_PATH`), whose responses and stream events carry
+their token counts in `meta_info` where the OpenAI API has `usage` (`USAGE_FIELDS`).
+
+Connections: SGLang's uvicorn closes a kept-alive connection after `keepalive_s` idle; a request
+written into a connection it is closing is lost, so the pool closes its own sooner
+(`POOL_KEEPALIVE_S`).
 
 SGLang's own names use `sglang:`; `sglang_` is what SGLang's router re-exports them as, so both are
 read. Acceptance length counts the bonus token: 1 + accepted / drafts (>= 1); none without drafts.
@@ -64,6 +74,18 @@ MAX_COUNTER = float(2**53)
 MAX_READ_SAMPLES = 4096
 
 
+# SGLang's native generation endpoint, which specgate relays beside the OpenAI ones.
+GENERATE_PATH = "/generate"
+# Where a response or stream event holds its token counts: OpenAI's `usage`, else SGLang's native
+# `meta_info`; the first present one counts.
+USAGE_FIELDS = ("usage", "meta_info")
+# How long the relay holds a stream's `data: [DONE]` for the server's end of body to go with it, so
+# that a client that stops reading at `[DONE]` finds the response complete. SGLang's end follows at
+# once; a server that keeps its body open after `[DONE]` has its last bytes delayed this long, no
+# more. The relay does not know a server's engine, so this holds for every server, as before.
+DONE_GRACE_S = 0.01
+
+
 class BadReading(ValueError):
     """A /metrics value no server could report: the reading is a fault, and unreadable."""
 
@@ -89,9 +111,15 @@ class Engine:
     accept_gauge: str | None = None
     accepted_counter: str | None = None
     drafts_counter: str | None = None
-    # SGLang refreshes its gauges every 40 decode steps and keeps them when idle: values that stop
-    # moving mean an idle server. vLLM's and llama.cpp's gauges are live, so a standing value is real.
+    # SGLang refreshes its gauges every `gauge_refresh_steps` decode steps (and at prefill) and keeps
+    # them when idle: values that stop moving mean an idle server. vLLM's and llama.cpp's gauges are
+    # live, so a standing value is real.
     freezes_when_idle: bool = False
+    # Decode steps between two refreshes of the gauges (None: live). A request-mode probe session
+    # of 160 tokens (SPECGATE_ADAPTIVE_PROBE_TOKENS) is SGLang's 40 steps at acceptance length 4.
+    gauge_refresh_steps: int | None = None
+    # Seconds the engine's HTTP server keeps an idle kept-alive connection open (None: not recorded).
+    keepalive_s: float | None = None
     # One SSE content event per decode step (speculative: per verify step, however many tokens it
     # accepted): tokens / content events measures a stream's acceptance length.
     stream_steps: bool = False
@@ -205,6 +233,8 @@ SGLANG = Engine(
     queued="num_queue_reqs",
     accept_gauge="spec_accept_length",
     freezes_when_idle=True,
+    gauge_refresh_steps=40,
+    keepalive_s=5.0,  # uvicorn's default
     stream_steps=True,
     activity=(
         "num_running_reqs",
@@ -233,6 +263,10 @@ LLAMACPP = Engine(
     drafts_counter="spec_decode_num_drafts_total",
 )
 ENGINES: dict[EngineName, Engine] = {e.name: e for e in (SGLANG, VLLM, LLAMACPP)}
+# Idle pooled connections older than this are closed rather than reused: a second inside SGLang's
+# window. The pool does not know which engine a server runs (`auto` learns it later, from /metrics),
+# so every server gets this, as before.
+POOL_KEEPALIVE_S = 4.0
 
 
 def parse_metrics(text: str, wanted: Collection[str] | None = None) -> dict[str, float]:

@@ -9,25 +9,26 @@ because the lease is taken later, inside the relay.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
-import os
 from typing import Any
 
 import orjson
 from starlette.types import Receive, Scope, Send
 
+from .access import authorize, client_key, request_id_of
+from .call import ProxyCall
 from .config import Settings
+from .engines import GENERATE_PATH
 from .errors import ApiError
 from .gate import Gate
-from .metrics import Endpoint, code_class
-from .relay import ProxyCall, RelayResponse
+from .kinds import Endpoint
+from .metrics import code_class
+from .relay import RelayResponse
 
 _EXACT: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
-    "/generate": "generate",
+    GENERATE_PATH: "generate",
 }
 _JSON_TYPES = (b"application/json",)
 
@@ -38,15 +39,6 @@ class _ClientGone(Exception):
 
 def endpoint_of(path: str) -> Endpoint:
     return _EXACT.get(path, "other")
-
-
-def request_id_of(raw: bytes | None) -> str:
-    # Only a sane id is echoed: it lands in headers and logs.
-    if raw and len(raw) <= 128:
-        rid = raw.decode("latin-1")
-        if rid.isascii() and rid.isprintable():
-            return rid
-    return os.urandom(16).hex()  # as unique as a uuid4, at a fifth of its cost
 
 
 async def handle(gate: Gate, scope: Scope, receive: Receive, send: Send) -> None:
@@ -121,16 +113,6 @@ async def _accept(
     return ProxyCall(target, endpoint, body, up_headers, request_id, stream, strip_usage, started, client_id)
 
 
-def client_key(authorization: bytes, peer: str | None) -> str:
-    """Who a request is from, as far as pooling acceptance evidence goes: its bearer token's hash
-    (the key itself is never kept), else the peer's address."""
-    scheme, _, token = authorization.partition(b" ")
-    token = token.strip()
-    if token and scheme.lower() == b"bearer":
-        return "key:" + hashlib.blake2b(token, digest_size=8).hexdigest()
-    return "addr:" + (peer or "-")
-
-
 def ask_for_usage(payload: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
     """Make the server send a usage chunk; return the body to send and whether to drop the chunk.
     `stream_options` that are not an object, or whose `include_usage` is not a boolean, are the
@@ -159,28 +141,6 @@ def ask_for_usage(payload: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
 
 
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
-
-
-def authorize(settings: Settings, given: bytes) -> None:
-    if settings.api_keys:
-        check_key(settings.api_keys, given, "API key")
-
-
-def check_key(keys: tuple[str, ...], given: bytes, what: str) -> None:
-    """401 unless `given` is `Bearer <one of keys>`."""
-    scheme, _, token = given.partition(b" ")
-    token = token.strip()
-    ok = False
-    for key in keys:
-        # Compare against every key, without early exit, in constant time per key.
-        ok |= hmac.compare_digest(token, key.encode())
-    if not (ok and scheme.lower() == b"bearer"):
-        raise ApiError(
-            401,
-            f"Invalid or missing {what}: send 'Authorization: Bearer <key>'.",
-            code="invalid_api_key",
-            headers=((b"www-authenticate", b"Bearer"),),
-        )
 
 
 async def read_body(receive: Receive, declared: bytes | None, settings: Settings) -> bytes:

@@ -9,24 +9,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
+from .kinds import ENDPOINTS, ERROR_KINDS, REJECTIONS
 from .policy import BACKENDS, REASONS, other
 from .servers import Server
 
-Endpoint = Literal["chat", "completions", "generate", "other"]
-ENDPOINTS: tuple[Endpoint, ...] = ("chat", "completions", "generate", "other")
 # Requests the proxy answered itself (auth, size, no backend) carry backend="none".
 REQUEST_BACKENDS = (*BACKENDS, "none")
 CODE_CLASSES = ("2xx", "4xx", "5xx")
-ErrorKind = Literal["connect", "timeout", "disconnect", "protocol"]
-# Why a client connection was refused or closed before its request (proxy/edge.py).
-Rejection = Literal["limit", "header_timeout", "head_too_large", "upgrade"]
-REJECTIONS: tuple[Rejection, ...] = ("limit", "header_timeout", "head_too_large", "upgrade")
-ERROR_KINDS: tuple[ErrorKind, ...] = ("connect", "timeout", "disconnect", "protocol")
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 60)

@@ -27,19 +27,18 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .adaptive import MIN_STREAM_EVENTS
-from .upstream import UpstreamError, renamed
+from .forwarding import renamed
+from .sse import completion_tokens, content_events
+from .upstream import UpstreamError
 
 if TYPE_CHECKING:
+    from .call import ProxyCall
     from .metrics import Metrics
-    from .relay import ProxyCall
     from .routing import Router
     from .upstream import Upstream
 
 log = logging.getLogger("specgate.probe")
 
-# Where a decode step's output sits in a chat or completion event (compact JSON, as engines write
-# it); `content":"` also finds `"reasoning_content":"`, a reasoning model's steps.
-_OUTPUT = (b'content":"', b'"text":"')
 # A capped stream is a few KB; anything much larger is not what was asked for.
 BODY_LIMIT = 256 * 1024
 # What a copy keeps of its request: what the prompt is and how one sequence is sampled from it.
@@ -57,20 +56,6 @@ _KEPT = frozenset(
 )  # fmt: skip
 # A copy shorter than this cannot show enough decode steps to read acceptance from (MIN_STREAM_EVENTS).
 MIN_SHADOW_TOKENS = 2 * MIN_STREAM_EVENTS
-
-
-def content_events(body: bytes) -> int:
-    """Events in an SSE body that carry a decode step's output: for engines with stream_steps, the
-    stream's decode steps. The role chunk and finish chunk (empty content), the usage chunk and
-    `[DONE]` carry none."""
-    n = 0
-    for event in body.split(b"\n\n"):
-        for mark in _OUTPUT:
-            at = event.find(mark)
-            if at >= 0 and event[at + len(mark) : at + len(mark) + 1] not in (b'"', b""):
-                n += 1
-                break
-    return n
 
 
 def shadow_body(body: bytes, max_tokens: int) -> bytes | None:
@@ -176,18 +161,3 @@ class Prober:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-
-def completion_tokens(data: bytes) -> int | None:
-    """completion_tokens of a stream's usage chunk (its last event that has one)."""
-    for event in reversed(data.split(b"\n\n")):
-        if b'"completion_tokens"' not in event:
-            continue
-        try:
-            obj = orjson.loads(event.strip().removeprefix(b"data:").strip())
-        except orjson.JSONDecodeError:
-            return None
-        usage = obj.get("usage") if isinstance(obj, dict) else None
-        value = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-    return None

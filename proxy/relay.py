@@ -17,162 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from typing import Any
 
-import orjson
 from starlette.types import Message, Receive, Scope, Send
 
+from .call import ProxyCall
+from .engines import DONE_GRACE_S
 from .errors import ApiError, sse_error
 from .gate import Gate
 from .inflight import Lease
-from .metrics import Endpoint, code_class
+from .metrics import code_class
+from .observe import Learning, Liveness, StreamObserver, StreamTiming, TokenCounts
 from .policy import Backend, Reason, other
-from .probe import content_events
 from .routing import Router
+from .sse import DONE, reader_for
 from .upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("specgate.relay")
-
-# Bytes of a non-streamed JSON body kept to read its `usage`; larger bodies are relayed unread.
-USAGE_BODY_LIMIT = 4 * 1024 * 1024
-# Streams shorter than this say too little of a server's decode speed to learn from.
-MIN_LEARN_TOKENS = 8
-# A probe stream longer than this is not counted (its acceptance then comes from the engine).
-PROBE_BODY_LIMIT = 1024 * 1024
-# A partial SSE event held back (only when a usage chunk must be dropped) is released past this.
-PARTIAL_EVENT_LIMIT = 256 * 1024
-_USAGE_MARK = b'"completion_tokens"'
-# A finish event: its `finish_reason` is a string, not null (compact JSON, as every engine writes it).
-_FINISH_MARK = b'"finish_reason":"'
-# How often a running stream tells the health monitor that its server is answering.
-ALIVE_EVERY_S = 1.0
-# The fields of a usage chunk that are the chunk's own; anything else the server moved there.
-_ENVELOPE = frozenset({"id", "object", "created", "model", "system_fingerprint", "service_tier", "choices", "usage"})
-_DONE = b"data: [DONE]\n\n"
-# How long `[DONE]` is held for the server's end of body to go with it. SGLang's follows at once;
-# a server that keeps its body open after `[DONE]` has its last bytes delayed this long, no more.
-DONE_GRACE_S = 0.01
-
-
-@dataclass(frozen=True)
-class ProxyCall:
-    """A validated client request, ready to send to a backend."""
-
-    target: bytes  # path and query, as the client sent them
-    endpoint: Endpoint
-    body: bytes
-    headers: bytes  # the upstream request's header lines (Upstream.request_headers)
-    request_id: str
-    stream: bool
-    # The proxy asked the server for a usage chunk the client did not ask for: drop it again.
-    strip_usage: bool
-    started: float
-    # Who sent it, for pooling acceptance evidence by client (ingress.client_key): never a secret.
-    client: str = ""
-
-
-class SseRelay:
-    """Tracks SSE event boundaries in a relayed stream, to read token usage and, when asked, to
-    drop the usage chunk that specgate itself asked for. Bytes pass through unchanged and unmerged;
-    only when dropping is on is a partial trailing event held until its end arrives (a client
-    cannot use half an event), and the finish event until the next bytes: a server may have moved
-    fields into the usage chunk only because usage was asked for (llama-server moves `timings`
-    there), and those go back onto the finish event, where the client would have found them."""
-
-    __slots__ = ("_held", "_partial", "_strip", "_usage_event")
-
-    def __init__(self, strip_usage: bool) -> None:
-        self._strip = strip_usage
-        self._partial = b""
-        self._held = b""
-        self._usage_event: bytes | None = None
-
-    def feed(self, chunk: bytes) -> bytes:
-        """Bytes to send to the client for this piece of upstream body."""
-        data = self._partial + chunk if self._partial else chunk
-        end = data.rfind(b"\n\n")
-        cut = end + 2 if end >= 0 else 0
-        complete, self._partial = data[:cut], data[cut:]
-        if self._held:
-            complete, self._held = self._held + complete, b""
-        if _USAGE_MARK in complete:
-            complete = self._scan(complete)
-        if self._strip and complete and _FINISH_MARK in complete:
-            # The usage chunk follows the finish event: hold that event until the next bytes come.
-            last = complete.rfind(b"\n\n", 0, len(complete) - 2)
-            tail = complete[last + 2 :] if last >= 0 else complete
-            if _FINISH_MARK in tail:
-                complete, self._held = complete[: len(complete) - len(tail)], tail
-        if len(self._partial) > PARTIAL_EVENT_LIMIT:
-            # Not SSE as servers write it (no blank line for this long): stop holding anything back.
-            held, self._partial = self._held + self._partial, b""
-            self._held = b""
-            if self._strip:
-                self._strip = False
-                return complete + held
-        return complete if self._strip else chunk
-
-    def flush(self) -> bytes:
-        rest, self._partial, self._held = self._held + self._partial, b"", b""
-        return rest if self._strip else b""
-
-    def _scan(self, complete: bytes) -> bytes:
-        kept: list[bytes] = []
-        for event in complete.split(b"\n\n"):
-            if _USAGE_MARK in event:
-                self._usage_event = event
-                if self._strip and (b'"choices":[]' in event or b'"choices": []' in event):
-                    self._drop_usage(event, kept)
-                    continue
-            kept.append(event)
-        return b"\n\n".join(kept)
-
-    def _drop_usage(self, event: bytes, kept: list[bytes]) -> None:
-        """Drop the usage chunk, keeping what else the server put in it (see the class)."""
-        try:
-            obj = orjson.loads(event.strip().removeprefix(b"data:"))
-        except orjson.JSONDecodeError:
-            return
-        if not isinstance(obj, dict):
-            return
-        extra = {k: v for k, v in obj.items() if k not in _ENVELOPE and v is not None}
-        if not extra:
-            return
-        for i in range(len(kept) - 1, -1, -1):
-            if kept[i].startswith(b"data:") and _FINISH_MARK in kept[i]:
-                try:
-                    prev = orjson.loads(kept[i].removeprefix(b"data:"))
-                except orjson.JSONDecodeError:
-                    break
-                if isinstance(prev, dict):
-                    prev.update({k: v for k, v in extra.items() if k not in prev})
-                    kept[i] = b"data: " + orjson.dumps(prev)
-                    return
-                break
-        # The finish event is gone already: the rest of the chunk goes on without the usage.
-        kept.append(b"data: " + orjson.dumps({k: v for k, v in obj.items() if k != "usage"}))
-
-    def usage(self) -> tuple[int, int] | None:
-        if self._usage_event is None:
-            return None
-        payload = self._usage_event.strip().removeprefix(b"data:").strip()
-        try:
-            return usage_of(orjson.loads(payload))
-        except orjson.JSONDecodeError:
-            return None
-
-
-def usage_of(obj: Any) -> tuple[int, int] | None:
-    """(prompt, completion) tokens from an OpenAI `usage` or a native `meta_info`."""
-    if not isinstance(obj, dict):
-        return None
-    src = obj.get("usage") or obj.get("meta_info")
-    if isinstance(src, dict):
-        p, c = src.get("prompt_tokens"), src.get("completion_tokens")
-        if isinstance(p, int) and isinstance(c, int):
-            return p, c
-    return None
 
 
 class RelayResponse:
@@ -188,18 +48,16 @@ class RelayResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
-        state = {"gone": False, "done": False}
-
         loop = asyncio.get_running_loop()
-        relay = _Relay(self.gate, self.call, send, state)
+        relay = _Relay(self.gate, self.call, send)
         timeout = self.gate.settings.read_timeout_s
 
         async def watch() -> None:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    if not state["done"]:
-                        state["gone"] = True
+                    if not relay.complete:
+                        relay.gone = True
                         task.cancel()
                     return
 
@@ -208,9 +66,9 @@ class RelayResponse:
             # gone one, so its generation does not hold a GPU slot forever. A timer, not a timeout
             # around receive(): that would cost a task per request.
             since = relay.sending_since
-            if since is not None and loop.time() - since >= timeout and not state["done"]:
+            if since is not None and loop.time() - since >= timeout and not relay.complete:
                 log.warning("request %s: client took no data for %.0f s", self.call.request_id, timeout)
-                state["gone"] = True
+                relay.gone = True
                 task.cancel()
                 return
             timers[0] = loop.call_later(timeout / 2, check_reader)
@@ -220,7 +78,7 @@ class RelayResponse:
         try:
             await relay.run()
         except asyncio.CancelledError:
-            if not (state["gone"] and task.uncancel() == 0):
+            if not (relay.gone and task.uncancel() == 0):
                 raise
             relay.client_gone()
         finally:
@@ -232,16 +90,18 @@ class RelayResponse:
 class _Relay:
     """One request's journey. `finish()` runs exactly once, on every path."""
 
-    def __init__(self, gate: Gate, call: ProxyCall, send: Send, state: dict[str, bool]) -> None:
+    def __init__(self, gate: Gate, call: ProxyCall, send: Send) -> None:
         self.gate = gate
         self.call = call
         self._send = send
-        self._state = state
+        # The client left (or took no bytes for too long): the relay was cancelled for it.
+        self.gone = False
         self.lease: Lease | None = None
         self.backend: Backend | None = None  # the role; the server is the lease's
         self.router: Router | None = None
         self.upstream: UpstreamResponse | None = None
         self.status = 0
+        # The last bytes are on their way: a disconnect now changes nothing.
         self.complete = False
         # When the send in progress began (None between sends): the watcher's slow-client check.
         self.sending_since: float | None = None
@@ -309,49 +169,34 @@ class _Relay:
         return None
 
     async def _relay(self, first: bytes, reason: Reason) -> None:
+        """Pump the body to the client; the subscribers (observe.py) see it pass."""
         gate, call = self.gate, self.call
         up = self.upstream
-        assert up is not None and self.backend is not None and self.lease is not None and self.router is not None
-        backend, server, router = self.backend, self.lease.server, self.router
+        assert up is not None and self.backend is not None
+        backend = self.backend
         self.status = up.status
         is_sse = up.content_type.startswith("text/event-stream")
-        sse = SseRelay(call.strip_usage) if is_sse else None
+        reader = reader_for(up.content_type, up.status, call.strip_usage)
         headers = up.headers()
-        if sse is not None and call.strip_usage:
+        if is_sse and call.strip_usage:
             headers = [(k, v) for k, v in headers if k != b"content-length"]
         headers += self._own_headers(backend, reason)
         # Sent just before the first body bytes: until then a failure can still be answered cleanly.
         self._head = {"type": "http.response.start", "status": up.status, "headers": headers}
+        observers = self._observers(is_sse and reason == "probe")
         loop = asyncio.get_running_loop()
-        timed = call.stream and up.status == 200
-        keep_body = not is_sse and up.status == 200 and "json" in up.content_type
-        inter_chunk = gate.metrics.child(gate.metrics.inter_chunk, backend)
-        now = first_at = loop.time()
-        # The adaptive policy learns each server's per-stream speed at the load the stream ran at,
-        # from streams that ran while the other server had nothing from us: the curves are of one
-        # server alone, and on a shared GPU each slows the other (a switch's drain would read as
-        # the new server being slow).
-        learn = timed and router.adaptive is not None and router.backend_load(other(backend)) == 0
-        start_load = router.backend_load(backend) if learn else 0
-        # A probe's acceptance is read from its own stream: tokens over content events, counted at
-        # the end (an event may be split between reads).
-        count = is_sse and reason == "probe"
-        probe_body = [first] if count else []
-        probe_size = len(first)
-        if timed and first:
-            gate.metrics.child(gate.metrics.ttft, backend).observe(now - call.started)
-        alive_at = now
-        body_parts = [first] if keep_body else []
-        kept = len(first)
+        now = loop.time()
+        for o in observers:
+            o.first(first, now)
         chunk = first
-        out = sse.feed(chunk) if sse is not None else chunk
+        out = reader.feed(chunk)
         try:
             # Each piece goes on as it came, except that the last one goes with the body's end, in
             # one write: a client that stops reading at `[DONE]` then finds the response complete
-            # and can reuse its connection, and it is not woken twice. SGLang writes its end of
-            # body right after `[DONE]`, but apart: `[DONE]` waits a moment for it.
+            # and can reuse its connection, and it is not woken twice. `[DONE]` waits a moment for
+            # the end of body (engines.DONE_GRACE_S).
             while True:
-                if is_sse and chunk.endswith(_DONE) and not up.ended:
+                if is_sse and chunk.endswith(DONE) and not up.ended:
                     await up.wait_end(DONE_GRACE_S)
                 if not chunk or up.ended:
                     break
@@ -363,53 +208,40 @@ class _Relay:
                 if not chunk:
                     out = b""
                     break
-                t = loop.time()
-                if timed:
-                    inter_chunk.observe(t - now)
-                if t - alive_at >= ALIVE_EVERY_S and up.status < 500:
-                    gate.health.note_alive(server)
-                    alive_at = t
-                now = t
-                if count:
-                    probe_size += len(chunk)
-                    if probe_size <= PROBE_BODY_LIMIT:
-                        probe_body.append(chunk)
-                    else:
-                        count, probe_body = False, []
-                if keep_body:
-                    kept += len(chunk)
-                    if kept <= USAGE_BODY_LIMIT:
-                        body_parts.append(chunk)
-                    else:
-                        keep_body, body_parts = False, []
-                out = sse.feed(chunk) if sse is not None else chunk
+                now = loop.time()
+                for o in observers:
+                    o.chunk(chunk, now)
+                out = reader.feed(chunk)
         except UpstreamError as err:
             gate.metrics.upstream_errors.labels(backend, err.kind).inc()
             log.warning("request %s: stream from %s broke: %s", call.request_id, backend, err)
             await self._last(sse_error(f"Upstream stream broke: {err}", "upstream_" + err.kind) if is_sse else b"")
             return
-        tail = sse.flush() if sse is not None else b""
-        usage = sse.usage() if sse is not None else None
-        if keep_body and body_parts:
-            try:
-                usage = usage_of(orjson.loads(b"".join(body_parts)))
-            except orjson.JSONDecodeError:
-                usage = None
-        if usage is not None:
-            gate.metrics.child(gate.metrics.prompt_tokens, backend).inc(usage[0])
-            gate.metrics.child(gate.metrics.output_tokens, backend).inc(usage[1])
-            events = content_events(b"".join(probe_body)) if count else None
-            router.note_output(backend, usage[1], events, call.client)
-            if learn and usage[1] >= MIN_LEARN_TOKENS and now > first_at and not router.backend_load(other(backend)):
-                load = (start_load + router.backend_load(backend)) / 2
-                router.observe(backend, load, (usage[1] - 1) / (now - first_at))
+        tail = reader.flush()
+        usage = reader.usage()
+        for o in observers:
+            o.end(usage, now)
         await self._last(out + tail if tail else out)
+
+    def _observers(self, probe: bool) -> tuple[StreamObserver, ...]:
+        """This response's subscribers, each only where it has work."""
+        gate, call, up, lease = self.gate, self.call, self.upstream, self.lease
+        assert up is not None and self.backend is not None and lease is not None and self.router is not None
+        backend = self.backend
+        timed = call.stream and up.status == 200
+        out: list[StreamObserver] = []
+        if timed:
+            out.append(StreamTiming(gate.metrics, backend, call.started))
+        if up.status < 500:  # a server that fails everything it gets is no proof of life
+            out.append(Liveness(gate.health, lease.server))
+        out.append(TokenCounts(gate.metrics, backend))
+        out.append(Learning(self.router, backend, call.client, probe=probe, timed=timed))
+        return tuple(out)
 
     async def _last(self, data: bytes) -> None:
         """The response's last bytes. Everything the request held is released and counted first:
         the client, woken by them, may send its next request at once, and on a small machine it
         runs on this CPU until it does, so work left for after this write delays that request."""
-        self._state["done"] = True
         self.complete = True
         self.finish()
         await self._body(data, more=False)

@@ -25,9 +25,10 @@ from proxy.adaptive import (
 from proxy.calibration import Calibration, Curve
 from proxy.metrics import Metrics
 from proxy.policy import LoadSnapshot, PolicyState, decide, dwell_mode
-from proxy.probe import completion_tokens, content_events, shadow_body
+from proxy.probe import shadow_body
 from proxy.routing import Fleet, Router
 from proxy.servers import Health
+from proxy.sse import completion_tokens, content_events
 
 from .helpers import Clock, adaptive_cfg, policy_cfg, rig
 

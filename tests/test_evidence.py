@@ -8,8 +8,8 @@ import asyncio
 import orjson
 import pytest
 
+from proxy.access import client_key
 from proxy.evidence import KEY_TOKENS, MAX_KEYS, AcceptanceEvidence
-from proxy.ingress import client_key
 from proxy.probe import MIN_SHADOW_TOKENS, shadow_body
 
 from .helpers import Clock
@@ -212,9 +212,9 @@ class _Router:
 
 
 def test_a_probe_that_raises_is_logged_once_and_probes_go_on(caplog: pytest.LogCaptureFixture) -> None:
+    from proxy.call import ProxyCall
     from proxy.metrics import Metrics
     from proxy.probe import Prober
-    from proxy.relay import ProxyCall
 
     body = b'{"messages": [], "max_tokens": 64}'
     call = ProxyCall(b"/v1/chat/completions", "chat", body, b"x-request-id: rid\r\n", "rid", False, False, 0.0,

@@ -155,7 +155,7 @@ async def monitor(
     telling `sinks` (HealthMonitor's keyword arguments) what it finds."""
     with scripted(spec) as spec_url, scripted(base) as base_url:
         s = Settings(_env_file=None, speculative_url=spec_url, baseline_url=base_url, **settings)
-        upstream = Upstream(s)
+        upstream = Upstream.of(s.routing_topology(), s)
         try:
             t = s.routing_topology()
             metrics = Metrics(t.names(), [g.name for g in t.groups])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.relay import PARTIAL_EVENT_LIMIT, SseRelay, usage_of
+from proxy.sse import PARTIAL_EVENT_LIMIT, SseRelay, usage_of
 
 ROLE = b'data: {"id":"1","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
 TOKEN = b'data: {"id":"1","choices":[{"index":0,"delta":{"content":" hi"}}]}\n\n'

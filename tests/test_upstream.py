@@ -18,6 +18,7 @@ import pytest
 
 import proxy.upstream as upstream_module
 from proxy.config import Settings
+from proxy.forwarding import Forwarding
 from proxy.upstream import Upstream, UpstreamError
 
 from .helpers import wait_until
@@ -71,8 +72,8 @@ async def run_with(handler: Handler, test: Callable[[Upstream, Script], Awaitabl
     port = server.sockets[0].getsockname()[1]
     url = settings.pop("url", f"http://127.0.0.1:{port}")
     assert isinstance(url, str)
-    where = url.format(port=port)
-    up = Upstream(Settings(_env_file=None, speculative_url=where, baseline_url=where, **settings))  # type: ignore[arg-type]
+    s = Settings(_env_file=None, speculative_url=url.format(port=port), baseline_url=url.format(port=port), **settings)  # type: ignore[arg-type]
+    up = Upstream.of(s.routing_topology(), s)
     try:
         await asyncio.wait_for(test(up, script), 20)
     finally:
@@ -287,7 +288,8 @@ def test_an_https_server_is_reached_over_tls(tmp_path: Path, monkeypatch: pytest
         script = Script(keep_alive)
         server = await asyncio.start_server(script.serve, "127.0.0.1", 0, ssl=server_tls)
         url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        up = Upstream(Settings(_env_file=None, speculative_url=url, baseline_url=url))
+        s = Settings(_env_file=None, speculative_url=url, baseline_url=url)
+        up = Upstream.of(s.routing_topology(), s)
         try:
             assert await post(up) == (200, b"{}")
             assert await post(up) == (200, b"{}")
@@ -314,7 +316,7 @@ def test_a_reset_cuts_short_a_body_that_ends_at_eof() -> None:
 
 
 def test_idle_connections_are_closed_once_stale(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(upstream_module, "_KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(upstream_module, "POOL_KEEPALIVE_S", 0.2)
 
     async def test(up: Upstream, s: Script) -> None:
         await asyncio.gather(*(post(up) for _ in range(5)))
@@ -339,7 +341,7 @@ def test_idle_connections_are_closed_once_stale(monkeypatch: pytest.MonkeyPatch)
     ],
 )
 def test_forwarding_headers(trusted: tuple[str, ...], peer: str, forwarded_for: bytes, proto: bytes) -> None:
-    up = Upstream(Settings(_env_file=None, trusted_proxies=trusted))
+    up = Forwarding(trusted)
     client = [(b"X-Forwarded-For", b"6.6.6.6"), (b"x-forwarded-proto", b"https"), (b"x-forwarded-for", b"7.7.7.7"),
               (b"x-real-ip", b"6.6.6.6"), (b"connection", b"Keep-Alive, X-Hop"), (b"x-hop", b"h"),
               (b"x-ok", b"o")]  # fmt: skip

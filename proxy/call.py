@@ -1,0 +1,25 @@
+"""The proxied call: a client's request once ingress has checked it, as the relay and the shadow
+prober both take it. A module of its own so that neither imports the other to name it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .kinds import Endpoint
+
+
+@dataclass(frozen=True)
+class ProxyCall:
+    """A validated client request, ready to send to a backend."""
+
+    target: bytes  # path and query, as the client sent them
+    endpoint: Endpoint
+    body: bytes
+    headers: bytes  # the upstream request's header lines (Forwarding.request_headers)
+    request_id: str
+    stream: bool
+    # The proxy asked the server for a usage chunk the client did not ask for: drop it again.
+    strip_usage: bool
+    started: float
+    # Who sent it, for pooling acceptance evidence by client (access.client_key): never a secret.
+    client: str = ""

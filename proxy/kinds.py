@@ -1,0 +1,19 @@
+"""The small fixed vocabularies that requests, the transport and the client side are described by.
+
+A module of its own, with no dependencies, so that the transport (upstream.py, conn.py) and the
+client side (edge.py) can name an error kind or an endpoint without importing Prometheus: metrics.py
+labels by these, it does not define them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Endpoint = Literal["chat", "completions", "generate", "other"]
+ENDPOINTS: tuple[Endpoint, ...] = ("chat", "completions", "generate", "other")
+# How talking to a server failed (proxy/upstream.py).
+ErrorKind = Literal["connect", "timeout", "disconnect", "protocol"]
+ERROR_KINDS: tuple[ErrorKind, ...] = ("connect", "timeout", "disconnect", "protocol")
+# Why a client connection was refused or closed before its request (proxy/edge.py).
+Rejection = Literal["limit", "header_timeout", "head_too_large", "upgrade"]
+REJECTIONS: tuple[Rejection, ...] = ("limit", "header_timeout", "head_too_large", "upgrade")

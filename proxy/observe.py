@@ -1,0 +1,147 @@
+"""Who watches a relayed response: the relay (relay.py) pumps its bytes and tells each subscriber of
+its first body bytes, each later chunk, and its end; what is counted, timed and learnt from a stream
+is here, one subscriber a job. Each keeps its own state, so the pump knows none of them.
+
+The pump calls these for every chunk of every stream: a subscriber does a few comparisons and at
+most one metric update per call, and is subscribed only to responses it has work on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .policy import Backend, other
+from .sse import content_events
+
+if TYPE_CHECKING:
+    from .health import HealthMonitor
+    from .metrics import Metrics
+    from .routing import Router
+
+# How often a running stream tells the health monitor that its server is answering.
+ALIVE_EVERY_S = 1.0
+# Streams shorter than this say too little of a server's decode speed to learn from.
+MIN_LEARN_TOKENS = 8
+# A probe stream longer than this is not counted (its acceptance then comes from the engine).
+PROBE_BODY_LIMIT = 1024 * 1024
+
+
+class StreamObserver:
+    """A subscriber to one response body; each event does nothing unless a subscriber says what.
+    Times are the event loop's, when the bytes were read from the server."""
+
+    __slots__ = ()
+
+    def first(self, data: bytes, at: float) -> None:
+        """The first body bytes arrived (b"": the body is empty)."""
+
+    def chunk(self, data: bytes, at: float) -> None:
+        """More body bytes arrived."""
+
+    def end(self, usage: tuple[int, int] | None, last_at: float) -> None:
+        """The whole body was relayed (not called when it broke off): its (prompt, completion)
+        tokens when the body said, and when its last bytes arrived."""
+
+
+class StreamTiming(StreamObserver):
+    """Time to first token and the gaps between chunks, of a successful stream."""
+
+    __slots__ = ("_backend", "_inter_chunk", "_last", "_metrics", "_started")
+
+    def __init__(self, metrics: Metrics, backend: Backend, started: float) -> None:
+        self._metrics = metrics
+        self._backend = backend
+        self._started = started
+        self._inter_chunk = metrics.child(metrics.inter_chunk, backend)
+        self._last = 0.0
+
+    def first(self, data: bytes, at: float) -> None:
+        self._last = at
+        if data:
+            self._metrics.child(self._metrics.ttft, self._backend).observe(at - self._started)
+
+    def chunk(self, data: bytes, at: float) -> None:
+        self._inter_chunk.observe(at - self._last)
+        self._last = at
+
+
+class TokenCounts(StreamObserver):
+    """Prompt and output tokens, as the body's usage reported them."""
+
+    __slots__ = ("_backend", "_metrics")
+
+    def __init__(self, metrics: Metrics, backend: Backend) -> None:
+        self._metrics = metrics
+        self._backend = backend
+
+    def end(self, usage: tuple[int, int] | None, last_at: float) -> None:
+        if usage is not None:
+            self._metrics.child(self._metrics.prompt_tokens, self._backend).inc(usage[0])
+            self._metrics.child(self._metrics.output_tokens, self._backend).inc(usage[1])
+
+
+class Liveness(StreamObserver):
+    """A running stream is proof that its server answers: said to the health monitor at most once
+    every ALIVE_EVERY_S (only for answers that are no server error)."""
+
+    __slots__ = ("_alive_at", "_health", "_server")
+
+    def __init__(self, health: HealthMonitor, server: str) -> None:
+        self._health = health
+        self._server = server
+        self._alive_at = 0.0
+
+    def first(self, data: bytes, at: float) -> None:
+        self._alive_at = at  # the relay said so when the first bytes came
+
+    def chunk(self, data: bytes, at: float) -> None:
+        if at - self._alive_at >= ALIVE_EVERY_S:
+            self._health.note_alive(self._server)
+            self._alive_at = at
+
+
+class Learning(StreamObserver):
+    """What the router learns from a response: its output tokens; a shadow probe's content events,
+    read from its own stream (tokens over events, counted at the end: an event may be split between
+    reads); and, for the adaptive policy, the server's per-stream speed at the load the stream ran
+    at, from streams that ran while the other server had nothing from this gateway: the curves are
+    of one server alone, and on a shared GPU each slows the other (a switch's drain would read as
+    the new server being slow)."""
+
+    __slots__ = ("_backend", "_body", "_client", "_count", "_first_at", "_learn", "_router", "_size", "_start_load")
+
+    def __init__(self, router: Router, backend: Backend, client: str, *, probe: bool, timed: bool) -> None:
+        self._router = router
+        self._backend = backend
+        self._client = client
+        self._count = probe
+        self._body: list[bytes] = []
+        self._size = 0
+        self._learn = timed and router.adaptive is not None and router.backend_load(other(backend)) == 0
+        self._start_load = router.backend_load(backend) if self._learn else 0
+        self._first_at = 0.0
+
+    def first(self, data: bytes, at: float) -> None:
+        self._first_at = at
+        if self._count:
+            self._body.append(data)
+            self._size = len(data)
+
+    def chunk(self, data: bytes, at: float) -> None:
+        if self._count:
+            self._size += len(data)
+            if self._size <= PROBE_BODY_LIMIT:
+                self._body.append(data)
+            else:
+                self._count, self._body = False, []
+
+    def end(self, usage: tuple[int, int] | None, last_at: float) -> None:
+        if usage is None:
+            return
+        router, backend, tokens = self._router, self._backend, usage[1]
+        events = content_events(b"".join(self._body)) if self._count else None
+        router.note_output(backend, tokens, events, self._client)
+        elapsed = last_at - self._first_at
+        if self._learn and tokens >= MIN_LEARN_TOKENS and elapsed > 0 and not router.backend_load(other(backend)):
+            load = (self._start_load + router.backend_load(backend)) / 2
+            router.observe(backend, load, (tokens - 1) / elapsed)
