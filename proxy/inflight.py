@@ -23,12 +23,12 @@ from .servers import Server
 class Lease:
     """One request's slot on one server. `release()` is idempotent, so every exit path may call it."""
 
-    __slots__ = ("_released", "_tracker", "backend", "server")
+    __slots__ = ("_released", "_tracker", "role", "server")
 
-    def __init__(self, tracker: InflightTracker, server: str, backend: Backend) -> None:
+    def __init__(self, tracker: InflightTracker, server: str, role: Backend) -> None:
         self._tracker = tracker
         self.server = server
-        self.backend = backend  # the server's role
+        self.role = role  # the server's
         self._released = False
 
     @property

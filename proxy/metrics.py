@@ -137,6 +137,12 @@ class Metrics:
         self.upstream_errors = Counter(
             "specgate_upstream_errors", "Failures talking to a backend, by kind.", ["backend", "kind"], registry=r
         )
+        self.server_upstream_errors = Counter(
+            "specgate_server_upstream_errors",
+            "Failures talking to each server, by kind (which server of a role failed).",
+            ["server", "kind"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "specgate_client_disconnects", "Clients that left before their response ended.", ["backend"], registry=r
         )
@@ -216,6 +222,8 @@ class Metrics:
                 for code in CODE_CLASSES:
                     self.requests.labels(label, ep, code)
         for server in self.servers:
+            for kind in ERROR_KINDS:
+                self.server_upstream_errors.labels(server, kind)
             self.server_up.labels(server).set(0)
             self.server_inflight.labels(server).set(0)
             self.server_requests.labels(server)

@@ -96,8 +96,8 @@ class _Relay:
         self._send = send
         # The client left (or took no bytes for too long): the relay was cancelled for it.
         self.gone = False
+        # The server's slot, taken once a server is chosen; a failover moves it to another server.
         self.lease: Lease | None = None
-        self.backend: Backend | None = None  # the role; the server is the lease's
         self.router: Router | None = None
         self.upstream: UpstreamResponse | None = None
         self.status = 0
@@ -107,6 +107,11 @@ class _Relay:
         self.sending_since: float | None = None
         self._head: Message | None = None
         self._finished = False
+
+    @property
+    def role(self) -> Backend | None:
+        """The role of the server the request is on now (None before one is chosen)."""
+        return self.lease.role if self.lease is not None else None
 
     async def run(self) -> None:
         gate = self.gate
@@ -119,11 +124,10 @@ class _Relay:
             placed.router.shadow_not_sent()
         if decision.backend is None:
             raise_error = ApiError(
-                503, "No healthy backend: both servers are down.", "server_error", "no_healthy_backend"
+                503, "No healthy backend: every server is down.", "server_error", "no_healthy_backend"
             )
             await self._error(raise_error, decision.reason)
             return
-        self.backend = decision.backend
         self.lease = placed.router.admit(decision.backend)
         gate.metrics.child(gate.metrics.server_requests, self.lease.server).inc()
         reason: Reason = decision.reason
@@ -137,8 +141,8 @@ class _Relay:
         """Send upstream and wait for the first body byte, retrying once on the other server."""
         gate, call = self.gate, self.call
         for attempt in (0, 1):
-            assert self.backend is not None and self.lease is not None and self.router is not None
-            backend, server = self.backend, self.lease.server
+            assert self.lease is not None and self.router is not None
+            backend, server = self.lease.role, self.lease.server
             try:
                 self.upstream = await gate.upstream.send(server, call.target, call.body, call.headers)
                 first = await self.upstream.read_chunk()
@@ -147,6 +151,7 @@ class _Relay:
                 return first, reason
             except UpstreamError as err:
                 gate.metrics.upstream_errors.labels(backend, err.kind).inc()
+                gate.metrics.server_upstream_errors.labels(server, err.kind).inc()
                 if err.kind == "connect":
                     gate.health.mark_down(server, str(err))
                 self._drop_upstream()
@@ -156,7 +161,7 @@ class _Relay:
                     log.warning("request %s: %s; retrying on %s", call.request_id, err, alt)
                     self.lease = self.router.failover(self.lease, alt)
                     gate.metrics.child(gate.metrics.server_requests, self.lease.server).inc()
-                    self.backend, reason = alt, "failover"
+                    reason = "failover"
                     continue
                 if err.kind == "connect" and not (up[backend] or up[alt]):
                     api = ApiError(503, f"No healthy backend: {err}", "server_error", "no_healthy_backend")
@@ -172,8 +177,8 @@ class _Relay:
         """Pump the body to the client; the subscribers (observe.py) see it pass."""
         gate, call = self.gate, self.call
         up = self.upstream
-        assert up is not None and self.backend is not None
-        backend = self.backend
+        backend = self.role
+        assert up is not None and backend is not None
         self.status = up.status
         is_sse = up.content_type.startswith("text/event-stream")
         reader = reader_for(up.content_type, up.status, call.strip_usage)
@@ -226,8 +231,8 @@ class _Relay:
     def _observers(self, probe: bool) -> tuple[StreamObserver, ...]:
         """This response's subscribers, each only where it has work."""
         gate, call, up, lease = self.gate, self.call, self.upstream, self.lease
-        assert up is not None and self.backend is not None and lease is not None and self.router is not None
-        backend = self.backend
+        assert up is not None and lease is not None and self.router is not None
+        backend = lease.role
         timed = call.stream and up.status == 200
         out: list[StreamObserver] = []
         if timed:
@@ -263,7 +268,7 @@ class _Relay:
         body = err.body()
         self.status = err.status
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        backend = self.backend if reason != "no_healthy_backend" else None
+        backend = self.role if reason != "no_healthy_backend" else None
         self._head = {
             "type": "http.response.start",
             "status": err.status,
@@ -272,8 +277,8 @@ class _Relay:
         await self._last(body)
 
     def client_gone(self) -> None:
-        if self.backend is not None:
-            self.gate.metrics.client_disconnects.labels(self.backend).inc()
+        if self.role is not None:
+            self.gate.metrics.client_disconnects.labels(self.role).inc()
         log.info("request %s: client disconnected", self.call.request_id)
 
     def _drop_upstream(self) -> None:
@@ -296,9 +301,9 @@ class _Relay:
         if self.lease is not None:
             self.lease.release()
         m = self.gate.metrics
-        label = self.backend or "none"
+        role = self.role
         status = self.status if self.complete else 499
-        m.child(m.requests, label, self.call.endpoint, code_class(status)).inc()
-        if self.backend is not None:
+        m.child(m.requests, role or "none", self.call.endpoint, code_class(status)).inc()
+        if role is not None:
             loop_time = asyncio.get_running_loop().time()
-            m.child(m.duration, self.backend, self.call.endpoint).observe(loop_time - self.call.started)
+            m.child(m.duration, role, self.call.endpoint).observe(loop_time - self.call.started)

@@ -180,7 +180,7 @@ class Router:
 
     def failover(self, lease: Lease, to: Backend) -> Lease:
         """Move a request that failed before its first byte to the group's other role."""
-        self._metrics.failovers.labels(lease.backend, to).inc()
+        self._metrics.failovers.labels(lease.role, to).inc()
         self._metrics.decisions.labels(to, "failover").inc()
         new = self.admit(to)
         lease.release()

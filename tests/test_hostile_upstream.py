@@ -165,4 +165,7 @@ async def test_huge_response_head_is_not_relayed(gateway: StartGateway, bad_serv
     errors = await both.metrics_text()
     assert 'specgate_upstream_errors_total{backend="speculative",kind="protocol"} 1.0' in errors
     assert 'specgate_upstream_errors_total{backend="baseline",kind="protocol"} 1.0' in errors
+    # ...and by the server that failed.
+    assert 'specgate_server_upstream_errors_total{kind="protocol",server="speculative"} 1.0' in errors
+    assert 'specgate_server_upstream_errors_total{kind="protocol",server="baseline"} 1.0' in errors
     assert (await both.client.get("/ready")).status_code == 200  # a bad answer is not a dead server

@@ -282,13 +282,13 @@ def panels() -> list[dict[str, Any]]:
         row("Failures", 35),
         timeseries(
             "Failovers, upstream errors, client disconnects",
-            "Retries on the other server, failures talking to a server by kind, and clients that left early "
+            "Retries on the other server, failures talking to each server by kind, and clients that left early "
             "(their generations are aborted).",
             [
                 (f"sum by (from, to) (rate(specgate_failovers_total[{RATE}]))", "failover {{from}} -> {{to}}"),
                 (
-                    f"sum by (backend, kind) (rate(specgate_upstream_errors_total[{RATE}]))",
-                    "error {{backend}} {{kind}}",
+                    f"sum by (server, kind) (rate(specgate_server_upstream_errors_total[{RATE}]))",
+                    "error {{server}} {{kind}}",
                 ),
                 (f"sum by (backend) (rate(specgate_client_disconnects_total[{RATE}]))", "disconnect {{backend}}"),
             ],
