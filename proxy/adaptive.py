@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .calibration import Calibration
-from .policy import BACKENDS, Backend
+from .policy import ROLES, Role
 
 # Without a calibration, observations go to the nearest of these levels (streams on one server).
 BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
@@ -156,32 +156,32 @@ class SpeedModel:
 
     prior: Prior | None
     half_life_s: float = 60.0
-    cells: dict[Backend, dict[int, _Cell]] = field(default_factory=dict)
+    cells: dict[Role, dict[int, _Cell]] = field(default_factory=dict)
     observations: int = 0
 
     def __post_init__(self) -> None:
-        self.cells = {b: {} for b in BACKENDS}
+        self.cells = {b: {} for b in ROLES}
 
     @property
     def levels(self) -> tuple[int, ...]:
         return self.prior.levels if self.prior is not None else BUCKETS
 
-    def _prior_v(self, backend: Backend, c: float) -> float | None:
+    def _prior_v(self, backend: Role, c: float) -> float | None:
         p = self.prior
         if p is None:
             return None
-        return interpolate(p.levels, p.v_spec if backend == "speculative" else p.v_base, c)
+        return interpolate(p.levels, p.v_spec if backend == Role.SPECULATIVE else p.v_base, c)
 
     def _nearest(self, c: float) -> int:
         # On a log scale: speed changes with the ratio of loads, not their difference.
         return min(self.levels, key=lambda lv: abs(math.log(lv) - math.log(max(c, 1.0))))
 
-    def observe(self, backend: Backend, load: float, tok_s: float, accept: float | None, now: float) -> None:
+    def observe(self, backend: Role, load: float, tok_s: float, accept: float | None, now: float) -> None:
         """One stream's decode speed (tokens/s after its first) while `load` streams ran on the
         server; `accept` the speculative server's acceptance then (None: unknown)."""
         if not (tok_s > 0 and math.isfinite(tok_s) and load >= 1):
             return
-        v = tok_s / (accept or 1.0) if backend == "speculative" else tok_s
+        v = tok_s / (accept or 1.0) if backend == Role.SPECULATIVE else tok_s
         prior = self._prior_v(backend, load)
         x = math.log(v / prior) if prior is not None else math.log(v)
         level = self._nearest(load)
@@ -194,7 +194,7 @@ class SpeedModel:
         cell.weight, cell.at = w + 1.0, now
         self.observations += 1
 
-    def correction(self, backend: Backend, level: int, now: float) -> tuple[float, float]:
+    def correction(self, backend: Role, level: int, now: float) -> tuple[float, float]:
         """(log correction vs the prior, decayed weight) at a level; (0, 0) when unseen."""
         cell = self.cells[backend].get(level)
         if cell is None:
@@ -204,11 +204,11 @@ class SpeedModel:
         bound = math.log(MAX_CORRECTION)
         return min(max(shrunk, -bound), bound), w
 
-    def v(self, backend: Backend, i: int, now: float) -> float:
+    def v(self, backend: Role, i: int, now: float) -> float:
         """Per-stream speed at the i-th level (speculative: per unit of acceptance); NaN if unknown."""
         level = self.levels[i]
         if self.prior is not None:
-            base = self.prior.v_spec[i] if backend == "speculative" else self.prior.v_base[i]
+            base = self.prior.v_spec[i] if backend == Role.SPECULATIVE else self.prior.v_base[i]
             return base * math.exp(self.correction(backend, level, now)[0])
         cell = self.cells[backend].get(level)
         if cell is None or cell.decayed(now, self.half_life_s) < MIN_WEIGHT_NO_PRIOR:
@@ -217,7 +217,7 @@ class SpeedModel:
 
     def describe(self, now: float) -> dict[str, dict[str, dict[str, float]]]:
         out: dict[str, dict[str, dict[str, float]]] = {}
-        for b in BACKENDS:
+        for b in ROLES:
             out[b] = {}
             for level, cell in sorted(self.cells[b].items()):
                 w = cell.decayed(now, self.half_life_s)
@@ -296,8 +296,8 @@ def estimate(
         accept = list(prior.accept)  # no live reading: as calibrated
     else:
         accept = [1.0] * len(levels)
-    spec = tuple(c * model.v("speculative", i, now) * accept[i] for i, c in enumerate(levels))
-    base = tuple(c * model.v("baseline", i, now) for i, c in enumerate(levels))
+    spec = tuple(c * model.v(Role.SPECULATIVE, i, now) * accept[i] for i, c in enumerate(levels))
+    base = tuple(c * model.v(Role.BASELINE, i, now) for i, c in enumerate(levels))
     tp = crossing(levels, spec, base)
     tpot_spec = tpot_base = (math.nan,) * len(levels)
     if prior is not None:

@@ -17,13 +17,15 @@ from . import access
 from .config import redact_url
 from .errors import ApiError
 from .gate import Gate
-from .policy import BACKENDS
+from .policy import ROLES
 
 router = APIRouter()
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json", headers=headers)
+    # Role keys (a str enum) are written as their values.
+    body = orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 def request_id(request: Request) -> str:
@@ -42,7 +44,7 @@ async def health() -> Response:
 @router.get("/ready")
 async def ready(request: Request) -> Response:
     gate: Gate = request.app.state.gate
-    up = [b for b in BACKENDS if gate.health.role_healthy(b)]
+    up = [b for b in ROLES if gate.health.role_healthy(b)]
     servers = [n for n, s in gate.health.servers.items() if s.healthy]
     return _json({"ready": bool(up), "healthy_backends": up, "healthy_servers": servers}, 200 if up else 503)
 
@@ -81,7 +83,7 @@ def describe(gate: Gate) -> dict[str, Any]:
         }
     # One server a role: the role's entry is that server's; several: a summary.
     backends: dict[str, Any] = {}
-    for b in BACKENDS:
+    for b in ROLES:
         names = [n for n, srv in gate.health.servers.items() if srv.role == b]
         if len(names) == 1:
             backends[b] = {k: v for k, v in servers[names[0]].items() if k not in ("role", "group")}
@@ -99,7 +101,7 @@ def describe(gate: Gate) -> dict[str, Any]:
             "mode": g.state.mode,
             "load": g.load,
             "watermarks": {"high": g.cfg.high_watermark, "low": g.cfg.low_watermark},
-            "servers": {role: list(g.group.of(role)) for role in BACKENDS},
+            "servers": {role: list(g.group.of(role)) for role in ROLES},
             **({"adaptive": g.adaptive.describe(g.now())} if g.adaptive is not None else {}),
         }
         for g in fleet.routers

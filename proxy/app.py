@@ -24,6 +24,7 @@ from .gate import Gate
 from .health import HealthMonitor
 from .metrics import Metrics, code_class
 from .paths import Routes, Verdict, path_problem
+from .policy import Role
 from .probe import Prober
 from .routing import Fleet
 from .servers import servers_of
@@ -69,8 +70,8 @@ async def running(settings: Settings) -> AsyncIterator[Gate]:
     first = fleet.routers[0].cfg
     log.info(
         "specgate ready: speculative=%s baseline=%s topology=%s (%d groups) policy=%s signal=%s watermarks=%d/%d%s",
-        ",".join(redact_url(x.url) for x in topology.servers if x.role == "speculative"),
-        ",".join(redact_url(x.url) for x in topology.servers if x.role == "baseline"),
+        ",".join(redact_url(x.url) for x in topology.servers if x.role == Role.SPECULATIVE),
+        ",".join(redact_url(x.url) for x in topology.servers if x.role == Role.BASELINE),
         topology.kind,
         len(topology.groups),
         settings.policy,

@@ -34,7 +34,7 @@ from . import readings
 from .config import Settings
 from .engines import ENGINES, Engine, describe_health
 from .metrics import Metrics
-from .policy import BACKENDS, Backend
+from .policy import ROLES, Role
 from .servers import Server, of_role
 from .upstream import Upstream
 
@@ -100,11 +100,11 @@ class HealthMonitor:
         # the timeouts would have taken to mark it down.
         self.alive_window_s = TIMEOUTS_BEFORE_DOWN * (settings.health_interval_s + settings.health_timeout_s)
         self.servers = servers
-        self._roles = {role: of_role(servers, role) for role in BACKENDS}
+        self._roles = {role: of_role(servers, role) for role in ROLES}
         self._polls = _Outage("the /health poll of the servers")
         self._scrapes = _Outage("the /metrics scrape of the servers")
 
-    def role_healthy(self, role: Backend) -> bool:
+    def role_healthy(self, role: Role) -> bool:
         """Whether any server of the role is healthy."""
         return any(s.healthy for s in self._roles[role])
 

@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 
-from .policy import Backend
+from .policy import Role
 from .servers import Server
 
 
@@ -25,7 +25,7 @@ class Lease:
 
     __slots__ = ("_released", "_tracker", "role", "server")
 
-    def __init__(self, tracker: InflightTracker, server: str, role: Backend) -> None:
+    def __init__(self, tracker: InflightTracker, server: str, role: Role) -> None:
         self._tracker = tracker
         self.server = server
         self.role = role  # the server's
@@ -73,7 +73,7 @@ class InflightTracker:
         self._servers = servers
         self.on_change = on_change
 
-    def role(self, server: str) -> Backend:
+    def role(self, server: str) -> Role:
         return self._servers[server].role
 
     def acquire(self, server: str) -> Lease:

@@ -15,11 +15,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from .kinds import ENDPOINTS, ERROR_KINDS, REJECTIONS
-from .policy import BACKENDS, REASONS, other
+from .policy import REASONS, ROLES, other
 from .servers import Server
 
 # Requests the proxy answered itself (auth, size, no backend) carry backend="none".
-REQUEST_BACKENDS = (*BACKENDS, "none")
+REQUEST_BACKENDS = (*ROLES, "none")
 CODE_CLASSES = ("2xx", "4xx", "5xx")
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
@@ -194,7 +194,7 @@ class Metrics:
         return found
 
     def _prime(self) -> None:
-        for b in BACKENDS:
+        for b in ROLES:
             self.inflight.labels(b).set(0)
             self.backend_up.labels(b).set(0)
             self.engine_load.labels(b).set(-1)
@@ -231,7 +231,7 @@ class Metrics:
         for group in self.groups:
             self.group_mode.labels(group).set(1)
             self.group_load.labels(group).set(0)
-            for mode in BACKENDS:
+            for mode in ROLES:
                 self.group_mode_switches.labels(group, mode)
         for outcome in SHADOW_OUTCOMES:
             self.shadow_probes.labels(outcome)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .policy import Backend, other
+from .policy import Role, other
 from .sse import content_events
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class StreamTiming(StreamObserver):
 
     __slots__ = ("_backend", "_inter_chunk", "_last", "_metrics", "_started")
 
-    def __init__(self, metrics: Metrics, backend: Backend, started: float) -> None:
+    def __init__(self, metrics: Metrics, backend: Role, started: float) -> None:
         self._metrics = metrics
         self._backend = backend
         self._started = started
@@ -70,7 +70,7 @@ class TokenCounts(StreamObserver):
 
     __slots__ = ("_backend", "_metrics")
 
-    def __init__(self, metrics: Metrics, backend: Backend) -> None:
+    def __init__(self, metrics: Metrics, backend: Role) -> None:
         self._metrics = metrics
         self._backend = backend
 
@@ -110,7 +110,7 @@ class Learning(StreamObserver):
 
     __slots__ = ("_backend", "_body", "_client", "_count", "_first_at", "_learn", "_router", "_size", "_start_load")
 
-    def __init__(self, router: Router, backend: Backend, client: str, *, probe: bool, timed: bool) -> None:
+    def __init__(self, router: Router, backend: Role, client: str, *, probe: bool, timed: bool) -> None:
         self._router = router
         self._backend = backend
         self._client = client

@@ -44,13 +44,22 @@ near-ties.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Backend = Literal["speculative", "baseline"]
-BACKENDS: tuple[Backend, ...] = ("speculative", "baseline")
-Mode = Backend
+
+class Role(enum.StrEnum):
+    """What a server is for: speculative decoding, or plain decoding (the baseline). Its value is
+    what metrics, headers and /routing say."""
+
+    SPECULATIVE = "speculative"
+    BASELINE = "baseline"
+
+
+ROLES: tuple[Role, ...] = tuple(Role)
+Mode = Role
 PolicyName = Literal["threshold", "spillover", "adaptive"]
 LoadSignal = Literal["local", "engine", "max"]
 Reason = Literal[
@@ -83,8 +92,8 @@ REASONS: tuple[Reason, ...] = (
 NEAR_TIE = 0.5
 
 
-def other(backend: Backend) -> Backend:
-    return "baseline" if backend == "speculative" else "speculative"
+def other(backend: Role) -> Role:
+    return Role.BASELINE if backend == Role.SPECULATIVE else Role.SPECULATIVE
 
 
 # Doublings of the wait between probes that are counted (2**32 times any wait is past any maximum).
@@ -123,9 +132,9 @@ class PolicyConfig:
 class LoadSnapshot:
     """What the policy sees. `engine` is None for a server whose engine load is unknown or stale."""
 
-    inflight: Mapping[Backend, int]
-    engine: Mapping[Backend, int | None]
-    healthy: Mapping[Backend, bool]
+    inflight: Mapping[Role, int]
+    engine: Mapping[Role, int | None]
+    healthy: Mapping[Role, bool]
     # adaptive only: the clock, and since when the speculative server had nothing in flight from
     # this gateway (None: it has some now).
     now: float = 0.0
@@ -134,7 +143,7 @@ class LoadSnapshot:
 
 @dataclass(frozen=True)
 class PolicyState:
-    mode: Mode = "speculative"
+    mode: Mode = Role.SPECULATIVE
     # When the mode began, the probe sessions since, and whether one is under way (adaptive only).
     since: float = float("-inf")
     probes: int = 0
@@ -150,7 +159,7 @@ class PolicyState:
 
 @dataclass(frozen=True)
 class Decision:
-    backend: Backend | None
+    backend: Role | None
     reason: Reason
     state: PolicyState
     load: int
@@ -158,7 +167,7 @@ class Decision:
     shadow: bool = False
 
 
-def backend_load(snapshot: LoadSnapshot, backend: Backend, signal: LoadSignal) -> int:
+def backend_load(snapshot: LoadSnapshot, backend: Role, signal: LoadSignal) -> int:
     local = snapshot.inflight.get(backend, 0)
     engine = snapshot.engine.get(backend)
     if signal == "local" or engine is None:
@@ -169,7 +178,7 @@ def backend_load(snapshot: LoadSnapshot, backend: Backend, signal: LoadSignal) -
 
 
 def total_load(snapshot: LoadSnapshot, signal: LoadSignal) -> int:
-    return sum(backend_load(snapshot, b, signal) for b in BACKENDS)
+    return sum(backend_load(snapshot, b, signal) for b in ROLES)
 
 
 def next_mode(load: int, state: PolicyState, cfg: PolicyConfig, now: float = 0.0) -> PolicyState:
@@ -177,22 +186,22 @@ def next_mode(load: int, state: PolicyState, cfg: PolicyConfig, now: float = 0.0
     means speculation never pays: everything goes to the baseline."""
     if cfg.high_watermark == 0:
         # Kept as it is when already there: an adaptive probe session lives in this state.
-        return state if state.mode == "baseline" else PolicyState("baseline")
-    if state.mode == "speculative" and load >= cfg.high_watermark:
-        return PolicyState("baseline")
-    if state.mode == "baseline":
+        return state if state.mode == Role.BASELINE else PolicyState(Role.BASELINE)
+    if state.mode == Role.SPECULATIVE and load >= cfg.high_watermark:
+        return PolicyState(Role.BASELINE)
+    if state.mode == Role.BASELINE:
         if load > cfg.low_watermark:
             return state if state.low_since is None else dataclasses.replace(state, low_since=None)
         since = now if state.low_since is None else state.low_since
         if now - since >= cfg.low_hold_s:
-            return PolicyState("speculative")
+            return PolicyState(Role.SPECULATIVE)
         return state if state.low_since is not None else dataclasses.replace(state, low_since=since)
     return state
 
 
 def return_held(load: int, state: PolicyState, cfg: PolicyConfig) -> bool:
     """Whether the state stays in baseline mode only because the low watermark's hold runs."""
-    return state.mode == "baseline" and state.low_since is not None and load <= cfg.low_watermark
+    return state.mode == Role.BASELINE and state.low_since is not None and load <= cfg.low_watermark
 
 
 def dwell_mode(
@@ -208,7 +217,7 @@ def dwell_mode(
         return nxt, False
     if now - state.since < cfg.min_dwell_s:
         return state, True
-    if nxt.mode == "speculative" and not fresh and cfg.probe_s > 0:
+    if nxt.mode == Role.SPECULATIVE and not fresh and cfg.probe_s > 0:
         return dataclasses.replace(state, probing=True), True
     return PolicyState(nxt.mode, since=now), False
 
@@ -222,9 +231,9 @@ def probe_due(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig, loa
     """Whether the next request should go to the idle speculative server to re-measure acceptance:
     at once during a probe session, else after a wait that doubles with each probe."""
     idle = snapshot.speculative_idle_since
-    if cfg.probe_s <= 0 or state.mode != "baseline" or idle is None or load >= cfg.probe_max_load:
+    if cfg.probe_s <= 0 or state.mode != Role.BASELINE or idle is None or load >= cfg.probe_max_load:
         return False
-    if not snapshot.healthy.get("speculative", False):
+    if not snapshot.healthy.get(Role.SPECULATIVE, False):
         return False
     if state.probing:
         return True
@@ -270,19 +279,19 @@ def _settled(
         return next_mode(load, state, cfg, now), False
     if cfg.policy == "adaptive":
         return dwell_mode(load, state, cfg, now, fresh)
-    return PolicyState("speculative" if spec_load < cfg.spillover_limit else "baseline"), False
+    return PolicyState(Role.SPECULATIVE if spec_load < cfg.spillover_limit else Role.BASELINE), False
 
 
 def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:
     load = total_load(snapshot, cfg.load_signal)
-    spec_load = backend_load(snapshot, "speculative", cfg.load_signal)
+    spec_load = backend_load(snapshot, Role.SPECULATIVE, cfg.load_signal)
     fresh = accept_fresh(snapshot.speculative_idle_since, snapshot.now, cfg)
     was_probing = state.probing
     state, held = _settled(load, spec_load, state, cfg, snapshot.now, fresh)
-    choice: Backend = state.mode
+    choice: Role = state.mode
     reason: Reason
     if cfg.policy == "spillover":
-        reason = "light_load" if choice == "speculative" else "spillover"
+        reason = "light_load" if choice == Role.SPECULATIVE else "spillover"
     else:
         reason = "dwell_hold" if held else _reason(choice, load, state, cfg)
     if cfg.policy == "adaptive" and probe_due(snapshot, state, cfg, load):
@@ -293,7 +302,7 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
             shadow = dataclasses.replace(state, probes=probes, probing=False)
             return dataclasses.replace(_checked(choice, reason, shadow, snapshot, load), shadow=True)
         state = _probe_sent(dataclasses.replace(state, probes=probes, probing=True), was_probing)
-        return Decision("speculative", "probe", state, load)
+        return Decision(Role.SPECULATIVE, "probe", state, load)
     return _checked(choice, reason, state, snapshot, load)
 
 
@@ -327,15 +336,15 @@ def probes_restarted(state: PolicyState) -> PolicyState:
     return dataclasses.replace(state, probes=0) if state.probes else state
 
 
-def _reason(choice: Backend, load: int, state: PolicyState, cfg: PolicyConfig) -> Reason:
-    if choice == "speculative":
+def _reason(choice: Role, load: int, state: PolicyState, cfg: PolicyConfig) -> Reason:
+    if choice == Role.SPECULATIVE:
         return "light_load"
     if load >= cfg.high_watermark:
         return "heavy_load"
     return "return_hold" if return_held(load, state, cfg) else "hysteresis_hold"
 
 
-def _checked(choice: Backend, reason: Reason, state: PolicyState, snapshot: LoadSnapshot, load: int) -> Decision:
+def _checked(choice: Role, reason: Reason, state: PolicyState, snapshot: LoadSnapshot, load: int) -> Decision:
     """The decision, unless the chosen server is down."""
     if not snapshot.healthy.get(choice, False):
         if snapshot.healthy.get(other(choice), False):

@@ -28,6 +28,7 @@ import orjson
 
 from .adaptive import MIN_STREAM_EVENTS
 from .forwarding import renamed
+from .policy import Role
 from .sse import completion_tokens, content_events
 from .upstream import UpstreamError
 
@@ -118,7 +119,7 @@ class Prober:
         return True
 
     async def _run(self, call: ProxyCall, body: bytes, router: Router) -> None:
-        lease = router.admit("speculative")
+        lease = router.admit(Role.SPECULATIVE)
         outcome = "error"
         resp = None
         try:

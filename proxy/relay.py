@@ -27,7 +27,7 @@ from .gate import Gate
 from .inflight import Lease
 from .metrics import code_class
 from .observe import Learning, Liveness, StreamObserver, StreamTiming, TokenCounts
-from .policy import Backend, Reason, other
+from .policy import Reason, Role, other
 from .routing import Router
 from .sse import DONE, reader_for
 from .upstream import UpstreamError, UpstreamResponse
@@ -109,7 +109,7 @@ class _Relay:
         self._finished = False
 
     @property
-    def role(self) -> Backend | None:
+    def role(self) -> Role | None:
         """The role of the server the request is on now (None before one is chosen)."""
         return self.lease.role if self.lease is not None else None
 
@@ -258,7 +258,7 @@ class _Relay:
             await self._send(head)
         await self._send(body)
 
-    def _own_headers(self, backend: Backend | None, reason: Reason) -> list[tuple[bytes, bytes]]:
+    def _own_headers(self, backend: Role | None, reason: Reason) -> list[tuple[bytes, bytes]]:
         out = [(b"x-request-id", self.call.request_id.encode("latin-1")), (b"x-specgate-reason", reason.encode())]
         if backend is not None:
             out.append((b"x-specgate-backend", backend.encode()))

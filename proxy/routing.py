@@ -23,12 +23,12 @@ from .evidence import AcceptanceEvidence
 from .inflight import InflightTracker, Lease
 from .metrics import Metrics
 from .policy import (
-    BACKENDS,
-    Backend,
+    ROLES,
     Decision,
     LoadSnapshot,
     PolicyConfig,
     PolicyState,
+    Role,
     accept_fresh,
     backend_load,
     decide,
@@ -92,17 +92,17 @@ class Router:
     def now(self) -> float:
         return self._clock()
 
-    def role_count(self, role: Backend) -> int:
+    def role_count(self, role: Role) -> int:
         """This gateway's requests in flight on the group's servers of `role`."""
         return sum(self.tracker.count(s) for s in self.group.of(role))
 
-    def healthy_map(self) -> dict[Backend, bool]:
-        return {role: any(self._servers[s].healthy for s in self.group.of(role)) for role in BACKENDS}
+    def healthy_map(self) -> dict[Role, bool]:
+        return {role: any(self._servers[s].healthy for s in self.group.of(role)) for role in ROLES}
 
-    def engine_loads(self) -> dict[Backend, int | None]:
+    def engine_loads(self) -> dict[Role, int | None]:
         """Each role's engine load: the others' requests as last read plus ours now (None: unknown)."""
-        out: dict[Backend, int | None] = {}
-        for role in BACKENDS:
+        out: dict[Role, int | None] = {}
+        for role in ROLES:
             servers = self.group.of(role)
             if not any(self.tracker.was_read(s) for s in servers):
                 out[role] = None  # never read: the policy counts ours (backend_load)
@@ -134,11 +134,11 @@ class Router:
         return self.tracker.others_balance(server) + local
 
     def group_placement_load(self) -> float:
-        return sum(self.placement_load(s) for role in BACKENDS for s in self.group.of(role))
+        return sum(self.placement_load(s) for role in ROLES for s in self.group.of(role))
 
     def snapshot(self) -> LoadSnapshot:
         return LoadSnapshot(
-            {role: self.role_count(role) for role in BACKENDS},
+            {role: self.role_count(role) for role in ROLES},
             self.engine_loads(),
             self.healthy_map(),
             self._clock(),
@@ -149,7 +149,7 @@ class Router:
     def load(self) -> int:
         return total_load(self.snapshot(), self.cfg.load_signal)
 
-    def backend_load(self, backend: Backend) -> int:
+    def backend_load(self, backend: Role) -> int:
         """The load on one role by the configured signal (what its curve is indexed by)."""
         if self.cfg.load_signal == "local":
             return self.role_count(backend)
@@ -164,7 +164,7 @@ class Router:
         self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
         return decision
 
-    def pick(self, backend: Backend) -> str:
+    def pick(self, backend: Role) -> str:
         """The group's server for a role: the least loaded healthy one, at random among near-ties
         (a paired group has one)."""
         servers = self.group.of(backend)
@@ -175,10 +175,10 @@ class Router:
         assert chosen is not None
         return chosen
 
-    def admit(self, backend: Backend) -> Lease:
+    def admit(self, backend: Role) -> Lease:
         return self.tracker.acquire(self.pick(backend))
 
-    def failover(self, lease: Lease, to: Backend) -> Lease:
+    def failover(self, lease: Lease, to: Role) -> Lease:
         """Move a request that failed before its first byte to the group's other role."""
         self._metrics.failovers.labels(lease.role, to).inc()
         self._metrics.decisions.labels(to, "failover").inc()
@@ -186,34 +186,34 @@ class Router:
         lease.release()
         return new
 
-    def observe(self, backend: Backend, load: float, tok_s: float) -> None:
+    def observe(self, backend: Role, load: float, tok_s: float) -> None:
         """A finished stream's decode speed (tokens/s per stream) at `load` streams on its server."""
         a = self.adaptive
         if a is None:
             return
         now = self._clock()
-        accept = self.accept_live(now)[0] if backend == "speculative" else None
+        accept = self.accept_live(now)[0] if backend == Role.SPECULATIVE else None
         a.model.observe(backend, load, tok_s, accept, now)
         self._update(now)
 
     def counts_steps(self) -> bool:
         """Whether the speculative servers' streams send one content event per decode step."""
-        names = [self._servers[s].engine for s in self.group.of("speculative")]
+        names = [self._servers[s].engine for s in self.group.of(Role.SPECULATIVE)]
         return bool(names) and all(n is not None and ENGINES[n].stream_steps for n in names)
 
     def engine_accept(self) -> float | None:
         """The speculative servers' acceptance as their engines report it (their mean)."""
-        found = [a for s in self.group.of("speculative") if (a := self._servers[s].spec_accept_length) is not None]
+        found = [a for s in self.group.of(Role.SPECULATIVE) if (a := self._servers[s].spec_accept_length) is not None]
         return sum(found) / len(found) if found else None
 
-    def note_output(self, backend: Backend, tokens: int, events: int | None = None, client: str = "") -> None:
+    def note_output(self, backend: Role, tokens: int, events: int | None = None, client: str = "") -> None:
         """A response from `backend` ended with `tokens` output tokens (from its usage), in `events`
         content events (counted only for probes), for client `client`."""
         if self.adaptive is None:
             return
         # What each client is served weighs its acceptance (evidence.py).
         self.evidence.served(client, tokens, self._clock())
-        if backend != "speculative" or not self.state.probing:
+        if backend != Role.SPECULATIVE or not self.state.probing:
             return
         session = self.state.session
         self.state = probe_returned(self.state, tokens, self.adaptive.cfg.probe_tokens)
@@ -256,12 +256,12 @@ class Router:
         """Re-apply the policy's rule after load or health changed, so the mode gauge tells the truth."""
         if self.cfg.load_signal == "local":
             # The common case, on every admit and release: no snapshot to build.
-            spec_load = self.role_count("speculative")
-            load = spec_load + self.role_count("baseline")
+            spec_load = self.role_count(Role.SPECULATIVE)
+            load = spec_load + self.role_count(Role.BASELINE)
         else:
             snap = self.snapshot()
             load = total_load(snap, self.cfg.load_signal)
-            spec_load = backend_load(snap, "speculative", self.cfg.load_signal)
+            spec_load = backend_load(snap, Role.SPECULATIVE, self.cfg.load_signal)
         self.last_load = load
         now = self._clock()
         self._update(now)
@@ -291,12 +291,12 @@ class Router:
 
     def _publish_mode(self) -> None:
         m = self._metrics
-        m.child(m.group_mode, self.group.name).set(1 if self.state.mode == "speculative" else 0)
+        m.child(m.group_mode, self.group.name).set(1 if self.state.mode == Role.SPECULATIVE else 0)
 
     def server_changed(self, server: str) -> None:
         """A lease on one of the group's servers was taken or released."""
-        if self.tracker.role(server) == "speculative":
-            self._spec_idle_since = self._clock() if self.role_count("speculative") == 0 else None
+        if self.tracker.role(server) == Role.SPECULATIVE:
+            self._spec_idle_since = self._clock() if self.role_count(Role.SPECULATIVE) == 0 else None
         self.refresh()
 
     def _set_state(self, state: PolicyState) -> None:
@@ -341,7 +341,7 @@ class Fleet:
             Router(cfg, servers, metrics, self.tracker, g, adaptive, calibration, clock, self._rng)
             for g in topology.groups
         )
-        self._router_of = {s: r for r in self.routers for role in BACKENDS for s in r.group.of(role)}
+        self._router_of = {s: r for r in self.routers for role in ROLES for s in r.group.of(role)}
         self._bind_gauges(servers)
 
     def router_of(self, server: str) -> Router:
@@ -376,11 +376,11 @@ class Fleet:
             m.child(m.server_inflight, name).set_function(lambda load=server.load: load.count)
         for r in routers:
             m.child(m.group_load, r.group.name).set_function(lambda r=r: r.last_load)
-        for role in BACKENDS:
+        for role in ROLES:
             m.child(m.inflight, role).set_function(lambda role=role: sum(r.role_count(role) for r in routers))
         m.load.set_function(lambda: sum(r.last_load for r in routers))
         # The share of groups in speculative mode: 1 or 0 as with one group, between with several.
-        m.mode.set_function(lambda: sum(r.state.mode == "speculative" for r in routers) / n)
+        m.mode.set_function(lambda: sum(r.state.mode == Role.SPECULATIVE for r in routers) / n)
         m.watermark.labels("high").set_function(lambda: sum(r.cfg.high_watermark for r in routers) / n)
         m.watermark.labels("low").set_function(lambda: sum(r.cfg.low_watermark for r in routers) / n)
         m.watermark.labels("spillover").set(routers[0].cfg.spillover_limit)

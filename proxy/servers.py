@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .engines import AcceptanceRate, EngineName
-from .policy import Backend
+from .policy import Role
 from .topology import Topology
 
 # Acceptance from counters is averaged over this long: a few scrapes, enough drafts to mean something.
@@ -64,7 +64,7 @@ class Load:
 @dataclass(eq=False)
 class Server:
     name: str
-    role: Backend
+    role: Role
     url: str
     group: str
     health: Health = field(default_factory=Health)
@@ -93,7 +93,7 @@ class ServerView(Protocol):
     @property
     def name(self) -> str: ...
     @property
-    def role(self) -> Backend: ...
+    def role(self) -> Role: ...
     @property
     def healthy(self) -> bool: ...
     @property
@@ -110,5 +110,5 @@ def servers_of(topology: Topology) -> dict[str, Server]:
     return {s.name: Server(s.name, s.role, s.url, group_of[s.name]) for s in topology.servers}
 
 
-def of_role(servers: Mapping[str, Server], role: Backend) -> list[Server]:
+def of_role(servers: Mapping[str, Server], role: Role) -> list[Server]:
     return [s for s in servers.values() if s.role == role]

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from .policy import BACKENDS, Backend
+from .policy import ROLES, Role
 
 TopologyName = Literal["paired", "pooled"]
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
@@ -29,7 +29,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 @dataclass(frozen=True)
 class Server:
     name: str
-    role: Backend
+    role: Role
     url: str
 
 
@@ -37,9 +37,9 @@ class Server:
 class Group:
     name: str
     # The servers of each role in this group: one each when paired.
-    servers: dict[Backend, tuple[str, ...]]
+    servers: dict[Role, tuple[str, ...]]
 
-    def of(self, role: Backend) -> tuple[str, ...]:
+    def of(self, role: Role) -> tuple[str, ...]:
         return self.servers[role]
 
 
@@ -71,12 +71,12 @@ def entries(raw: str) -> list[tuple[str | None, str]]:
 
 def build(speculative: str, baseline: str, kind: TopologyName | None) -> Topology:
     """The topology the settings describe; ValueError naming what is wrong."""
-    lists: dict[Backend, list[tuple[str | None, str]]] = {
-        "speculative": entries(speculative),
-        "baseline": entries(baseline),
+    lists: dict[Role, list[tuple[str | None, str]]] = {
+        Role.SPECULATIVE: entries(speculative),
+        Role.BASELINE: entries(baseline),
     }
     servers: list[Server] = []
-    for role in BACKENDS:
+    for role in ROLES:
         found = lists[role]
         if not found:
             raise ValueError(f"no {role} server given")
@@ -90,8 +90,8 @@ def build(speculative: str, baseline: str, kind: TopologyName | None) -> Topolog
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"server names must be unique: {', '.join(dupes)}")
-    spec = tuple(s.name for s in servers if s.role == "speculative")
-    base = tuple(s.name for s in servers if s.role == "baseline")
+    spec = tuple(s.name for s in servers if s.role == Role.SPECULATIVE)
+    base = tuple(s.name for s in servers if s.role == Role.BASELINE)
     if kind is None:
         kind = "paired" if len(spec) == len(base) else "pooled"
     if kind == "paired":
@@ -101,9 +101,9 @@ def build(speculative: str, baseline: str, kind: TopologyName | None) -> Topolog
                 f"{len(base)}): the i-th of each share GPUs"
             )
         groups = tuple(
-            Group(f"group-{i}", {"speculative": (s,), "baseline": (b,)})
+            Group(f"group-{i}", {Role.SPECULATIVE: (s,), Role.BASELINE: (b,)})
             for i, (s, b) in enumerate(zip(spec, base, strict=True))
         )
     else:
-        groups = (Group("pool", {"speculative": spec, "baseline": base}),)
+        groups = (Group("pool", {Role.SPECULATIVE: spec, Role.BASELINE: base}),)
     return Topology(kind, tuple(servers), groups)

@@ -27,7 +27,7 @@ from .conn import Broken, Conn
 from .engines import POOL_KEEPALIVE_S
 from .forwarding import Forwarding, response_headers
 from .kinds import ErrorKind
-from .policy import Backend
+from .policy import Role
 from .pool import Limits, ServerPool
 from .topology import Topology
 
@@ -130,7 +130,7 @@ class Upstream:
         self.request_headers = self.forwarding.request_headers
         auth = b"Bearer " + api_key.encode("latin-1") if api_key else None
         # Each server by its name (proxy/topology.py), with its role.
-        self.roles: dict[str, Backend] = {s.name: s.role for s in topology.servers}
+        self.roles: dict[str, Role] = {s.name: s.role for s in topology.servers}
         self._pools = {s.name: ServerPool(s.name, s.url, limits, auth) for s in topology.servers}
 
     @classmethod

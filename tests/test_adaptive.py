@@ -24,7 +24,7 @@ from proxy.adaptive import (
 )
 from proxy.calibration import Calibration, Curve
 from proxy.metrics import Metrics
-from proxy.policy import LoadSnapshot, PolicyState, decide, dwell_mode
+from proxy.policy import LoadSnapshot, PolicyState, Role, decide, dwell_mode
 from proxy.probe import shadow_body
 from proxy.routing import Fleet, Router
 from proxy.servers import Health
@@ -121,7 +121,7 @@ def test_observations_correct_the_level_they_were_made_at_and_no_other() -> None
     model = SpeedModel(Prior.of(calibration()), half_life_s=60.0)
     # The baseline streams at 30 run at 80% of the calibrated per-stream speed (1950 / 30 = 65).
     for i in range(40):
-        model.observe("baseline", 30, 0.8 * 65.0, None, now=float(i))
+        model.observe(Role.BASELINE, 30, 0.8 * 65.0, None, now=float(i))
     e = estimate(model, 3.0, now=40.0)
     assert e.baseline_tok_s[5] == pytest.approx(0.8 * 1950, rel=0.03)
     assert e.baseline_tok_s[4] == pytest.approx(1500) and e.baseline_tok_s[6] == pytest.approx(2500)
@@ -129,21 +129,21 @@ def test_observations_correct_the_level_they_were_made_at_and_no_other() -> None
 
 def test_an_outlier_moves_little_and_corrections_are_bounded() -> None:
     model = SpeedModel(Prior.of(calibration()))
-    model.observe("baseline", 10, 88.0, None, now=0.0)  # exactly as calibrated
-    model.observe("baseline", 10, 88.0 * 100, None, now=0.0)  # a 100x outlier
-    ratio = math.exp(model.correction("baseline", 10, 0.0)[0])
+    model.observe(Role.BASELINE, 10, 88.0, None, now=0.0)  # exactly as calibrated
+    model.observe(Role.BASELINE, 10, 88.0 * 100, None, now=0.0)  # a 100x outlier
+    ratio = math.exp(model.correction(Role.BASELINE, 10, 0.0)[0])
     assert 1.0 < ratio < 1.2
     for i in range(500):
-        model.observe("baseline", 10, 88.0 * 100, None, now=float(i))
-    assert math.exp(model.correction("baseline", 10, 500.0)[0]) == pytest.approx(MAX_CORRECTION)
+        model.observe(Role.BASELINE, 10, 88.0 * 100, None, now=float(i))
+    assert math.exp(model.correction(Role.BASELINE, 10, 500.0)[0]) == pytest.approx(MAX_CORRECTION)
 
 
 def test_observations_fade_back_to_the_calibration() -> None:
     model = SpeedModel(Prior.of(calibration()), half_life_s=10.0)
     for i in range(30):
-        model.observe("baseline", 10, 44.0, None, now=float(i))
-    fresh = math.exp(model.correction("baseline", 10, 30.0)[0])
-    old = math.exp(model.correction("baseline", 10, 130.0)[0])
+        model.observe(Role.BASELINE, 10, 44.0, None, now=float(i))
+    fresh = math.exp(model.correction(Role.BASELINE, 10, 30.0)[0])
+    old = math.exp(model.correction(Role.BASELINE, 10, 130.0)[0])
     assert fresh < 0.6 and 0.95 < old <= 1.0
 
 
@@ -151,8 +151,8 @@ def test_speculative_observations_are_per_unit_of_acceptance() -> None:
     model = SpeedModel(Prior.of(calibration(accept=3.0)))
     # Seen at acceptance 1.5, running at half the calibrated speed: exactly what acceptance explains.
     for i in range(20):
-        model.observe("speculative", 10, 110.0 / 2, 1.5, now=float(i))
-    assert model.correction("speculative", 10, 20.0)[0] == pytest.approx(0.0, abs=1e-9)
+        model.observe(Role.SPECULATIVE, 10, 110.0 / 2, 1.5, now=float(i))
+    assert model.correction(Role.SPECULATIVE, 10, 20.0)[0] == pytest.approx(0.0, abs=1e-9)
 
 
 def test_without_calibration_nothing_is_concluded_until_both_servers_are_seen() -> None:
@@ -160,8 +160,8 @@ def test_without_calibration_nothing_is_concluded_until_both_servers_are_seen() 
     assert estimate(model, 2.0, 0.0).high is None
     for i in range(5):
         for load, spec_v, base_v in ((4, 60.0, 50.0), (8, 40.0, 45.0)):
-            model.observe("speculative", load, spec_v * 2.0, 2.0, now=float(i))
-            model.observe("baseline", load, base_v, None, now=float(i))
+            model.observe(Role.SPECULATIVE, load, spec_v * 2.0, 2.0, now=float(i))
+            model.observe(Role.BASELINE, load, base_v, None, now=float(i))
     e = estimate(model, 2.0, 5.0)
     # 4 streams: 4*60*2=480 vs 200; 8 streams: 8*40*2=640 vs 360: pays wherever seen, so the
     # watermark may go one level past the highest seen (10), to see the baseline there.
@@ -190,12 +190,16 @@ ADAPTIVE = policy_cfg("adaptive", 10, 7, min_dwell_s=5.0, probe_s=4.0, probe_max
 
 def snap(spec: int, base: int, now: float, idle_since: float | None, spec_up: bool = True) -> LoadSnapshot:
     return LoadSnapshot(
-        {"speculative": spec, "baseline": base}, {}, {"speculative": spec_up, "baseline": True}, now, idle_since
+        {Role.SPECULATIVE: spec, Role.BASELINE: base},
+        {},
+        {Role.SPECULATIVE: spec_up, Role.BASELINE: True},
+        now,
+        idle_since,
     )
 
 
 def test_dwell_holds_a_switch_until_the_mode_is_old_enough() -> None:
-    state = PolicyState("speculative", since=0.0)
+    state = PolicyState(Role.SPECULATIVE, since=0.0)
     d = decide(snap(12, 0, 3.0, None), state, ADAPTIVE)
     assert (d.backend, d.reason, d.state.mode) == ("speculative", "dwell_hold", "speculative")
     d = decide(snap(12, 0, 5.0, None), state, ADAPTIVE)
@@ -205,12 +209,12 @@ def test_dwell_holds_a_switch_until_the_mode_is_old_enough() -> None:
     assert held.mode == "baseline" and was_held
     assert dwell_mode(3, d.state, ADAPTIVE, 10.0)[0].mode == "speculative"
     # The threshold policy has no dwell: exactly as before.
-    t = decide(snap(12, 0, 0.1, None), PolicyState("speculative", since=0.0), policy_cfg("threshold", 10, 7))
+    t = decide(snap(12, 0, 0.1, None), PolicyState(Role.SPECULATIVE, since=0.0), policy_cfg("threshold", 10, 7))
     assert (t.backend, t.reason) == ("baseline", "heavy_load")
 
 
 def test_probes_go_to_the_idle_speculative_server_at_doubling_intervals() -> None:
-    state = PolicyState("baseline", since=0.0)
+    state = PolicyState(Role.BASELINE, since=0.0)
     assert decide(snap(0, 12, 3.9, 0.0), state, ADAPTIVE).reason == "heavy_load"
     d = decide(snap(0, 12, 4.0, 0.0), state, ADAPTIVE)
     assert (d.backend, d.reason, d.state.mode, d.state.probes) == ("speculative", "probe", "baseline", 1)
@@ -232,11 +236,11 @@ def test_probes_go_to_the_idle_speculative_server_at_doubling_intervals() -> Non
     assert decide(snap(0, 12, 100.0, 0.0, spec_up=False), state, ADAPTIVE).reason == "heavy_load"
     assert decide(snap(0, 50, 100.0, 0.0), state, ADAPTIVE).reason == "heavy_load"
     # A new mode starts the count again.
-    assert PolicyState("speculative", since=1.0).probes == 0
+    assert PolicyState(Role.SPECULATIVE, since=1.0).probes == 0
 
 
 def test_no_return_to_speculation_on_a_stale_acceptance_reading() -> None:
-    state = PolicyState("baseline", since=0.0)
+    state = PolicyState(Role.BASELINE, since=0.0)
     # The load fell to the low watermark, but the speculative server has been idle for 60 s:
     # what the watermarks say of it is old. A probe session first, the mode held.
     d = decide(snap(0, 5, 60.0, 0.0), state, ADAPTIVE)
@@ -269,12 +273,12 @@ def test_router_ends_a_probe_session_once_enough_tokens_came_back() -> None:
     clock.t += 6  # the speculative server idle for 6 s: a session starts
     first = r.decide()
     assert (first.backend, first.reason) == ("speculative", "probe")
-    lease = r.admit("speculative")
+    lease = r.admit(Role.SPECULATIVE)
     assert r.decide().backend == "baseline"  # one probe at a time
-    r.note_output("speculative", 60)
+    r.note_output(Role.SPECULATIVE, 60)
     lease.release()
     assert r.decide().reason == "probe"  # 60 of 100 tokens: the session goes on
-    r.note_output("speculative", 60)
+    r.note_output(Role.SPECULATIVE, 60)
     assert not r.state.probing and r.decide().reason == "heavy_load"
     # Probes that bring no usage back (errors) end the session after a few requests.
     clock.t += 60
@@ -283,7 +287,7 @@ def test_router_ends_a_probe_session_once_enough_tokens_came_back() -> None:
         d = r.decide()
         reasons.append(d.reason)
         if d.backend == "speculative":
-            r.admit("speculative").release()  # a probe that failed: no usage
+            r.admit(Role.SPECULATIVE).release()  # a probe that failed: no usage
     assert reasons == ["probe"] * 4 + ["heavy_load"] * 2
 
 
@@ -326,7 +330,7 @@ def test_router_without_calibration_keeps_the_static_watermarks_until_it_knows()
 def test_a_changed_acceptance_reading_restarts_the_probes_back_off() -> None:
     clock = Clock()
     r, health, _ = router(calibration(), clock)
-    held = [r.admit("baseline") for _ in range(30)]  # above the high watermark: baseline mode
+    held = [r.admit(Role.BASELINE) for _ in range(30)]  # above the high watermark: baseline mode
     assert r.state.mode == "baseline"
     r.state = dataclasses.replace(r.state, probes=3)
     health["speculative"].spec_accept_length = 3.05  # within 10% of the last: no news
@@ -398,7 +402,7 @@ SHADOW = dataclasses.replace(ADAPTIVE, probe_shadow=True)
 
 
 def test_a_shadow_probe_leaves_the_request_where_the_mode_sends_it() -> None:
-    state = PolicyState("baseline", since=0.0)
+    state = PolicyState(Role.BASELINE, since=0.0)
     assert not decide(snap(0, 12, 3.9, 0.0), state, SHADOW).shadow
     d = decide(snap(0, 12, 4.0, 0.0), state, SHADOW)
     assert (d.backend, d.reason, d.shadow) == ("baseline", "heavy_load", True)
@@ -449,9 +453,9 @@ def test_router_pools_a_request_probe_sessions_streams() -> None:
     assert r.decide().reason == "heavy_load"
     clock.t += 6
     assert r.decide().reason == "probe"
-    r.note_output("speculative", 64, 64)  # a diverse prompt: 1 token a step
+    r.note_output(Role.SPECULATIVE, 64, 64)  # a diverse prompt: 1 token a step
     assert r.accept_live(clock.t)[0] == 1.0
-    r.note_output("speculative", 64, 17)  # a repetitive one: ~4 a step; pooled by steps
+    r.note_output(Role.SPECULATIVE, 64, 17)  # a repetitive one: ~4 a step; pooled by steps
     pooled = 128 / (64 + 64 / (63 / 16))
     assert r.accept_live(clock.t)[0] == pytest.approx(pooled)
     # A model list or embeddings says nothing of acceptance: never a probe.

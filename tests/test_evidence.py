@@ -10,6 +10,7 @@ import pytest
 
 from proxy.access import client_key
 from proxy.evidence import KEY_TOKENS, MAX_KEYS, AcceptanceEvidence
+from proxy.policy import Role
 from proxy.probe import MIN_SHADOW_TOKENS, shadow_body
 
 from .helpers import Clock
@@ -94,12 +95,12 @@ def test_the_router_weighs_each_clients_reading_by_its_traffic() -> None:
     health["speculative"].engine = "sglang"
     # One client's repetitive prompt: 3.75 tokens a step, over and over. Alone, it is read on.
     for _ in range(20):
-        r.note_output("baseline", 16, client="key:attacker")
+        r.note_output(Role.BASELINE, 16, client="key:attacker")
         r.note_shadow(61, 17, "key:attacker")
     assert r.accept_live(clock.t)[0] == pytest.approx(3.75)
     assert r.wants_shadow_of("key:attacker")
     # Others are served far more, and measured once: the attacker is not copied again.
-    r.note_output("baseline", 20 * 16 * 9, client="addr:10.0.0.2")
+    r.note_output(Role.BASELINE, 20 * 16 * 9, client="addr:10.0.0.2")
     assert not r.wants_shadow_of("key:attacker") and r.wants_shadow_of("addr:10.0.0.2")
     r.note_shadow(64, 64, "addr:10.0.0.2")  # varied prompts: one token a step
     value, source = r.accept_live(clock.t)
@@ -244,16 +245,16 @@ def test_a_probe_that_raises_is_logged_once_and_probes_go_on(caplog: pytest.LogC
 def test_a_shadow_that_could_not_be_sent_is_not_counted_and_the_count_is_bounded() -> None:
     import dataclasses
 
-    from proxy.policy import MAX_PROBE_DOUBLINGS, PolicyState, decide
+    from proxy.policy import MAX_PROBE_DOUBLINGS, PolicyState, Role, decide
 
     from .test_adaptive import SHADOW, snap
 
     # The attacker sends requests no copy can be made of (max_tokens 1), many a second,
     # while a probe is due: each was counted as a probe, the count passed 1,023 and 2.0 ** probes
     # overflowed into a 500 for every client.
-    state = PolicyState("baseline", since=0.0, probes=5000)
+    state = PolicyState(Role.BASELINE, since=0.0, probes=5000)
     assert decide(snap(0, 12, 100.0, 0.0), state, SHADOW).shadow  # no OverflowError
-    d = decide(snap(0, 12, 100.0, 0.0), PolicyState("baseline", since=0.0, probes=MAX_PROBE_DOUBLINGS), SHADOW)
+    d = decide(snap(0, 12, 100.0, 0.0), PolicyState(Role.BASELINE, since=0.0, probes=MAX_PROBE_DOUBLINGS), SHADOW)
     assert d.state.probes == MAX_PROBE_DOUBLINGS
     # Not sent: the next request may be the probe, as if this one had not been due.
     clock = Clock()

@@ -32,7 +32,7 @@ from proxy.calibration import (
     parse,
 )
 from proxy.config import Settings, describe_error, redact_url
-from proxy.policy import BACKENDS, Backend
+from proxy.policy import ROLES, Role
 
 from .helpers import adaptive_cfg
 from .test_config import CALIBRATION
@@ -220,7 +220,7 @@ def test_files_at_the_bounds_give_finite_watermarks_within_limits(tmp_path: Path
                     prior = Prior.of(cal)
                     assert all(0 < v < math.inf for v in (*prior.v_spec, *prior.v_base))
                     # Live observations at the extremes of speed, load and acceptance.
-                    roles: tuple[Backend, ...] = BACKENDS
+                    roles: tuple[Role, ...] = ROLES
                     for i, (backend, load_, speed, live) in enumerate(
                         itertools.product(roles, (1, MAX_LEVEL), speeds, (MIN_ACCEPT, MAX_ACCEPT))
                     ):

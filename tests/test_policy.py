@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 
 from proxy.policy import (
-    Backend,
     LoadSignal,
     LoadSnapshot,
     PolicyConfig,
     PolicyState,
+    Role,
     backend_load,
     decide,
     next_mode,
@@ -19,14 +19,14 @@ from proxy.policy import (
 
 from .helpers import policy_cfg
 
-UP = {"speculative": True, "baseline": True}
+UP = {Role.SPECULATIVE: True, Role.BASELINE: True}
 THRESHOLD = policy_cfg("threshold", high_watermark=10, low_watermark=4)
 
 
 def snap(
-    spec: int, base: int, healthy: dict[Backend, bool] | None = None, engine: dict[Backend, int | None] | None = None
+    spec: int, base: int, healthy: dict[Role, bool] | None = None, engine: dict[Role, int | None] | None = None
 ) -> LoadSnapshot:
-    return LoadSnapshot({"speculative": spec, "baseline": base}, engine or {}, healthy or dict(UP))  # type: ignore[arg-type]
+    return LoadSnapshot({Role.SPECULATIVE: spec, Role.BASELINE: base}, engine or {}, healthy or dict(UP))
 
 
 @pytest.mark.parametrize(
@@ -44,9 +44,7 @@ def snap(
         ("speculative", 5, 2, "speculative", "light_load", "speculative"),  # inside the band: no flip either
     ],
 )
-def test_threshold_with_hysteresis(
-    mode: Backend, spec: int, base: int, backend: str, reason: str, new_mode: str
-) -> None:
+def test_threshold_with_hysteresis(mode: Role, spec: int, base: int, backend: str, reason: str, new_mode: str) -> None:
     d = decide(snap(spec, base), PolicyState(mode), THRESHOLD)
     assert (d.backend, d.reason, d.state.mode) == (backend, reason, new_mode)
     assert d.load == spec + base
@@ -63,7 +61,7 @@ def test_threshold_sequence_never_flips_inside_the_band() -> None:
 
 def test_speculation_returns_only_once_the_load_has_stayed_low_for_the_hold() -> None:
     cfg = dataclasses.replace(THRESHOLD, low_hold_s=2.0)
-    state = PolicyState("baseline")
+    state = PolicyState(Role.BASELINE)
     trace = []
     # (time, load): a dip of a second to the low watermark, back inside the band, then a fall that
     # lasts: the hold starts again at 2.9 and runs out at 4.9.
@@ -71,20 +69,22 @@ def test_speculation_returns_only_once_the_load_has_stayed_low_for_the_hold() ->
         state = next_mode(load, state, cfg, float(now))
         trace.append(state.mode[0])
     assert "".join(trace) == "bbbbbbbss"
-    state = PolicyState("baseline")
+    state = PolicyState(Role.BASELINE)
     for now, load in [(10, 4), (11, 0), (11.99, 3)]:
         state = next_mode(load, state, cfg, now)
         assert state.mode == "baseline" and state.low_since == 10
     assert next_mode(4, state, cfg, 12.0).mode == "speculative"
     # Leaving speculation is never held.
-    assert next_mode(10, PolicyState("speculative"), cfg, 0.0).mode == "baseline"
+    assert next_mode(10, PolicyState(Role.SPECULATIVE), cfg, 0.0).mode == Role.BASELINE
     # A decision while the hold runs says so, and still goes to the baseline.
-    held = decide(LoadSnapshot({"speculative": 0, "baseline": 3}, {}, dict(UP), now=20.0), PolicyState("baseline"), cfg)  # type: ignore[arg-type]
+    held = decide(
+        LoadSnapshot({Role.SPECULATIVE: 0, Role.BASELINE: 3}, {}, dict(UP), now=20.0), PolicyState(Role.BASELINE), cfg
+    )
     assert (held.backend, held.reason, held.state.low_since) == ("baseline", "return_hold", 20.0)
-    later = decide(LoadSnapshot({"speculative": 0, "baseline": 3}, {}, dict(UP), now=22.0), held.state, cfg)  # type: ignore[arg-type]
+    later = decide(LoadSnapshot({Role.SPECULATIVE: 0, Role.BASELINE: 3}, {}, dict(UP), now=22.0), held.state, cfg)
     assert (later.backend, later.reason) == ("speculative", "light_load")
     # Without a hold (the default), the first low reading switches, as before.
-    assert next_mode(4, PolicyState("baseline"), THRESHOLD, 0.0).mode == "speculative"
+    assert next_mode(4, PolicyState(Role.BASELINE), THRESHOLD, 0.0).mode == Role.SPECULATIVE
 
 
 @pytest.mark.parametrize(
@@ -103,11 +103,11 @@ def test_spillover(spec: int, base: int, backend: str, reason: str) -> None:
 
 @pytest.mark.parametrize("cfg", [THRESHOLD, policy_cfg("spillover", spillover_limit=3)])
 def test_down_backends_are_never_chosen(cfg: PolicyConfig) -> None:
-    spec_down = decide(snap(0, 0, {"speculative": False, "baseline": True}), PolicyState(), cfg)
+    spec_down = decide(snap(0, 0, {Role.SPECULATIVE: False, Role.BASELINE: True}), PolicyState(), cfg)
     assert (spec_down.backend, spec_down.reason) == ("baseline", "only_healthy")
-    base_down = decide(snap(50, 0, {"speculative": True, "baseline": False}), PolicyState("baseline"), cfg)
+    base_down = decide(snap(50, 0, {Role.SPECULATIVE: True, Role.BASELINE: False}), PolicyState(Role.BASELINE), cfg)
     assert (base_down.backend, base_down.reason) == ("speculative", "only_healthy")
-    both = decide(snap(0, 0, {"speculative": False, "baseline": False}), PolicyState(), cfg)
+    both = decide(snap(0, 0, {Role.SPECULATIVE: False, Role.BASELINE: False}), PolicyState(), cfg)
     assert (both.backend, both.reason) == (None, "no_healthy_backend")
 
 
@@ -123,13 +123,13 @@ def test_down_backends_are_never_chosen(cfg: PolicyConfig) -> None:
     ],
 )
 def test_load_signals(signal: LoadSignal, local: int, engine: int | None, expected: int) -> None:
-    s = snap(local, 0, engine={"speculative": engine, "baseline": None})
-    assert backend_load(s, "speculative", signal) == expected
+    s = snap(local, 0, engine={Role.SPECULATIVE: engine, Role.BASELINE: None})
+    assert backend_load(s, Role.SPECULATIVE, signal) == expected
 
 
 def test_engine_signal_drives_the_switch() -> None:
     cfg = policy_cfg("threshold", 10, 4, load_signal="engine")
-    d = decide(snap(0, 0, engine={"speculative": 12, "baseline": 0}), PolicyState(), cfg)
+    d = decide(snap(0, 0, engine={Role.SPECULATIVE: 12, Role.BASELINE: 0}), PolicyState(), cfg)
     assert (d.backend, d.reason, d.load) == ("baseline", "heavy_load", 12)
 
 

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from proxy.config import Settings
-from proxy.policy import least_loaded, near_ties
+from proxy.policy import ROLES, Role, least_loaded, near_ties
 from proxy.routing import Fleet
 from proxy.servers import Health
 from proxy.topology import build
@@ -26,7 +26,7 @@ def test_lists_of_servers_name_and_group_them() -> None:
     t = build(f"{S0},{S1}", f"{B0},{B1}", None)
     assert t.kind == "paired"
     assert t.names() == ("speculative-0", "speculative-1", "baseline-0", "baseline-1")
-    assert [(g.name, g.of("speculative"), g.of("baseline")) for g in t.groups] == [
+    assert [(g.name, g.of(Role.SPECULATIVE), g.of(Role.BASELINE)) for g in t.groups] == [
         ("group-0", ("speculative-0",), ("baseline-0",)),
         ("group-1", ("speculative-1",), ("baseline-1",)),
     ]
@@ -36,8 +36,8 @@ def test_lists_of_servers_name_and_group_them() -> None:
     # Names given; unequal lists are pools unless paired is asked for.
     pooled = build(f"eagle-a={S0}, eagle-b={S1}", B0, None)
     assert pooled.kind == "pooled" and pooled.names() == ("eagle-a", "eagle-b", "baseline")
-    assert pooled.groups[0].name == "pool" and pooled.groups[0].of("speculative") == ("eagle-a", "eagle-b")
-    assert build(f"{S0},{S1}", f"{B0},{B1}", "pooled").groups[0].of("baseline") == ("baseline-0", "baseline-1")
+    assert pooled.groups[0].name == "pool" and pooled.groups[0].of(Role.SPECULATIVE) == ("eagle-a", "eagle-b")
+    assert build(f"{S0},{S1}", f"{B0},{B1}", "pooled").groups[0].of(Role.BASELINE) == ("baseline-0", "baseline-1")
     with pytest.raises(ValueError, match="as many speculative as baseline"):
         build(f"{S0},{S1}", B0, "paired")
     with pytest.raises(ValueError, match="unique: x"):
@@ -79,14 +79,14 @@ def fleet(
 def test_a_request_goes_to_the_least_loaded_group_then_to_its_server_for_the_mode() -> None:
     f, health = fleet(f"{S0},{S1}", f"{B0},{B1}", high=4)
     g0, g1 = f.routers
-    held = [g0.admit("speculative") for _ in range(3)]
+    held = [g0.admit(Role.SPECULATIVE) for _ in range(3)]
     for _ in range(2):  # 3 against 0, then 1: group-1 is clearly the least loaded
         p = f.decide()
         assert p.router is g1 and p.decision.backend == "speculative"
         held.append(p.router.admit(p.decision.backend))
-    assert g1.role_count("speculative") == 2
+    assert g1.role_count(Role.SPECULATIVE) == 2
     # Each group has its own mode: group-1 reaches its high watermark and turns to its baseline.
-    held += [g1.admit("speculative") for _ in range(3)]
+    held += [g1.admit(Role.SPECULATIVE) for _ in range(3)]
     assert g1.state.mode == "baseline" and g0.state.mode == "speculative"
     p = f.decide()  # 3 against 5
     assert p.router is g0 and p.decision.backend == "speculative"
@@ -104,8 +104,8 @@ def test_equal_groups_share_the_load_at_random_not_in_a_herd() -> None:
     f, health = fleet(f"{S0},{S1}", f"{B0},{B1}", signal="engine", high=1000)
     # Engine readings of 10 each and nothing sent since: a tie, every time.
     for r in f.routers:
-        for s in ("speculative", "baseline"):
-            health[r.group.of(s)[0]].engine_load = 10 if s == "speculative" else 0
+        for s in ROLES:
+            health[r.group.of(s)[0]].engine_load = 10 if s == Role.SPECULATIVE else 0
     chosen = Counter(f.decide().router.group.name for _ in range(400))
     assert set(chosen) == {"group-0", "group-1"} and min(chosen.values()) > 150
 
@@ -134,7 +134,7 @@ def test_a_servers_engine_load_is_the_others_as_last_read_plus_ours_now() -> Non
     # A server whose engine load turns unreadable keeps the others as they last stood (ours alone
     # would be a fraction of the load with several replicas); one never read is counted by ours.
     health["speculative-1"].engine_load = None
-    assert r.server_load("speculative-1") == 5 and r.engine_loads()["speculative"] == 7 + 5
+    assert r.server_load("speculative-1") == 5 and r.engine_loads()[Role.SPECULATIVE] == 7 + 5
     f2, _ = fleet(S0, B0, signal="engine")
     assert f2.routers[0].engine_loads() == {"speculative": None, "baseline": None}
 
@@ -162,7 +162,7 @@ def test_the_others_are_smoothed_slowly_for_placement_and_over_a_second_for_the_
         t.scraping("speculative-0")
         t.scraped("speculative-0", 10)
     assert r.placement_load("speculative-0") == pytest.approx(10, abs=0.5)
-    assert {r.admit("speculative").server for _ in range(5)} == {"speculative-1"}
+    assert {r.admit(Role.SPECULATIVE).server for _ in range(5)} == {"speculative-1"}
     # A fall counts for the mode only as it lasts: one reading of 0 leaves most of the 10.
     clock.t += 0.2
     t.scraping("speculative-0")
@@ -206,22 +206,22 @@ def test_a_second_of_one_stale_reading_does_not_move_a_replicas_requests_away_to
 def test_a_pooled_role_spreads_over_its_servers() -> None:
     f, health = fleet(f"{S0},{S1}", f"{B0},{B1}", topology="pooled", high=1000)
     (pool,) = f.routers
-    leases = [pool.admit("speculative") for _ in range(20)]
+    leases = [pool.admit(Role.SPECULATIVE) for _ in range(20)]
     counts = Counter(lease.server for lease in leases)
     assert counts == {"speculative-0": 10, "speculative-1": 10}
     for lease in leases[::2]:
         lease.release()
-    more = [pool.admit("speculative") for _ in range(10)]
+    more = [pool.admit(Role.SPECULATIVE) for _ in range(10)]
     assert Counter(lease.server for lease in more + leases[1::2]) == {"speculative-0": 10, "speculative-1": 10}
     # A server that is down gets nothing while its peer is up.
     health["speculative-0"].healthy = False
-    assert {pool.admit("speculative").server for _ in range(5)} == {"speculative-1"}
+    assert {pool.admit(Role.SPECULATIVE).server for _ in range(5)} == {"speculative-1"}
 
 
 def test_metrics_and_gauges_per_group_and_server() -> None:
     f, _ = fleet(f"{S0},{S1}", f"{B0},{B1}", high=2)
     g0, _ = f.routers
-    held = [g0.admit("speculative"), g0.admit("speculative")]
+    held = [g0.admit(Role.SPECULATIVE), g0.admit(Role.SPECULATIVE)]
     m = g0._metrics
 
     def value(name: str, **labels: str) -> float:
@@ -246,7 +246,7 @@ def test_a_group_returns_to_speculation_once_its_load_stayed_low_for_the_hold() 
     (r,) = f.routers
     r.cfg = dataclasses.replace(r.cfg, low_hold_s=2.0)
     modes = []
-    held = [r.admit("speculative") for _ in range(4)]
+    held = [r.admit(Role.SPECULATIVE) for _ in range(4)]
     modes.append(r.state.mode)
     for lease in held[1:]:
         lease.release()  # down to 1, under the low watermark of 2: the hold starts
