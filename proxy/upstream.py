@@ -154,11 +154,8 @@ class Upstream:
         """POST `body` to `target` (path and query, as the client sent them); wait for the headers."""
         pool = self._pools[backend]
         head = pool.head(b"POST", target, headers) + b"content-length: %d\r\n\r\n" % len(body)
-        return UpstreamResponse(pool, await self._exchange(pool, head + body))
-
-    async def _exchange(self, pool: ServerPool, request: bytes) -> Conn:
         try:
-            return await pool.exchange(request)
+            return UpstreamResponse(pool, await pool.exchange(head + body))
         except Broken as err:
             raise _named(pool, err, before_response=True) from None
 
@@ -168,7 +165,10 @@ class Upstream:
         request = pool.head(b"GET", path.encode("latin-1"), b"") + b"\r\n"
         try:
             async with asyncio.timeout(timeout_s):
-                conn = await self._exchange(pool, request)
+                try:
+                    conn = await pool.exchange(request)
+                except Broken as broken:
+                    raise _named(pool, broken, before_response=True) from None
                 resp = UpstreamResponse(pool, conn)
                 try:
                     parts: list[bytes] = []
