@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from . import ingress
 from .config import Settings, redact_url
 from .edge import METRICS_KEY
+from .engines import POOL_KEEPALIVE_S
 from .errors import ApiError
 from .gate import Gate
 from .health import HealthMonitor
@@ -46,7 +47,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         topology = settings.routing_topology()
         metrics = Metrics(topology.names(), [g.name for g in topology.groups])
-        upstream = Upstream.of(topology, settings)  # connections open on first use
+        upstream = Upstream.of(topology, settings, keepalive_s=POOL_KEEPALIVE_S)  # connections open on first use
         health = HealthMonitor(settings, upstream, metrics)
         calibration = settings.load_calibration()
         high, low = settings.watermarks(calibration)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .conn import Broken, Conn
-from .engines import POOL_KEEPALIVE_S
 from .forwarding import Forwarding, response_headers
 from .kinds import ErrorKind
 from .policy import Backend
@@ -134,11 +133,13 @@ class Upstream:
         self._pools = {s.name: ServerPool(s.name, s.url, limits, auth) for s in topology.servers}
 
     @classmethod
-    def of(cls, topology: Topology, settings: Settings) -> Upstream:
-        """The upstream the settings ask for, to the servers of `topology` (built by the caller)."""
+    def of(cls, topology: Topology, settings: Settings, *, keepalive_s: float) -> Upstream:
+        """The upstream the settings ask for, to the servers of `topology` (built by the caller),
+        keeping idle connections `keepalive_s` (engines.POOL_KEEPALIVE_S: an engine fact, handed in
+        so that the transport imports none of the engine adapters' parsing)."""
         key = settings.upstream_api_key
         limits = Limits(
-            settings.connect_timeout_s, settings.read_timeout_s, settings.max_connections_per_backend, POOL_KEEPALIVE_S
+            settings.connect_timeout_s, settings.read_timeout_s, settings.max_connections_per_backend, keepalive_s
         )
         api_key = key.get_secret_value() if key else None
         return cls(topology, limits, api_key=api_key, trusted_proxies=settings.trusted_proxies)

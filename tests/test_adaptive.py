@@ -24,6 +24,7 @@ from proxy.adaptive import (
 )
 from proxy.calibration import Calibration, Curve
 from proxy.config import Settings
+from proxy.engines import POOL_KEEPALIVE_S
 from proxy.health import HealthMonitor
 from proxy.metrics import Metrics
 from proxy.policy import LoadSnapshot, PolicyConfig, PolicyState, decide, dwell_mode
@@ -261,7 +262,9 @@ class Clock:
 def router(cal: Calibration | None, clock: Clock, **cfg: float) -> tuple[Router, HealthMonitor, Metrics]:
     settings = Settings(_env_file=None)
     metrics = Metrics()
-    health = HealthMonitor(settings, Upstream.of(settings.routing_topology(), settings), metrics)
+    health = HealthMonitor(
+        settings, Upstream.of(settings.routing_topology(), settings, keepalive_s=POOL_KEEPALIVE_S), metrics
+    )
     for b in health.backends.values():
         b.healthy = True
     health.backends["speculative"].spec_accept_length = 3.0

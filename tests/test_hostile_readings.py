@@ -22,6 +22,7 @@ import pytest
 from loadtest.procs import Proc, free_port, start
 from proxy import engines
 from proxy.config import Settings
+from proxy.engines import POOL_KEEPALIVE_S
 from proxy.health import HealthMonitor
 from proxy.metrics import Metrics
 from proxy.upstream import Upstream
@@ -151,7 +152,7 @@ async def monitor(spec: Script, base: Script, **settings: Any) -> AsyncIterator[
     """A HealthMonitor in this process reading two scripted servers through the real upstream."""
     with scripted(spec) as spec_url, scripted(base) as base_url:
         s = Settings(_env_file=None, speculative_url=spec_url, baseline_url=base_url, **settings)
-        upstream = Upstream.of(s.routing_topology(), s)
+        upstream = Upstream.of(s.routing_topology(), s, keepalive_s=POOL_KEEPALIVE_S)
         try:
             yield HealthMonitor(s, upstream, Metrics())
         finally:

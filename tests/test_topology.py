@@ -12,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from proxy.config import Settings
+from proxy.engines import POOL_KEEPALIVE_S
 from proxy.health import HealthMonitor
 from proxy.metrics import Metrics
 from proxy.policy import PolicyConfig, least_loaded, near_ties
@@ -86,7 +87,7 @@ def fleet(
     )
     t = settings.routing_topology()
     metrics = Metrics(t.names(), [g.name for g in t.groups])
-    health = HealthMonitor(settings, Upstream.of(t, settings), metrics)
+    health = HealthMonitor(settings, Upstream.of(t, settings, keepalive_s=POOL_KEEPALIVE_S), metrics)
     for h in health.backends.values():
         h.healthy = True
     cfg = PolicyConfig("threshold", high, high // 2, load_signal=signal)  # type: ignore[arg-type]
