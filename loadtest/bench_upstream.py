@@ -38,6 +38,7 @@ import uvloop
 from httpx_aiohttp import AiohttpTransport
 
 from proxy.config import Settings
+from proxy.engines import POOL_KEEPALIVE_S
 from proxy.upstream import Upstream
 
 from .procs import free_port, simulator_args, start
@@ -77,7 +78,7 @@ async def _measure(client: str, port: int, case: Case) -> tuple[float, float]:
     make: Callable[[], Send]
     if client == "specgate":
         settings = Settings(speculative_url=url, baseline_url=url, max_connections_per_backend=1024)
-        upstream = Upstream.of(settings.routing_topology(), settings)
+        upstream = Upstream.of(settings.routing_topology(), settings, keepalive_s=POOL_KEEPALIVE_S)
         closers.append(upstream.aclose)
         up_headers = upstream.request_headers([], "bench")
 

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from . import access, admin, ingress
 from .config import Settings, redact_url
 from .edge import METRICS_KEY
+from .engines import POOL_KEEPALIVE_S
 from .errors import ApiError
 from .gate import Gate
 from .health import HealthMonitor
@@ -44,7 +45,7 @@ async def running(settings: Settings) -> AsyncIterator[Gate]:
     fleet = Fleet(
         topology, servers, settings.policy_config(calibration), metrics, settings.adaptive_config(), calibration
     )
-    upstream = Upstream.of(topology, settings)  # connections open on first use
+    upstream = Upstream.of(topology, settings, keepalive_s=POOL_KEEPALIVE_S)  # connections open on first use
     health = HealthMonitor(
         settings,
         upstream,

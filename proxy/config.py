@@ -69,7 +69,8 @@ class Settings(BaseSettings):
     # never sees; request: the request itself, in sessions of probe_tokens output tokens.
     adaptive_probe_mode: Literal["shadow", "request"] = "shadow"
     adaptive_shadow_tokens: int = Field(16, ge=8, le=4096)
-    # A probe session sends requests one at a time until this many output tokens came back.
+    # A probe session sends requests one at a time until this many output tokens came back: by
+    # default SGLang's gauge refresh (engines.py, gauge_refresh_steps: 40) at acceptance length 4.
     adaptive_probe_tokens: int = Field(160, ge=1)
     # Leave speculation where the baseline is ahead by this share, return where speculation is.
     adaptive_margin: float = Field(0.05, ge=0, le=0.5)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .conn import Broken, Conn
-from .engines import POOL_KEEPALIVE_S
 from .forwarding import Forwarding, response_headers
 from .kinds import ErrorKind
 from .policy import Role
@@ -134,11 +133,13 @@ class Upstream:
         self._pools = {s.name: ServerPool(s.name, s.url, limits, auth) for s in topology.servers}
 
     @classmethod
-    def of(cls, topology: Topology, settings: Settings) -> Upstream:
-        """The upstream the settings ask for, to the servers of `topology` (built by the caller)."""
+    def of(cls, topology: Topology, settings: Settings, *, keepalive_s: float) -> Upstream:
+        """The upstream the settings ask for, to the servers of `topology` (built by the caller),
+        keeping idle connections `keepalive_s` (engines.POOL_KEEPALIVE_S: an engine fact, handed in
+        so that the transport imports none of the engine adapters' parsing)."""
         key = settings.upstream_api_key
         limits = Limits(
-            settings.connect_timeout_s, settings.read_timeout_s, settings.max_connections_per_backend, POOL_KEEPALIVE_S
+            settings.connect_timeout_s, settings.read_timeout_s, settings.max_connections_per_backend, keepalive_s
         )
         api_key = key.get_secret_value() if key else None
         return cls(topology, limits, api_key=api_key, trusted_proxies=settings.trusted_proxies)
@@ -154,11 +155,8 @@ class Upstream:
         """POST `body` to `target` (path and query, as the client sent them); wait for the headers."""
         pool = self._pools[backend]
         head = pool.head(b"POST", target, headers) + b"content-length: %d\r\n\r\n" % len(body)
-        return UpstreamResponse(pool, await self._exchange(pool, head + body))
-
-    async def _exchange(self, pool: ServerPool, request: bytes) -> Conn:
         try:
-            return await pool.exchange(request)
+            return UpstreamResponse(pool, await pool.exchange(head + body))
         except Broken as err:
             raise _named(pool, err, before_response=True) from None
 
@@ -168,7 +166,10 @@ class Upstream:
         request = pool.head(b"GET", path.encode("latin-1"), b"") + b"\r\n"
         try:
             async with asyncio.timeout(timeout_s):
-                conn = await self._exchange(pool, request)
+                try:
+                    conn = await pool.exchange(request)
+                except Broken as broken:
+                    raise _named(pool, broken, before_response=True) from None
                 resp = UpstreamResponse(pool, conn)
                 try:
                     parts: list[bytes] = []

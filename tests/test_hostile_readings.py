@@ -20,6 +20,7 @@ import pytest
 
 from proxy import engines
 from proxy.config import Settings
+from proxy.engines import POOL_KEEPALIVE_S
 from proxy.health import HealthMonitor
 from proxy.metrics import Metrics
 from proxy.servers import servers_of
@@ -155,7 +156,7 @@ async def monitor(
     telling `sinks` (HealthMonitor's keyword arguments) what it finds."""
     with scripted(spec) as spec_url, scripted(base) as base_url:
         s = Settings(_env_file=None, speculative_url=spec_url, baseline_url=base_url, **settings)
-        upstream = Upstream.of(s.routing_topology(), s)
+        upstream = Upstream.of(s.routing_topology(), s, keepalive_s=POOL_KEEPALIVE_S)
         try:
             t = s.routing_topology()
             metrics = Metrics(t.names(), [g.name for g in t.groups])

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-import proxy.upstream as upstream_module
 from proxy.config import Settings
+from proxy.engines import POOL_KEEPALIVE_S
 from proxy.forwarding import Forwarding
 from proxy.upstream import Upstream, UpstreamError
 
@@ -71,9 +71,11 @@ async def run_with(handler: Handler, test: Callable[[Upstream, Script], Awaitabl
     server = await asyncio.start_server(script.serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     url = settings.pop("url", f"http://127.0.0.1:{port}")
+    keepalive_s = settings.pop("keepalive_s", POOL_KEEPALIVE_S)
+    assert isinstance(keepalive_s, float)
     assert isinstance(url, str)
     s = Settings(_env_file=None, speculative_url=url.format(port=port), baseline_url=url.format(port=port), **settings)  # type: ignore[arg-type]
-    up = Upstream.of(s.routing_topology(), s)
+    up = Upstream.of(s.routing_topology(), s, keepalive_s=keepalive_s)
     try:
         await asyncio.wait_for(test(up, script), 20)
     finally:
@@ -289,7 +291,7 @@ def test_an_https_server_is_reached_over_tls(tmp_path: Path, monkeypatch: pytest
         server = await asyncio.start_server(script.serve, "127.0.0.1", 0, ssl=server_tls)
         url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         s = Settings(_env_file=None, speculative_url=url, baseline_url=url)
-        up = Upstream.of(s.routing_topology(), s)
+        up = Upstream.of(s.routing_topology(), s, keepalive_s=POOL_KEEPALIVE_S)
         try:
             assert await post(up) == (200, b"{}")
             assert await post(up) == (200, b"{}")
@@ -315,9 +317,7 @@ def test_a_reset_cuts_short_a_body_that_ends_at_eof() -> None:
     asyncio.run(run_with(reset, cut_after(b"part")))
 
 
-def test_idle_connections_are_closed_once_stale(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(upstream_module, "POOL_KEEPALIVE_S", 0.2)
-
+def test_idle_connections_are_closed_once_stale() -> None:
     async def test(up: Upstream, s: Script) -> None:
         await asyncio.gather(*(post(up) for _ in range(5)))
         assert s.open_now == 5  # all kept alive
@@ -327,7 +327,7 @@ def test_idle_connections_are_closed_once_stale(monkeypatch: pytest.MonkeyPatch)
             assert await post(up) == (200, b"{}")
         await wait_until(lambda: s.open_now == 1)  # closed when they went stale, not left for the next burst
 
-    script = asyncio.run(run_with(keep_alive, test))
+    script = asyncio.run(run_with(keep_alive, test, keepalive_s=0.2))
     assert script.connections == 5
 
 
