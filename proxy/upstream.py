@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 from .conn import Broken, Conn
 from .forwarding import Forwarding, response_headers
 from .kinds import ErrorKind
-from .policy import Role
 from .pool import Limits, ServerPool
 from .topology import Topology
 
@@ -128,8 +127,7 @@ class Upstream:
         # The head's lines for the server (Forwarding.request_headers), as the hot path asks for them.
         self.request_headers = self.forwarding.request_headers
         auth = b"Bearer " + api_key.encode("latin-1") if api_key else None
-        # Each server by its name (proxy/topology.py), with its role.
-        self.roles: dict[str, Role] = {s.name: s.role for s in topology.servers}
+        # Each server's pool by its name (servers.Server.name): routing hands the transport names only.
         self._pools = {s.name: ServerPool(s.name, s.url, limits, auth) for s in topology.servers}
 
     @classmethod
@@ -144,25 +142,25 @@ class Upstream:
         api_key = key.get_secret_value() if key else None
         return cls(topology, limits, api_key=api_key, trusted_proxies=settings.trusted_proxies)
 
-    def url(self, backend: str) -> str:
-        return self._pools[backend].url
+    def url(self, server: str) -> str:
+        return self._pools[server].url
 
     async def aclose(self) -> None:
         for pool in self._pools.values():
             pool.close()
 
-    async def send(self, backend: str, target: bytes, body: bytes, headers: bytes) -> UpstreamResponse:
+    async def send(self, server: str, target: bytes, body: bytes, headers: bytes) -> UpstreamResponse:
         """POST `body` to `target` (path and query, as the client sent them); wait for the headers."""
-        pool = self._pools[backend]
+        pool = self._pools[server]
         head = pool.head(b"POST", target, headers) + b"content-length: %d\r\n\r\n" % len(body)
         try:
             return UpstreamResponse(pool, await pool.exchange(head + body))
         except Broken as err:
             raise _named(pool, err, before_response=True) from None
 
-    async def get(self, backend: str, path: str, timeout_s: float) -> HealthProbe:
+    async def get(self, server: str, path: str, timeout_s: float) -> HealthProbe:
         """A small GET with its own timeout (health, metrics, models)."""
-        pool = self._pools[backend]
+        pool = self._pools[server]
         request = pool.head(b"GET", path.encode("latin-1"), b"") + b"\r\n"
         try:
             async with asyncio.timeout(timeout_s):
@@ -177,14 +175,14 @@ class Upstream:
                     while chunk := await resp.read_chunk():
                         size += len(chunk)
                         if size > _GET_BODY_LIMIT:
-                            raise UpstreamError("protocol", f"{backend}: {path} body too large", retryable=False)
+                            raise UpstreamError("protocol", f"{server}: {path} body too large", retryable=False)
                         parts.append(chunk)
                     resp.release()
                     return HealthProbe(conn.status, b"".join(parts), None)
                 finally:
                     resp.close()
         except TimeoutError:
-            err = UpstreamError("timeout", f"{backend}: no answer to {path} within {timeout_s:g} s", retryable=False)
+            err = UpstreamError("timeout", f"{server}: no answer to {path} within {timeout_s:g} s", retryable=False)
             return HealthProbe(None, b"", err)
         except UpstreamError as err:
             return HealthProbe(None, b"", err)

@@ -366,12 +366,12 @@ def test_the_poll_loop_survives_a_failing_probe(caplog: pytest.LogCaptureFixture
     def arrange(m: HealthMonitor) -> Callable[[], bool]:
         get, calls = m._upstream.get, [0]
 
-        async def flaky(backend: str, path: str, timeout_s: float) -> Any:
+        async def flaky(server: str, path: str, timeout_s: float) -> Any:
             if path == "/health":
                 calls[0] += 1
                 if calls[0] <= 2:
                     raise RuntimeError("boom")
-            return await get(backend, path, timeout_s)
+            return await get(server, path, timeout_s)
 
         m._upstream.get = flaky  # type: ignore[method-assign]
         return lambda: calls[0] > 4 and all(s.healthy for s in m.servers.values())
