@@ -27,7 +27,9 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
 
 @dataclass(frozen=True)
-class Server:
+class ServerSpec:
+    """One server as configured (a setting's entry); the running gateway's is servers.Server."""
+
     name: str
     role: Role
     url: str
@@ -46,7 +48,7 @@ class Group:
 @dataclass(frozen=True)
 class Topology:
     kind: TopologyName
-    servers: tuple[Server, ...]
+    servers: tuple[ServerSpec, ...]
     groups: tuple[Group, ...]
 
     def names(self) -> tuple[str, ...]:
@@ -75,7 +77,7 @@ def build(speculative: str, baseline: str, kind: TopologyName | None) -> Topolog
         Role.SPECULATIVE: entries(speculative),
         Role.BASELINE: entries(baseline),
     }
-    servers: list[Server] = []
+    servers: list[ServerSpec] = []
     for role in ROLES:
         found = lists[role]
         if not found:
@@ -85,7 +87,7 @@ def build(speculative: str, baseline: str, kind: TopologyName | None) -> Topolog
                 name = role if len(found) == 1 else f"{role}-{i}"
             elif not _NAME.fullmatch(name):
                 raise ValueError(f"server name {name!r}: letters, digits, '.', '_' and '-' only, at most 63")
-            servers.append(Server(name, role, url.rstrip("/")))
+            servers.append(ServerSpec(name, role, url.rstrip("/")))
     names = [s.name for s in servers]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
