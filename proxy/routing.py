@@ -61,7 +61,6 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
-        self.static_cfg = cfg
         self.cfg = cfg
         self.group = group
         self._servers = servers
