@@ -134,7 +134,8 @@ def ask_for_usage(payload: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
         return body[:at] + _INCLUDE_USAGE + (b"," if payload else b"") + body[at:], True
     try:
         exact = json.loads(body)
-        exact["stream_options"] = {**exact["stream_options"], "include_usage": True}
+        # `null` options are no options (as OpenAI's SDK and the engines read them).
+        exact["stream_options"] = {**(exact["stream_options"] or {}), "include_usage": True}
         return json.dumps(exact, separators=(",", ":"), ensure_ascii=False).encode(), True
     except (ValueError, RecursionError):
         return body, False

@@ -74,9 +74,14 @@ async def test_usage_counted_whether_or_not_the_client_asked(gateway: StartGatew
     body = {"messages": CHAT, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
     asked = sse_json((await gw.client.post("/v1/chat/completions", json=body)).content)
     assert asked[-1]["usage"]["completion_tokens"] == 4
+    # `null` options are no options: counted, and the chunk the client did not ask for is dropped.
+    body = {"messages": CHAT, "max_tokens": 5, "stream": True, "stream_options": None}
+    nulled = await gw.client.post("/v1/chat/completions", json=body)
+    assert nulled.status_code == 200, nulled.text
+    assert all(c.get("usage") is None for c in sse_json(nulled.content))
     await gw.client.post("/v1/completions", json={"prompt": "x" * 40, "max_tokens": 3})
     m = await gw.metrics()
-    assert m["specgate_output_tokens_total"] == 6 + 4 + 3
+    assert m["specgate_output_tokens_total"] == 6 + 4 + 5 + 3
     assert m["specgate_prompt_tokens_total"] > 0
 
 
