@@ -42,6 +42,14 @@ class RequestResult:
     client_error: bool = False
     # Tries this result took; a value above 1 means it needed a new connection.
     attempts: int = 1
+    # Prompt tokens the server found in its prefix cache (usage.prompt_tokens_details.cached_tokens,
+    # as SGLang reports it with --enable-cache-report); None when the usage carried no such field.
+    cached_tokens: int | None = None
+    # What the request was part of (workload.py): its traffic class, its session (a conversation;
+    # each single-turn request is a session of its own) and its turn in that session, from 1.
+    traffic_class: str = "all"
+    session: str = ""
+    turn: int = 1
 
     @property
     def latency(self) -> float:
@@ -97,22 +105,28 @@ CLIENT_RETRIES = 2
 
 
 async def stream_request(
-    session: aiohttp.ClientSession, target: Target, prompt: Prompt, retries: int = CLIENT_RETRIES
+    session: aiohttp.ClientSession,
+    target: Target,
+    prompt: Prompt,
+    retries: int = CLIENT_RETRIES,
+    text_sink: list[str] | None = None,
 ) -> RequestResult:
     """One request; a client-side failure is retried `retries` times, each on a connection of its own.
+    With `text_sink`, the text the server streamed is appended to it, piece by piece (a multi-turn
+    session sends the reply back as received); it holds the pieces of the answered try only.
 
     Timing is that of the attempt that produced the result: a failed attempt's time is spent on a
     connection the server had already given up (or never took), not on the server's work, so
     counting it would charge the client's pool to the server's TTFT and latency.
     """
-    result = await _attempt(session, target, prompt)
+    result = await _attempt(session, target, prompt, text_sink)
     attempts = 1
     while result.client_error and attempts <= retries:
         # A session that pools nothing: the pool is what handed out the dead connection. The POST
         # is resent even though the server may have read it: a load test only loses some work.
         fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), timeout=session.timeout)
         async with fresh:
-            result = await _attempt(fresh, target, prompt)
+            result = await _attempt(fresh, target, prompt, text_sink)
         attempts += 1
     result.attempts = attempts
     if result.client_error and attempts > 1:
@@ -120,8 +134,12 @@ async def stream_request(
     return result
 
 
-async def _attempt(session: aiohttp.ClientSession, target: Target, prompt: Prompt) -> RequestResult:
+async def _attempt(
+    session: aiohttp.ClientSession, target: Target, prompt: Prompt, text_sink: list[str] | None
+) -> RequestResult:
     result = RequestResult(started=time.monotonic())
+    if text_sink is not None:
+        text_sink.clear()
     text_chunks = 0
     done = False
     answered = False
@@ -145,7 +163,10 @@ async def _attempt(session: aiohttp.ClientSession, target: Target, prompt: Promp
                 if "error" in event:
                     result.error = f"stream error: {str(event['error'])[:200]}"
                     return result
-                if _has_text(event):
+                text = _content(event)
+                if text:
+                    if text_sink is not None and isinstance(text, str):
+                        text_sink.append(text)
                     now = time.monotonic()
                     if result.ttft is None:
                         result.ttft = now - result.started
@@ -153,8 +174,7 @@ async def _attempt(session: aiohttp.ClientSession, target: Target, prompt: Promp
                     text_chunks += 1
                 usage = event.get("usage")
                 if isinstance(usage, dict):
-                    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    result.output_tokens = int(usage.get("completion_tokens") or 0)
+                    read_usage(result, usage)
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]
         # A timeout is the server being slow with a request it had; a malformed status line is an
@@ -174,11 +194,23 @@ async def _attempt(session: aiohttp.ClientSession, target: Target, prompt: Promp
     return result
 
 
-def _has_text(event: dict[str, Any]) -> bool:
+def read_usage(result: RequestResult, usage: Mapping[str, Any]) -> None:
+    """A usage object's counts into `result`: prompt and output tokens, and the cached prompt tokens
+    when the server reports them (SGLang only with --enable-cache-report: without it there is no
+    `prompt_tokens_details`, and the hit rate is unknown rather than 0)."""
+    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    result.output_tokens = int(usage.get("completion_tokens") or 0)
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    if isinstance(cached, int) and not isinstance(cached, bool):
+        result.cached_tokens = cached
+
+
+def _content(event: dict[str, Any]) -> Any:
+    """The event's text (a chat delta's content or a completion's text); falsy when it has none."""
     choices = event.get("choices")
     if not choices:
-        return False
+        return None
     choice = choices[0]
     delta = choice.get("delta")
-    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-    return bool(text)
+    return delta.get("content") if isinstance(delta, dict) else choice.get("text")

@@ -7,8 +7,8 @@ import asyncio
 import re
 
 from .calibrate import crossovers
-from .kit.sweeps import add_load_options, default_prompts, settings_of, sweep_targets
-from .report import compare_table, describe_crossover, level_table, plot_compare, write_json
+from .kit.sweeps import add_load_options, default_prompts, settings_of, slo_of, sweep_targets
+from .report import class_table, compare_table, describe_crossover, level_table, plot_compare, write_json
 
 RESERVED_NAMES = ("speculative", "baseline", "specgate")
 
@@ -49,6 +49,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     default_prompts(args)
     sweeps = asyncio.run(sweep_targets({"target": args.url}, args))
     print(level_table(f"sweep of {args.url}", sweeps["target"]))
+    print("\n" + class_table("by traffic class", sweeps["target"], slo_of(args)))
     if args.out:
         write_json(args.out, {"settings": settings_of(args), "levels": sweeps["target"]})
     return 0
@@ -67,6 +68,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     tp, lat = crossovers(sweeps["speculative"], sweeps["baseline"])
     for name, rows in sweeps.items():
         print(level_table(name, rows) + "\n")
+        print(class_table(f"{name} by traffic class", rows, slo_of(args)) + "\n")
     print(compare_table(sweeps))
     print(f"\nthroughput (output tok/s):  {describe_crossover(tp)}")
     print(f"per-request latency (TPOT): {describe_crossover(lat)}")

@@ -416,3 +416,18 @@ def repetitive(seed: int = 0) -> Iterator[Prompt]:
             head = f"Copy the paragraph below word for word, {k} times."
             body = "\n\n".join([material] * k)
         yield _from_text(head + "\n\n" + body)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces for text of any length (textbank.py)
+
+
+def vocabulary() -> tuple[str, ...]:
+    """The distinct lower-case words of the diverse prompts' topics and padding, in a fixed order."""
+    found = dict.fromkeys(w for line in (*_TOPICS, *_PADDING) for w in re.findall(r"[a-z]+", line.lower()))
+    return tuple(found)
+
+
+def material(rng: random.Random) -> str:
+    """One piece of what the repetitive prompts quote (a list, a function or a block of log lines)."""
+    return rng.choice((_list_material, _code_material, _log_material))(rng)

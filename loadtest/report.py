@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .calibrate import Crossover, Recommendation
+from .classes import Slo
 from .kit.plots import pyplot
 from .stats import LevelStats
 
@@ -53,6 +54,42 @@ def level_table(title: str, rows: Sequence[LevelStats]) -> str:
                  "requests that failed before the server answered)")  # fmt: skip
     lines += level_warnings(rows)
     return "\n".join(lines)
+
+
+def class_table(title: str, rows: Sequence[LevelStats], slo: Slo) -> str:
+    """Each level's traffic classes: latency percentiles, throughput, goodput, prefix-cache hit rate."""
+    head = (
+        f"{'conc':>5} {'class':<12} {'ok':>5} {'err':>4} {'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'p99':>6} "
+        f"{'out tok/s':>10} {'good req/s':>10} {'good':>5} {'cache hit':>9} {'prompt tok':>10}"
+    )
+    lines = [title, head, "-" * len(head)]
+    unreported = False
+    for r in rows:
+        for c in r.classes.values():
+            unreported |= c.prefix_cache_hit_rate is None
+            lines.append(
+                f"{_conc(r):>5} {c.name:<12} {c.completed:>5} {c.errors:>4} {fmt(c.p50_ttft_ms):>8} "
+                f"{fmt(c.p99_ttft_ms):>7} {fmt(c.p50_tpot_ms):>8} {fmt(c.p99_tpot_ms):>6} {fmt(c.output_tok_s):>10} "
+                f"{_opt(c.goodput_req_s, '{:,.2f}'):>10} {_opt(c.goodput_share, '{:.0%}'):>5} "
+                f"{_opt(c.prefix_cache_hit_rate, '{:.1%}'):>9} {fmt(c.mean_prompt_tokens, 0):>10}"
+            )
+    lines.append(
+        f"(times in ms; good: the share of requests within {slo.describe()}, good req/s those finished in the "
+        "window; cache hit: cached prompt tokens over prompt tokens, from usage; prompt tok: the mean)"
+        if slo.given
+        else "(times in ms; goodput not measured: no SLO given (--slo-ttft-ms, --slo-tpot-ms); cache hit: cached "
+        "prompt tokens over prompt tokens, from usage; prompt tok: the mean)"
+    )
+    if unreported:
+        lines.append(
+            "  note: cache hit n/a: the server's usage carried no prompt_tokens_details.cached_tokens (SGLang "
+            "reports it when started with --enable-cache-report)"
+        )
+    return "\n".join(lines)
+
+
+def _opt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else "-" if math.isnan(value) else spec.format(value)
 
 
 def _window(r: LevelStats) -> str:

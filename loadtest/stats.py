@@ -12,8 +12,12 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .client import RequestResult
+
+if TYPE_CHECKING:  # classes.py builds on this module's helpers
+    from .classes import ClassSummary
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -98,6 +102,8 @@ class LevelStats:
     # How long the window ran on past its planned length to collect enough good requests (0: it
     # did not; sweep.LevelPlan.max_duration_s).
     extended_s: float = 0.0
+    # Per traffic class (classes.py; one class, "all", without --class).
+    classes: dict[str, ClassSummary] = field(default_factory=dict)
 
 
 def summarize(

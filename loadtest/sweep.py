@@ -9,6 +9,9 @@ a short window then extends at the low levels, whose requests take longest to fi
 of leaving them inconclusive. Then no new requests are sent and the ones
 in flight finish (drain), so every request that overlapped the window has its `usage`. Output
 throughput counts the tokens produced inside the window (see stats.tokens_in_window).
+
+What a stream sends is its workload's script (workload.py): the next prompt, or the next turn of a
+conversation after a think time, with the reply sent back to it as received.
 """
 
 from __future__ import annotations
@@ -17,15 +20,16 @@ import asyncio
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from .classes import Slo, summarise_by_class
 from .client import RequestResult, Target, stream_request
-from .prompts import Prompt
 from .stats import DEFAULT_MIN_REQUESTS, LevelStats, min_ok_requests, summarize
+from .workload import Workload
 
 # A worker whose request failed waits this long before the next, so a dead target is no busy loop.
 ERROR_BACKOFF_S = 0.05
@@ -99,7 +103,7 @@ class _Level:
     target: Target
     concurrency: int
     plan: LevelPlan
-    prompts: Iterator[Prompt]
+    workload: Workload
     progress: Progress | None
     min_requests: int
     results: list[RequestResult] = field(default_factory=list)
@@ -128,9 +132,18 @@ class _Level:
 
     async def worker(self, stream: int) -> None:
         counted_first = False
+        script = self.workload.stream(stream)
+        reply: str | None = None  # the first send starts the script, which receives nothing
         while not self.stop.is_set():
-            r = await stream_request(self.session, self.target, next(self.prompts))
+            # Drawn when it is sent, as the prompts of a sweep always were.
+            turn = script.send(reply)
+            if turn.think_s > 0 and await self.stopped_within(turn.think_s):
+                break
+            text: list[str] | None = [] if turn.keep_reply else None
+            r = await stream_request(self.session, self.target, turn.prompt, text_sink=text)
+            r.traffic_class, r.session, r.turn = turn.traffic_class, turn.session, turn.turn
             self.results.append(r)
+            reply = ("".join(text) if text is not None else "") if r.ok else None
             if self.window and r.started >= self.window[0]:
                 if r.ok:
                     self.good += 1
@@ -147,6 +160,14 @@ class _Level:
                     self.errors += 1
                 await asyncio.sleep(ERROR_BACKOFF_S)
             self.report(self.phase())
+
+    async def stopped_within(self, seconds: float) -> bool:
+        """Waits `seconds` (a user thinking), or less if the level stops meanwhile; whether it did."""
+        try:
+            await asyncio.wait_for(self.stop.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
 
     def has_enough(self) -> bool:
         return enough(self.concurrency, self.min_requests, self.good, len(self.good_streams), self.failed)
@@ -180,17 +201,29 @@ class _Level:
                 await asyncio.sleep(0.01)
 
 
-async def run_level(
+@dataclass(frozen=True)
+class LevelRun:
+    """What one level recorded: every request, and the measurement window [t0, t1]."""
+
+    results: list[RequestResult]
+    t0: float
+    t1: float
+    # How long the window ran past its planned length (0: it did not).
+    extended_s: float = 0.0
+
+
+async def measure_level(
     session: aiohttp.ClientSession,
     target: Target,
     concurrency: int,
     plan: LevelPlan,
-    prompts: Iterator[Prompt],
+    workload: Workload,
     progress: Progress | None = None,
     min_requests: int = DEFAULT_MIN_REQUESTS,
     during_window: DuringWindow | None = None,
-) -> tuple[LevelStats, list[RequestResult]]:
-    level = _Level(session, target, concurrency, plan, prompts, progress, min_requests)
+) -> LevelRun:
+    """One level: `concurrency` streams of `workload` warmed up, measured and drained."""
+    level = _Level(session, target, concurrency, plan, workload, progress, min_requests)
     workers = [asyncio.create_task(level.worker(i)) for i in range(concurrency)]
     await level.warm_up()
     t0 = time.monotonic()
@@ -206,7 +239,27 @@ async def run_level(
     if beside is not None:
         await beside
     level.report("done")
-    stats = summarize(concurrency, level.results, level.window[0], level.window[1], min_requests)
-    if level.extending:
-        stats = dataclasses.replace(stats, extended_s=level.window[1] - level.extending[0])
-    return stats, level.results
+    extended = level.window[1] - level.extending[0] if level.extending else 0.0
+    return LevelRun(level.results, level.window[0], level.window[1], extended)
+
+
+async def run_level(
+    session: aiohttp.ClientSession,
+    target: Target,
+    concurrency: int,
+    plan: LevelPlan,
+    workload: Workload,
+    progress: Progress | None = None,
+    min_requests: int = DEFAULT_MIN_REQUESTS,
+    during_window: DuringWindow | None = None,
+    slo: Slo | None = None,
+) -> tuple[LevelStats, list[RequestResult]]:
+    run = await measure_level(session, target, concurrency, plan, workload, progress, min_requests, during_window)
+    return level_stats(concurrency, run, min_requests, slo), run.results
+
+
+def level_stats(concurrency: int, run: LevelRun, min_requests: int, slo: Slo | None = None) -> LevelStats:
+    """The level's summary, with one per traffic class."""
+    stats = summarize(concurrency, run.results, run.t0, run.t1, min_requests)
+    classes = summarise_by_class(run.results, run.t0, run.t1, slo)
+    return dataclasses.replace(stats, extended_s=run.extended_s, classes=classes)

@@ -13,12 +13,15 @@ from typing import Any
 import aiohttp
 import orjson
 
+from ..args import count, non_negative, positive
 from ..args import levels as _levels
+from ..classes import Slo
 from ..client import Target
-from ..prompts import source
 from ..report import level_warnings
 from ..stats import DEFAULT_MIN_REQUESTS, LevelStats
 from ..sweep import DuringWindow, LevelPlan, TargetUnreachable, first_model, make_session, run_level
+from ..textbank import TextBank
+from ..workload import WORKLOADS, Workload, WorkloadSpec, parse_class
 
 DEFAULT_LEVELS = "1,2,5,10,30,70,100,250"
 # --max-duration-s by default: generous, since it is spent only on levels short of good requests
@@ -62,7 +65,7 @@ def add_load_options(p: argparse.ArgumentParser, levels: str = DEFAULT_LEVELS) -
         help="diverse (default; --real demo: short), short (diverse at ~20 tokens, for CPU servers), repetitive "
         "(echo and copy tasks that repeat their own text: high acceptance), fixed, or a JSONL file of prompts/messages",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the diverse prompts")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts, the sessions and the classes' draws")
     p.add_argument("--model", default=None, help="model name (default: the first of the target's /v1/models)")
     p.add_argument("--api-key", default=None)
     p.add_argument(
@@ -85,6 +88,105 @@ def add_load_options(p: argparse.ArgumentParser, levels: str = DEFAULT_LEVELS) -
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--out", default=None, help="write every figure and the settings as JSON here")
+    add_workload_options(p)
+
+
+def add_workload_options(p: argparse.ArgumentParser) -> None:
+    """Production traffic (docs/loadtest.md): the workload, its traffic classes and the SLOs of goodput."""
+    d = WorkloadSpec()
+    g = p.add_argument_group("production traffic")
+    g.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="single",
+        help="single: one-turn requests of --prompts (default); multiturn: sessions of --turns chat turns over a "
+        "shared system prompt, each turn resending the whole conversation; longctx: one-turn requests of lengths "
+        "drawn around --prompt-tokens-mean",
+    )
+    g.add_argument(
+        "--system-tokens",
+        type=_at_least_0,
+        default=d.system_tokens,
+        help=f"multiturn: the system prompt every session shares (default {d.system_tokens}; 0: none)",
+    )
+    g.add_argument("--turns", type=count, default=d.turns, help=f"multiturn: turns a session (default {d.turns})")
+    g.add_argument(
+        "--user-tokens",
+        type=count,
+        default=d.user_tokens,
+        help=f"multiturn: mean tokens of a user message, spread +-30%% (default {d.user_tokens})",
+    )
+    g.add_argument(
+        "--think-time-s",
+        type=non_negative,
+        default=d.think_time_s,
+        help=f"multiturn: mean wait between a reply and the next turn, exponential, at most 5 x the mean, "
+        f"divided by --time-scale where the command has one (default {d.think_time_s:g})",
+    )
+    g.add_argument(
+        "--prompt-tokens-mean",
+        type=count,
+        default=d.prompt_tokens_mean,
+        help=f"longctx: mean prompt length (default {d.prompt_tokens_mean})",
+    )
+    g.add_argument(
+        "--prompt-tokens-spread",
+        type=non_negative,
+        default=d.prompt_tokens_spread,
+        help=f"longctx: coefficient of variation of the lognormal lengths (default {d.prompt_tokens_spread:g})",
+    )
+    g.add_argument(
+        "--prompt-tokens-max",
+        type=count,
+        default=d.prompt_tokens_max,
+        help=f"longctx: longest prompt, lengths clamped to [16, it] (default {d.prompt_tokens_max}; keep "
+        "it under the model's context less --max-tokens)",
+    )
+    g.add_argument(
+        "--class",
+        dest="classes",
+        type=parse_class,
+        action="append",
+        default=[],
+        metavar="NAME:SHARE:KIND",
+        help="a traffic class (repeatable; shares sum to 1), KIND diverse or repetitive, e.g. --class "
+        "chat:0.7:diverse --class code:0.3:repetitive: each session (or request) is drawn into one; reported "
+        "per class (default: one class, all)",
+    )
+    g.add_argument("--slo-ttft-ms", type=positive, default=None, help="goodput: a request's TTFT at most this")
+    g.add_argument("--slo-tpot-ms", type=positive, default=None, help="goodput: a request's TPOT at most this")
+
+
+def _at_least_0(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{raw} must be >= 0")
+    return value
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    """The workload the flags ask for, or ValueError naming the flag. Think time is divided by the
+    command's --time-scale, if it has one (demo: the simulators run that much faster)."""
+    return WorkloadSpec(
+        kind=args.workload,
+        classes=tuple(args.classes),
+        seed=args.seed,
+        prompts=args.prompts or "diverse",
+        system_tokens=args.system_tokens,
+        turns=args.turns,
+        user_tokens=args.user_tokens,
+        think_time_s=args.think_time_s / getattr(args, "time_scale", 1.0),
+        prompt_tokens_mean=args.prompt_tokens_mean,
+        prompt_tokens_spread=args.prompt_tokens_spread,
+        prompt_tokens_max=args.prompt_tokens_max,
+    )
+
+
+def slo_of(args: argparse.Namespace) -> Slo:
+    return Slo(args.slo_ttft_ms, args.slo_tpot_ms)
 
 
 def max_duration(args: argparse.Namespace) -> float | None:
@@ -134,6 +236,8 @@ async def sweep_targets(
             targets[name] = await _target(url, args)
         except TargetUnreachable as exc:
             raise TargetUnreachable(f"{name}: {exc}") from None
+    spec = workload_spec(args)
+    bank = TextBank(spec.seed) if spec.kind != "single" else None
     plan = _plan(args)
     if plan.extends and args.min_requests > 0:
         print(
@@ -148,7 +252,8 @@ async def sweep_targets(
             for name, target in targets.items():
                 sampler = (samplers or {}).get(name)
                 beside = None if sampler is None else functools.partial(sampler, c)
-                out[name].append(await _one_level(session, name, target, c, plan, args, beside))
+                workload = Workload(spec, bank)  # each level and target from the same start
+                out[name].append(await _one_level(session, name, target, c, plan, args, workload, beside))
     return out
 
 
@@ -159,6 +264,7 @@ async def _one_level(
     c: int,
     plan: LevelPlan,
     args: argparse.Namespace,
+    workload: Workload,
     beside: DuringWindow | None,
 ) -> LevelStats:
     """One target at one level, a progress bar while it runs and its summary line after."""
@@ -170,8 +276,7 @@ async def _one_level(
         bar.set_postfix_str(f"{phase}, {errors} errors, {client_errors} client errors", refresh=False)
         bar.update(done - bar.n)
 
-    prompts = source(args.prompts, args.seed)
-    stats, _ = await run_level(session, target, c, plan, prompts, progress, args.min_requests, beside)
+    stats, _ = await run_level(session, target, c, plan, workload, progress, args.min_requests, beside, slo_of(args))
     bar.close()
     window = f", window {stats.duration_s:.1f} s (extended +{stats.extended_s:.1f} s)" if stats.extended_s else ""
     print(
@@ -191,6 +296,13 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def default_prompts(args: argparse.Namespace, real: bool = False) -> None:
-    """--prompts left out: short prompts for the real CPU pair, diverse ones otherwise."""
+    """--prompts left out: short prompts for the real CPU pair, diverse ones otherwise. --prompts
+    with a generated workload or with --class is refused: those choose the prompts themselves."""
+    if args.prompts is not None and (args.workload != "single" or args.classes):
+        raise ValueError(
+            "--prompts applies to --workload single without --class: the classes' KIND (and the "
+            "workload) choose the prompts otherwise"
+        )
+    workload_spec(args)  # a bad combination fails here, before any server is asked for its model
     if args.prompts is None:
         args.prompts = "short" if real else "diverse"
