@@ -75,6 +75,7 @@ MODULE_TIERS = {
     "test_topology_stack": "loopback",
     "test_upstream": "inprocess",
     "test_verdicts": "inprocess",
+    "test_workload": "inprocess",
 }
 
 # Tests that start processes in modules that are otherwise in-process ("module::function").
@@ -97,6 +98,7 @@ TEST_TIERS = {
     "test_shift::test_shift_rejects_a_settle_period_as_long_as_the_phase": "loopback",
     "test_simulator_accept::test_chunks_and_live_gauge_follow_the_prompt_mix": "loopback",
     "test_upstream::test_an_https_server_is_reached_over_tls": "loopback",
+    "test_workload::test_multiturn_classes_against_the_simulator": "loopback",
 }
 
 
