@@ -99,6 +99,7 @@ TEST_TIERS = {
     "test_simulator_accept::test_chunks_and_live_gauge_follow_the_prompt_mix": "loopback",
     "test_upstream::test_an_https_server_is_reached_over_tls": "loopback",
     "test_workload::test_multiturn_classes_against_the_simulator": "loopback",
+    "test_workload::test_sweep_reports_each_class_in_the_table_and_the_json": "loopback",
 }
 
 

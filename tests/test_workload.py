@@ -7,10 +7,14 @@ loopback test against the simulator (TEST_TIERS)."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 import statistics
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -515,3 +519,28 @@ async def test_multiturn_classes_against_the_simulator(simulator: StartSim) -> N
     for c in by_class.values():
         assert c.completed > 0 and c.mean_prompt_tokens > 300
         assert c.prefix_cache_hit_rate is None or 0 <= c.prefix_cache_hit_rate <= 1
+
+
+def test_sweep_reports_each_class_in_the_table_and_the_json(simulator: StartSim, tmp_path: Path) -> None:
+    sim = simulator("speculative", "--time-scale", "20", "--accept-from-prompt")
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest", "sweep", "--url", sim.url, "--concurrency", "3", "--duration-s", "1",
+         "--max-tokens", "8", "--quiet", "--workload", "multiturn", "--think-time-s", "0.05",
+         "--class", "chat:0.5:diverse", "--class", "code:0.5:repetitive", "--slo-ttft-ms", "5000", "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "by traffic class" in proc.stdout and "TTFT <= 5000 ms" in proc.stdout
+    assert "--enable-cache-report" in proc.stdout  # the simulator reports no cached tokens
+    data = json.loads(out.read_text())
+    (level,) = data["levels"]
+    assert set(level["classes"]) == {"chat", "code"}
+    for c in level["classes"].values():
+        assert c["completed"] > 0 and c["goodput_share"] == 1.0 and c["goodput_req_s"] > 0
+        assert c["prefix_cache_hit_rate"] is None and c["cache_reported"] == 0
+    assert level["completed"] == sum(c["completed"] for c in level["classes"].values())
+    settings = data["settings"]
+    assert (settings["workload"], settings["prompts"]) == ("multiturn", None)
+    assert settings["classes"] == [{"name": "chat", "share": 0.5, "kind": "diverse"},
+                                   {"name": "code", "share": 0.5, "kind": "repetitive"}]  # fmt: skip

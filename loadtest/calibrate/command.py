@@ -102,6 +102,8 @@ def _calibration_settings(
         "models": dict(models),
         "endpoint": args.endpoint,
         "prompts": args.prompts,
+        "workload": args.workload,
+        "classes": [f"{c.name}:{c.share:g}:{c.kind}" for c in args.classes],
         "seed": args.seed,
         "max_tokens": args.max_tokens,
         "ignore_eos": not args.no_ignore_eos,

@@ -297,12 +297,14 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
 
 def default_prompts(args: argparse.Namespace, real: bool = False) -> None:
     """--prompts left out: short prompts for the real CPU pair, diverse ones otherwise. --prompts
-    with a generated workload or with --class is refused: those choose the prompts themselves."""
-    if args.prompts is not None and (args.workload != "single" or args.classes):
+    with a generated workload or with --class is refused, and left unset (null in --out): those
+    choose the prompts themselves."""
+    chosen_elsewhere = args.workload != "single" or bool(args.classes)
+    if args.prompts is not None and chosen_elsewhere:
         raise ValueError(
             "--prompts applies to --workload single without --class: the classes' KIND (and the "
             "workload) choose the prompts otherwise"
         )
     workload_spec(args)  # a bad combination fails here, before any server is asked for its model
-    if args.prompts is None:
+    if args.prompts is None and not chosen_elsewhere:
         args.prompts = "short" if real else "diverse"
