@@ -8,6 +8,7 @@ wall clock, so the checks hold on a loaded machine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import re
 import statistics
@@ -153,7 +154,11 @@ def test_prompt_text_of_each_request_kind() -> None:
         {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "image_url"}]},
         {"role": "assistant", "content": None},
     ]
-    assert text("chat", {"messages": messages}) == "be brief\nhello"
+    # A chat is judged by its last user message, not the system prompt or earlier replies.
+    assert text("chat", {"messages": messages}) == "hello"
+    later = [*messages, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}]
+    assert text("chat", {"messages": later}) == "again"
+    assert text("chat", {"messages": [{"role": "system", "content": "only"}]}) == "only"
     assert text("completion", {"prompt": "abc"}) == "abc"
     assert text("completion", {"prompt": ["abc"]}) == "abc"
     assert text("completion", {"prompt": [1, 2, 3]}) == ""
@@ -174,11 +179,11 @@ class RecordingGpu(SharedGpu):
         self.done = asyncio.Event()
         self._steps = steps
 
-    def book(self, earliest: float, duration: float) -> float:
+    def book(self, earliest: float, duration: float, owner: object = None, contention: float = 1.0) -> float:
         self.durations.append(duration)
         if len(self.durations) > self._steps:  # the previous step was taken
             self.done.set()
-        return super().book(earliest, duration)
+        return super().book(earliest, duration, owner, contention)
 
 
 def run_engine(cfg: ServerConfig, accepts: list[float | None], steps: int) -> tuple[Engine, RecordingGpu]:
@@ -187,13 +192,11 @@ def run_engine(cfg: ServerConfig, accepts: list[float | None], steps: int) -> tu
     gpu = RecordingGpu(steps)
 
     async def go() -> Engine:
+        cfg_fast = dataclasses.replace(cfg, time_scale=scale, ttft_base_ms=0.0, prefill_tok_s=1e12 / scale)
         engine = Engine(
-            throughput=lambda c: cfg.profile.throughput(cfg.role, c) * scale,
-            step_accept_length=cfg.step_accept_length,
+            speed=cfg_fast.speed(),
             accept_length=cfg.default_accept_length,
             max_running=len(accepts),
-            ttft_base_s=0.0,
-            prefill_tok_s=1e12,
             kv_capacity_tokens=10**12,
             speculative=cfg.role == "speculative",
             gpu=gpu,
@@ -218,7 +221,8 @@ def decode_tok_s(engine: Engine, gpu: RecordingGpu) -> float:
 
 
 def test_throughput_follows_the_batch_mean_acceptance() -> None:
-    cfg = ServerConfig(role="speculative", profile=load_profile("crossover"), accept_from_prompt=True)
+    curve = load_profile("crossover")
+    cfg = ServerConfig(role="speculative", profile=curve, accept_from_prompt=True)
     batch = 8
     rates = {}
     for name in ("repetitive", "diverse"):
@@ -227,20 +231,21 @@ def test_throughput_follows_the_batch_mean_acceptance() -> None:
         mean_accept = statistics.mean(a for a in accepts if a is not None)
         rates[name] = (decode_tok_s(engine, gpu), mean_accept)
         # T(c) tokens/s at the profile's acceptance, scaled by the batch's mean over it.
-        expected = cfg.profile.throughput("speculative", batch) * mean_accept / cfg.step_accept_length
+        expected = curve.throughput("speculative", batch) * mean_accept / cfg.step_accept_length
         assert rates[name][0] == pytest.approx(expected, rel=0.02), name
-        assert gpu.durations[0] == pytest.approx(3.0 * batch / (cfg.profile.throughput("speculative", batch) * 1000))
+        assert gpu.durations[0] == pytest.approx(3.0 * batch / (curve.throughput("speculative", batch) * 1000))
     (rep, rep_accept), (div, div_accept) = rates["repetitive"], rates["diverse"]
     assert rep_accept > 3.4 and div_accept < 1.1
     assert rep / div == pytest.approx(rep_accept / div_accept, rel=0.03)
 
 
 def test_a_mixed_batch_advances_each_request_by_its_own_acceptance() -> None:
-    cfg = ServerConfig(role="speculative", profile=load_profile("crossover"))
+    curve = load_profile("crossover")
+    cfg = ServerConfig(role="speculative", profile=curve)
     engine, gpu = run_engine(cfg, [1.0, 2.5, 4.0, None], steps=100)  # None: the default, the profile's 3
     steps = engine.stats.decode_steps
     assert engine.stats.decode_accepted == pytest.approx(steps * (1.0 + 2.5 + 4.0 + 3.0), abs=4)
-    assert decode_tok_s(engine, gpu) == pytest.approx(cfg.profile.throughput("speculative", 4) * 2.625 / 3, rel=0.02)
+    assert decode_tok_s(engine, gpu) == pytest.approx(curve.throughput("speculative", 4) * 2.625 / 3, rel=0.02)
 
 
 def test_the_profile_speed_holds_at_the_profile_acceptance_and_on_the_baseline() -> None:

@@ -303,3 +303,40 @@ def test_stream_events_are_compact_sse(simulator: StartSim) -> None:
     events = sse_events(r.content)
     assert events[-1] == b"[DONE]"
     assert len(events) == 5  # three tokens, the finish chunk, [DONE]
+
+
+def test_a_conversations_next_turn_reports_its_cached_tokens(simulator: StartSim) -> None:
+    sim = simulator("speculative", *FAST, "--profile", "h200-llama8b", "--enable-cache-report", "--live-gauges")
+    plain = simulator("baseline", *FAST)
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "You answer questions about GPUs. " * 60},
+        {"role": "user", "content": "What is HBM?"},
+    ]
+    first = client(sim.url).chat.completions.create(model="m", messages=messages, max_tokens=40)
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    reply = first.choices[0].message.content or ""
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And NVLink?"}]
+    stream = client(sim.url).chat.completions.create(
+        model="m", messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True}
+    )
+    usage = next(c.usage for c in stream if c.usage is not None)
+    assert usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens or 0
+    # Everything up to the reply's end, but for the page that ends inside it.
+    assert first.usage.prompt_tokens + 40 - 32 <= cached < usage.prompt_tokens
+    m = scrape(sim.url)
+    assert m["sglang:cache_hit_rate"] > 0
+    assert m["sglang:max_total_num_tokens"] > 100_000 and m["sglang:num_used_tokens"] == 0
+    # Without --enable-cache-report, SGLang reports no details.
+    r = client(plain.url).chat.completions.create(model="m", messages=messages, max_tokens=2)
+    assert r.usage is not None and r.usage.prompt_tokens_details is None
+
+
+def test_a_prompt_the_kv_pool_cannot_hold_is_refused_and_an_output_shortened(simulator: StartSim) -> None:
+    sim = simulator("baseline", *FAST, "--max-total-tokens", "1000")
+    r = httpx.post(sim.url + "/v1/completions", json={"prompt": "word " * 1000, "max_tokens": 4})
+    assert r.status_code == 400 and "exceeds the maximum allowed length" in r.json()["message"]
+    r = httpx.post(sim.url + "/v1/completions", json={"prompt": "abcd" * 900, "max_tokens": 500}, timeout=30)
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 100 and r.json()["choices"][0]["finish_reason"] == "length"

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 
 from ..args import positive
 from .engine import SharedGpu
-from .profile import ProfileError, builtin_names, load_profile
+from .profile import Profile, ProfileError, builtin_names, load_profile
 from .server import ServerConfig, SimServer
+from .steptimes import H200_GPU_GIB, StepTimes, load_steptimes, steptime_names
 
 _EPILOG = """\
 Durations and rates follow --time-scale: with --time-scale 10 every delay is ten times shorter
@@ -26,6 +27,13 @@ acceptance length that step, so throughput is the profile's times the running re
 acceptance over A. Each request accepts --accept-length (default A), or, with
 --accept-from-prompt, 1 + (M - 1) * r, where r in [0, 1] is how repetitive its prompt is (the
 share of its word 4-grams seen earlier in it) and M the --max-accept-length.
+
+Step-time profiles (h200-llama8b, h200-llama70b-tp4) follow a table measured on an H200 instead:
+a step's time depends on the batch, its mean context and the draft depth (--spec-steps), prompts
+are prefilled in chunks (--chunked-prefill-size) that decoding waits behind, requests queue while
+the KV pool (--max-total-tokens, else the profile's memory on --gpu-memory-gb) cannot hold them,
+and --accept-length is a request's acceptance at --spec-steps draft steps (default 2.5).
+--ttft-base-ms and --prefill-tok-s apply to the CSV profiles only.
 """
 
 
@@ -61,7 +69,45 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile",
         default="seed-parallel",
-        help=f"throughput curve: {' or '.join(builtin_names())}, or a path to a CSV",
+        help=f"throughput curve: {' or '.join(builtin_names())}, or a path to a CSV; or step times measured on "
+        f"an H200: {' or '.join(steptime_names())}, or a path to such a .json",
+    )
+    p.add_argument(
+        "--spec-steps",
+        type=_positive_int,
+        default=3,
+        help="EAGLE draft steps (top-k 1) of a step-time profile's speculative role, 1-7; the adaptive role's "
+        "acceptance is given at this depth",
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=_positive_int,
+        default=8192,
+        help="prompt tokens a prefill chunk holds (step-time profiles; SGLang's flag)",
+    )
+    p.add_argument(
+        "--max-total-tokens",
+        type=_positive_int,
+        default=None,
+        help="the KV pool in tokens (SGLang's flag); default: a step-time profile's memory arithmetic on "
+        "--gpu-memory-gb, else 2,000,000",
+    )
+    p.add_argument(
+        "--gpu-memory-gb",
+        type=positive,
+        default=H200_GPU_GIB,
+        help=f"the GPU's memory in GiB as nvidia-smi reports it (default {H200_GPU_GIB:g}, an H200), for the "
+        "default KV pool of a step-time profile",
+    )
+    p.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens in responses (SGLang's flag)",
+    )
+    p.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no prefix cache: every prompt is prefilled whole (SGLang's flag)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--served-model-name", default="default")
@@ -160,10 +206,17 @@ def build_parser(pair: bool) -> argparse.ArgumentParser:
         p.add_argument(
             "--shared-gpu",
             action="store_true",
-            help="both servers share one compute budget, as when started on the same GPUs",
+            help="both servers share one compute budget, as when started on the same GPUs (and, on a "
+            "step-time profile, the GPU's memory, split as compose.yaml splits it)",
         )
     else:
-        p.add_argument("--role", choices=("speculative", "baseline"), required=True)
+        p.add_argument(
+            "--role",
+            choices=("speculative", "baseline", "adaptive"),
+            required=True,
+            help="adaptive: one EAGLE-3 server choosing its draft steps by batch size and acceptance, as "
+            "SGLang's --speculative-adaptive (step-time profiles only)",
+        )
         p.add_argument("--port", type=int, default=30000)
     _common(p)
     return p
@@ -174,9 +227,10 @@ def configs_from_args(argv: Sequence[str]) -> tuple[list[ServerConfig], bool]:
     parser = build_parser(pair)
     args = parser.parse_args(argv[1:] if pair else argv)
     try:
-        profile = load_profile(args.profile)
+        profile = _profile(args.profile)
     except ProfileError as exc:
         parser.error(str(exc))
+    _check(parser, args, profile, pair)
     common = dict(
         profile=profile,
         host=args.host,
@@ -201,6 +255,13 @@ def configs_from_args(argv: Sequence[str]) -> tuple[list[ServerConfig], bool]:
         metrics=not args.no_metrics,
         created=args.created,
         seed=args.seed,
+        spec_steps=args.spec_steps,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_total_tokens=args.max_total_tokens,
+        gpu_memory_gb=args.gpu_memory_gb,
+        shared_gpu=pair and args.shared_gpu,
+        enable_cache_report=args.enable_cache_report,
+        disable_radix_cache=args.disable_radix_cache,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if pair:
@@ -209,6 +270,31 @@ def configs_from_args(argv: Sequence[str]) -> tuple[list[ServerConfig], bool]:
             ServerConfig(role="baseline", port=args.baseline_port, **common),
         ], args.shared_gpu
     return [ServerConfig(role=args.role, port=args.port, **common)], False
+
+
+def _profile(name_or_path: str) -> Profile | StepTimes:
+    if name_or_path in steptime_names() or name_or_path.endswith(".json"):
+        return load_steptimes(name_or_path)
+    return load_profile(name_or_path)
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, profile: Profile | StepTimes, pair: bool) -> None:
+    if not isinstance(profile, StepTimes):
+        if not pair and args.role == "adaptive":
+            parser.error(f"--role adaptive needs a step-time profile ({', '.join(steptime_names())})")
+        return
+    if not 1 <= args.spec_steps <= 7:
+        parser.error("--spec-steps must be 1-7 (the step-time table measured drafts of up to 8 tokens)")
+    most = args.spec_steps + 1
+    for flag, value in (("--accept-length", args.accept_length), ("--max-accept-length", args.max_accept_length)):
+        if value is not None and value > most:
+            parser.error(f"{flag} {value:g} is more than {args.spec_steps} draft steps can accept ({most})")
+    try:
+        for role in ("speculative", "baseline") if pair else (args.role,):
+            if args.max_total_tokens is None:
+                profile.pool_tokens(args.gpu_memory_gb, role, pair and args.shared_gpu)
+    except ProfileError as exc:
+        parser.error(str(exc))
 
 
 async def serve(configs: list[ServerConfig], shared_gpu: bool) -> None:

@@ -33,9 +33,11 @@ class SGLangCollector(Collector):
             ("num_running_reqs", "The number of running requests.", g.num_running_reqs),
             ("num_queue_reqs", "The number of requests in the waiting queue.", g.num_queue_reqs),
             ("token_usage", "The token usage.", g.token_usage),
+            ("num_used_tokens", "The number of used tokens.", g.num_used_tokens),
+            ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", self._engine.kv_capacity),
             ("gen_throughput", "The generation throughput (token/s).", g.gen_throughput),
             ("spec_accept_length", "The average acceptance length of speculative decoding.", g.spec_accept_length),
-            ("cache_hit_rate", "The prefix cache hit rate.", 0.0),
+            ("cache_hit_rate", "The prefix cache hit rate.", g.cache_hit_rate),
         )
         for name, doc, value in gauges:
             fam = GaugeMetricFamily(p + name, doc, labels=names)

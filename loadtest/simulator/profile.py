@@ -18,7 +18,8 @@ from typing import Literal
 
 from proxy.adaptive import interpolate
 
-Role = Literal["speculative", "baseline"]
+# The adaptive role exists on step-time profiles only (a curve has no draft depth to adapt).
+Role = Literal["speculative", "baseline", "adaptive"]
 ROLES: tuple[Role, ...] = ("speculative", "baseline")
 DEFAULT_ACCEPT_LENGTH = 3.0
 

@@ -23,6 +23,9 @@ from ..prompts import repetitiveness
 from .engine import Engine, Sequence, SharedGpu
 from .metrics import build_registry
 from .profile import Profile, Role
+from .radix import PrefixCache
+from .speed import CurveSpeed, Speed, TableSpeed
+from .steptimes import H200_GPU_GIB, AdaptiveSteps, StepTimes
 from .wire import (
     GenRequest,
     Kind,
@@ -30,6 +33,7 @@ from .wire import (
     StreamFormatter,
     check_context,
     error_body,
+    fit_pool,
     full_response,
     parse_request,
 )
@@ -41,10 +45,16 @@ _OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 _MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
+# A step-time profile's default acceptance (at --spec-steps draft steps): EAGLE-3 with three chain
+# steps on chat traffic; the table's own crossovers are given at 1.5, 2.0 and 2.5.
+TABLE_ACCEPT_LENGTH = 2.5
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     role: Role
-    profile: Profile
+    # A throughput curve (CSV), or a measured step-time table (the H200 profiles).
+    profile: Profile | StepTimes
     host: str = "127.0.0.1"
     port: int = 30000
     served_model_name: str = "default"
@@ -67,7 +77,18 @@ class ServerConfig:
     prefill_tok_s: float = 50_000.0
     default_max_tokens: int = 256
     max_model_len: int = 131_072
-    kv_capacity_tokens: int = 2_000_000
+    # The KV pool in tokens (SGLang's --max-total-tokens); None: a step-time profile's memory
+    # arithmetic on a GPU of gpu_memory_gb (split as the compose file splits it when shared_gpu),
+    # else CSV_KV_CAPACITY_TOKENS.
+    max_total_tokens: int | None = None
+    gpu_memory_gb: float = H200_GPU_GIB
+    shared_gpu: bool = False
+    # Draft steps of the speculative role (and the depth --accept-length is given at).
+    spec_steps: int = 3
+    chunked_prefill_size: int = 8192
+    # SGLang's --enable-cache-report: usage.prompt_tokens_details.cached_tokens in responses.
+    enable_cache_report: bool = False
+    disable_radix_cache: bool = False
     metrics_prefix: str = "sglang:"
     live_gauges: bool = False
     # How long /health takes while requests are running (real time: a probe's timeout is real too).
@@ -78,18 +99,36 @@ class ServerConfig:
 
     @property
     def step_accept_length(self) -> float:
-        """The acceptance at which a decode step takes the time the profile gives."""
-        return 1.0 if self.role == "baseline" else self.profile.speculative_accept_length
+        """The acceptance at which a decode step takes the time a CSV profile gives."""
+        if self.role == "baseline" or isinstance(self.profile, StepTimes):
+            return 1.0
+        return self.profile.speculative_accept_length
 
     @property
     def default_accept_length(self) -> float:
         if self.role == "baseline":
             return 1.0
-        return self.accept_length or self.profile.speculative_accept_length
+        if self.accept_length:
+            return self.accept_length
+        if isinstance(self.profile, StepTimes):
+            return min(TABLE_ACCEPT_LENGTH, self.spec_steps + 1.0)
+        return self.profile.speculative_accept_length
 
     @property
     def max_accept(self) -> float:
-        return self.max_accept_length or self.profile.speculative_max_accept_length
+        if self.max_accept_length:
+            return self.max_accept_length
+        if isinstance(self.profile, StepTimes):
+            return self.spec_steps + 1.0  # every draft accepted, and the bonus token
+        return self.profile.speculative_max_accept_length
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        if self.max_total_tokens is not None:
+            return self.max_total_tokens
+        if isinstance(self.profile, StepTimes):
+            return self.profile.pool_tokens(self.gpu_memory_gb, self.role, self.shared_gpu)
+        return CSV_KV_CAPACITY_TOKENS
 
     def accept_for(self, prompt_text: str) -> float | None:
         """A request's acceptance length; None: the default. With accept_from_prompt,
@@ -98,21 +137,38 @@ class ServerConfig:
             return None
         return 1.0 + (self.max_accept - 1.0) * repetitiveness(prompt_text)
 
+    def speed(self) -> Speed:
+        scale = self.time_scale
+        profile, role = self.profile, self.role
+        if isinstance(profile, StepTimes):
+            adaptive = AdaptiveSteps() if role == "adaptive" else None
+            return TableSpeed(profile, role, self.spec_steps, scale, adaptive)
+        curve_role: Role = "baseline" if role == "baseline" else "speculative"
+        return CurveSpeed(
+            lambda c: profile.throughput(curve_role, c) * scale,
+            self.step_accept_length,
+            self.ttft_base_ms / 1000 / scale,
+            self.prefill_tok_s * scale,
+        )
+
+
+# The KV pool of a server on a CSV profile, which gives no memory figures: room for any test.
+CSV_KV_CAPACITY_TOKENS = 2_000_000
+# Tokens a page of the prefix cache holds (SGLang's radix cache with --page-size 16).
+PAGE_TOKENS = 16
+
 
 class SimServer:
     def __init__(self, config: ServerConfig, gpu: SharedGpu | None = None) -> None:
         self.config = config
-        scale = config.time_scale
-        profile, role = config.profile, config.role
         self.engine = Engine(
-            throughput=lambda c: profile.throughput(role, c) * scale,
-            step_accept_length=config.step_accept_length,
+            speed=config.speed(),
             accept_length=config.default_accept_length,
             max_running=config.max_running_requests,
-            ttft_base_s=config.ttft_base_ms / 1000 / scale,
-            prefill_tok_s=config.prefill_tok_s * scale,
             kv_capacity_tokens=config.kv_capacity_tokens,
-            speculative=role == "speculative",
+            speculative=config.role != "baseline",
+            cache=None if config.disable_radix_cache else PrefixCache(PAGE_TOKENS),
+            chunk_tokens=config.chunked_prefill_size,
             gpu=gpu,
             live_gauges=config.live_gauges,
         )
@@ -151,17 +207,24 @@ class SimServer:
         await site.start()
         if cfg.role == "baseline":
             accept = "no speculation"
+        elif isinstance(cfg.profile, StepTimes):
+            accept = (
+                f"acceptance from prompts, 1 to {cfg.max_accept:g}"
+                if cfg.accept_from_prompt
+                else f"acceptance {cfg.default_accept_length:g}"
+            ) + (f" at {cfg.spec_steps} draft steps" + (", steps adaptive" if cfg.role == "adaptive" else ""))
         elif cfg.accept_from_prompt:
             accept = f"acceptance from prompts, 1 to {cfg.max_accept:g}, profile at {cfg.step_accept_length:g}"
         else:
             accept = f"acceptance {cfg.default_accept_length:g}, profile at {cfg.step_accept_length:g}"
         log.info(
-            "simulated SGLang %s on http://%s:%d (profile %s, %s, time scale %g)",
+            "simulated SGLang %s on http://%s:%d (profile %s, %s, KV pool %d tokens, time scale %g)",
             cfg.role,
             cfg.host,
             cfg.port,
             cfg.profile.name,
             accept,
+            self.engine.kv_capacity,
             cfg.time_scale,
         )
 
@@ -204,7 +267,7 @@ class SimServer:
     async def server_info(self, request: web.Request) -> web.Response:
         cfg = self.config
         state: dict[str, object] = {"last_gen_throughput": self.engine.gauges().gen_throughput}
-        if cfg.role == "speculative":
+        if cfg.role != "baseline":
             state["avg_spec_accept_length"] = self.engine.avg_accept_length()
         return _json(
             {
@@ -212,7 +275,12 @@ class SimServer:
                 "served_model_name": cfg.served_model_name,
                 "tp_size": 1,
                 "max_running_requests": cfg.max_running_requests,
-                "speculative_algorithm": "EAGLE3" if cfg.role == "speculative" else None,
+                "speculative_algorithm": None if cfg.role == "baseline" else "EAGLE3",
+                "speculative_num_steps": None if cfg.role == "baseline" else cfg.spec_steps,
+                "speculative_adaptive": cfg.role == "adaptive",
+                "max_total_num_tokens": self.engine.kv_capacity,
+                "chunked_prefill_size": cfg.chunked_prefill_size,
+                "disable_radix_cache": cfg.disable_radix_cache,
                 "version": "simulated",
                 "internal_states": [state],
             }
@@ -246,6 +314,7 @@ class SimServer:
         try:
             req = await self._parse(request, kind)
             check_context(req, cfg.max_model_len)
+            req = fit_pool(req, self.engine.kv_capacity)
         except RequestError as exc:
             return _error(exc.message, 400, "BadRequestError")
         if cfg.fail_rate and self._rng.random() < cfg.fail_rate:
@@ -259,6 +328,7 @@ class SimServer:
             max_new_tokens=req.max_new_tokens,
             accept_length=cfg.accept_for(req.prompt_text),
             stall_at=stall_at,
+            cache_data=req.cache_data,
         )
         created = cfg.created if cfg.created is not None else int(time.time())
         self.engine.submit(seq)
@@ -270,9 +340,8 @@ class SimServer:
             if not seq.finished:
                 return _error("The request was aborted.", 500, "InternalServerError")
             latency = asyncio.get_running_loop().time() - seq.arrived
-            return web.Response(
-                body=full_response(req, created, seq.generated, latency), content_type="application/json"
-            )
+            body = full_response(req, created, seq.generated, latency, seq.cached_tokens, cfg.enable_cache_report)
+            return web.Response(body=body, content_type="application/json")
         finally:
             # Client gone (handler cancelled), write failed, or server stopping: free the slot.
             self.engine.abort(seq)
@@ -280,7 +349,7 @@ class SimServer:
     async def _stream(self, request: web.Request, req: GenRequest, seq: Sequence, created: int) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        fmt = StreamFormatter(req, created)
+        fmt = StreamFormatter(req, created, self.config.enable_cache_report)
         sent = 0
         while True:
             steps = await seq.wait()
@@ -291,7 +360,7 @@ class SimServer:
                 parts.append(fmt.content(sent, n))
                 sent += n
             if seq.finished and not seq.pending:
-                parts.append(fmt.finish(sent))
+                parts.append(fmt.finish(sent, seq.cached_tokens))
             try:
                 await resp.write(b"".join(parts))
             except ConnectionResetError:

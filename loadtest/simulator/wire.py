@@ -6,6 +6,7 @@ that changes, so a chunk costs one small JSON encode.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from dataclasses import dataclass
@@ -69,6 +70,9 @@ class GenRequest:
     # The prompt as text: chat message contents joined by newlines, the completion prompt or
     # /generate's `text`; "" for token ids.
     prompt_text: str = ""
+    # What the prefix cache keys the prompt by: its text as the model sees it (a chat rendered
+    # through a template), or its token ids.
+    cache_data: bytes | tuple[int, ...] | None = None
 
 
 def parse_request(kind: Kind, body: Any, served_model: str, default_max_tokens: int) -> GenRequest:
@@ -117,7 +121,45 @@ def parse_request(kind: Kind, body: Any, served_model: str, default_max_tokens: 
         max_new_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         natural_stop=max_tokens is None,
         prompt_text=_prompt_text(kind, body),
+        cache_data=_cache_data(kind, body),
     )
+
+
+def fit_pool(req: GenRequest, pool_tokens: int) -> GenRequest:
+    """SGLang's scheduler refuses a prompt the KV pool cannot hold and shortens an output that
+    would not fit beside it (`max_req_input_len`, then max_new_tokens clipped to the room left)."""
+    if req.prompt_tokens >= pool_tokens:
+        raise RequestError(
+            f"Input length ({req.prompt_tokens} tokens) exceeds the maximum allowed length "
+            f"({pool_tokens - 1} tokens). Use a shorter input or enable --allow-auto-truncate."
+        )
+    room = pool_tokens - req.prompt_tokens
+    if req.max_new_tokens <= room:
+        return req
+    return dataclasses.replace(req, max_new_tokens=room, natural_stop=False)
+
+
+def _cache_data(kind: Kind, body: dict[str, Any]) -> bytes | tuple[int, ...] | None:
+    """The prompt as the prefix cache sees it. A chat is rendered with role headers and an
+    end-of-turn after each message, then the assistant's header: a conversation resent with the
+    reply appended (as chat clients do) starts with the bytes the finished request left cached."""
+    if kind == "chat":
+        parts: list[str] = []
+        for message in body["messages"]:
+            content = message.get("content")
+            if isinstance(content, list):
+                content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            parts.append(f"<|{message['role']}|>\n{content or ''}<|eot|>\n")
+        parts.append("<|assistant|>\n")
+        return "".join(parts).encode("utf-8", "surrogatepass")
+    prompt = body.get("prompt") if kind == "completion" else (body.get("text") or body.get("input_ids"))
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt.encode("utf-8", "surrogatepass")
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return tuple(prompt)
+    return None
 
 
 def check_context(req: GenRequest, context_len: int) -> None:
@@ -140,10 +182,15 @@ def check_context(req: GenRequest, context_len: int) -> None:
 
 
 def _prompt_text(kind: Kind, body: dict[str, Any]) -> str:
-    """The prompt's text, from a body `parse_request` already validated."""
+    """The text a request's acceptance is judged by, from a body `parse_request` already validated.
+    A chat's is its last user message: the task the reply answers (an edit of code it quotes, or a
+    question), not the system prompt it shares with every other conversation or the replies the
+    model wrote before, which would make every long conversation read alike."""
     if kind == "chat":
+        messages = body["messages"]
+        users = [m for m in messages if m.get("role") == "user"]
         parts: list[str] = []
-        for message in body["messages"]:
+        for message in users[-1:] or messages:
             content = message.get("content")
             if isinstance(content, str):
                 parts.append(content)
@@ -221,12 +268,13 @@ def _generate_prompt_tokens(body: dict[str, Any]) -> int:
 # Responses
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """`cached_tokens` None: the server does not report them (SGLang without --enable-cache-report)."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
     }
 
 
@@ -246,8 +294,9 @@ def _template(obj: dict[str, Any]) -> tuple[bytes, bytes]:
 class StreamFormatter:
     """SSE events of one streamed response: role, content, finish, usage, [DONE]."""
 
-    def __init__(self, req: GenRequest, created: int) -> None:
+    def __init__(self, req: GenRequest, created: int, report_cache: bool = False) -> None:
         self.req = req
+        self._report_cache = report_cache
         self._head = {"id": req.rid, "object": "", "created": created, "model": req.model}
         if req.kind == "chat":
             self._head["object"] = "chat.completion.chunk"
@@ -284,10 +333,10 @@ class StreamFormatter:
             return self._generate_event(None, start + n)
         return self._pre + orjson.dumps(text) + self._post
 
-    def finish(self, completion_tokens: int) -> bytes:
+    def finish(self, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         reason, matched = finish_reason(self.req)
         if self.req.kind == "generate":
-            return self._generate_event(reason, completion_tokens) + b"data: [DONE]\n\n"
+            return self._generate_event(reason, completion_tokens, cached_tokens) + b"data: [DONE]\n\n"
         if self.req.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
         else:
@@ -295,17 +344,19 @@ class StreamFormatter:
         choice.update(finish_reason=reason, matched_stop=matched)
         out = self._event({**self._head, "choices": [choice]})
         if self.req.include_usage:
-            out += self._event({**self._head, "choices": [], "usage": usage(self.req.prompt_tokens, completion_tokens)})
+            cached = cached_tokens if self._report_cache else None
+            use = usage(self.req.prompt_tokens, completion_tokens, cached)
+            out += self._event({**self._head, "choices": [], "usage": use})
         return out + b"data: [DONE]\n\n"
 
-    def _generate_event(self, reason: str | None, completion_tokens: int) -> bytes:
+    def _generate_event(self, reason: str | None, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         # The native API streams the whole text so far, not a delta.
         meta = {
             "id": self.req.rid,
             "finish_reason": None if reason is None else {"type": reason, "length": completion_tokens},
             "prompt_tokens": self.req.prompt_tokens,
             "completion_tokens": completion_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": cached_tokens,
         }
         return self._event({"text": "".join(self._generated_text), "meta_info": meta})
 
@@ -314,7 +365,14 @@ class StreamFormatter:
         return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def full_response(req: GenRequest, created: int, completion_tokens: int, latency_s: float) -> bytes:
+def full_response(
+    req: GenRequest,
+    created: int,
+    completion_tokens: int,
+    latency_s: float,
+    cached_tokens: int = 0,
+    report_cache: bool = False,
+) -> bytes:
     text = token_text(0, completion_tokens)
     reason, matched = finish_reason(req)
     if req.kind == "generate":
@@ -323,7 +381,7 @@ def full_response(req: GenRequest, created: int, completion_tokens: int, latency
             "finish_reason": {"type": reason, "length": completion_tokens},
             "prompt_tokens": req.prompt_tokens,
             "completion_tokens": completion_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": cached_tokens,
             "e2e_latency": latency_s,
         }
         return orjson.dumps({"text": text, "meta_info": meta})
@@ -345,6 +403,6 @@ def full_response(req: GenRequest, created: int, completion_tokens: int, latency
             "created": created,
             "model": req.model,
             "choices": [choice],
-            "usage": usage(req.prompt_tokens, completion_tokens),
+            "usage": usage(req.prompt_tokens, completion_tokens, cached_tokens if report_cache else None),
         }
     )
