@@ -103,6 +103,7 @@ TEST_TIERS = {
     "test_upstream::test_an_https_server_is_reached_over_tls": "loopback",
     "test_workload::test_multiturn_classes_against_the_simulator": "loopback",
     "test_workload::test_sweep_reports_each_class_in_the_table_and_the_json": "loopback",
+    "test_workload::test_later_turns_of_a_conversation_report_cached_tokens": "loopback",
 }
 
 

@@ -544,3 +544,24 @@ def test_sweep_reports_each_class_in_the_table_and_the_json(simulator: StartSim,
     assert (settings["workload"], settings["prompts"]) == ("multiturn", None)
     assert settings["classes"] == [{"name": "chat", "share": 0.5, "kind": "diverse"},
                                    {"name": "code", "share": 0.5, "kind": "repetitive"}]  # fmt: skip
+
+
+@pytest.mark.anyio
+async def test_later_turns_of_a_conversation_report_cached_tokens(simulator: StartSim) -> None:
+    sim = simulator("speculative", "--time-scale", "20", "--profile", "h200-llama8b", "--enable-cache-report",
+                    "--accept-from-prompt")  # fmt: skip
+    spec = WorkloadSpec("multiturn", classes=(CHAT, CODE), turns=3, system_tokens=400, user_tokens=80,
+                        think_time_s=0.02)  # fmt: skip
+    run = await run_workload(sim.url, "simulated", spec, concurrency=4, duration_s=2.0, max_tokens=24)
+    ok = [r for r in run.results if r.ok]
+    assert ok and all(r.cached_tokens is not None for r in ok)
+    later = [r for r in ok if r.turn > 1]
+    assert later
+    # A later turn resends the conversation so far: its earlier turns (and the system prompt) are cached.
+    for r in later:
+        assert r.cached_tokens is not None and r.cached_tokens >= 400 - 16, (r.turn, r.cached_tokens)
+    hit = run.by_class()
+    assert all(c.prefix_cache_hit_rate is not None and c.prefix_cache_hit_rate > 0.3 for c in hit.values())
+    # The code class's edits repeat themselves: the simulator accepts more of its drafts.
+    speeds = {name: c.p50_tpot_ms for name, c in hit.items()}
+    assert speeds["code"] is not None and speeds["chat"] is not None and speeds["code"] < speeds["chat"]
