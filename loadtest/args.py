@@ -23,12 +23,21 @@ def level_tuple(raw: str) -> tuple[int, ...]:
 
 def count(raw: str) -> int:
     """An integer >= 1."""
+    return _integer(raw, 1)
+
+
+def non_negative_int(raw: str) -> int:
+    """An integer >= 0."""
+    return _integer(raw, 0)
+
+
+def _integer(raw: str, least: int) -> int:
     try:
         value = int(raw)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{raw} must be at least 1")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{raw} must be at least {least}")
     return value
 
 

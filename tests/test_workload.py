@@ -458,7 +458,7 @@ def test_workload_flags_are_parsed() -> None:
         (["--class", "c h:0.5:diverse"], "NAME must be"),
         (["--workload", "batch"], "invalid choice"),
         (["--turns", "0"], "must be at least 1"),
-        (["--system-tokens", "-1"], "must be >= 0"),
+        (["--system-tokens", "-1"], "must be at least 0"),
         (["--think-time-s", "-2"], "must be >= 0"),
         (["--prompt-tokens-spread", "-0.1"], "must be >= 0"),
         (["--slo-ttft-ms", "0"], "must be > 0"),

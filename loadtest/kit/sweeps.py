@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from ..args import count, non_negative, positive
+from ..args import count, non_negative, non_negative_int, positive
 from ..args import levels as _levels
 from ..classes import Slo
 from ..client import Target
@@ -105,7 +105,7 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--system-tokens",
-        type=_at_least_0,
+        type=non_negative_int,
         default=d.system_tokens,
         help=f"multiturn: the system prompt every session shares (default {d.system_tokens}; 0: none)",
     )
@@ -155,16 +155,6 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--slo-ttft-ms", type=positive, default=None, help="goodput: a request's TTFT at most this")
     g.add_argument("--slo-tpot-ms", type=positive, default=None, help="goodput: a request's TPOT at most this")
-
-
-def _at_least_0(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{raw} must be >= 0")
-    return value
 
 
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
