@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from . import chaos, compare, demo, overhead, scaleout, shift, slowloris
+from . import chaos, compare, demo, headtohead, overhead, scaleout, shift, slowloris
 from .calibrate import command as calibrate
 from .sweep import TargetUnreachable
 
@@ -21,6 +21,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "shift": shift.cmd_shift,
     "scaleout": scaleout.cmd_scaleout,
     "slowloris": slowloris.cmd_slowloris,
+    "headtohead": headtohead.cmd_headtohead,
 }
 
 
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     compare.add_parsers(sub)
-    for module in (calibrate, demo, chaos, overhead, shift, scaleout, slowloris):
+    for module in (calibrate, demo, chaos, overhead, shift, scaleout, slowloris, headtohead):
         module.add_parser(sub)
     return parser
 

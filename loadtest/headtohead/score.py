@@ -1,0 +1,149 @@
+"""headtohead's scoring: pure functions of what a cell recorded, in simulated time.
+
+A cell is one accept length x context x sessions level, all three targets measured side by side.
+Figures are converted from wall-clock to simulated time with the level's time scale T (a simulated
+second lasts 1/T wall seconds): rates are divided by T, latencies multiplied by it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..classes import ClassSummary
+from ..kit.sampling import CpuUse
+from ..stats import LevelStats, ratio
+
+# Two targets' goodput within this share of each other: a tie, neither wins.
+TIE = 0.05
+# Goodput below this (requests a simulated second): the target met the SLOs on (almost) nothing.
+NO_GOODPUT = 1e-9
+
+
+@dataclass(frozen=True)
+class TargetCell:
+    """One target's figures in one cell, in simulated time."""
+
+    target: str
+    completed: int  # good requests started inside the window
+    errors: int  # the server's failures
+    client_errors: int  # failures before the server answered: the client's, never the server's
+    min_ok: int  # good requests a conclusive cell needs
+    conclusive: bool
+    output_tok_s: float
+    goodput_req_s: float  # requests finished inside the window within both SLOs, per second
+    goodput_share: float  # of the requests started inside it
+    prefix_cache_hit_rate: float | None
+    mean_prompt_tokens: float
+    p50_ttft_ms: float
+    p99_ttft_ms: float
+    p50_tpot_ms: float
+    p99_tpot_ms: float
+    window_s: float  # simulated seconds
+    # specgate: the share of its requests it sent to the speculative server.
+    speculative_share: float | None = None
+    # Mean of the server's sglang:num_queue_reqs over the window's samples (the pair: both servers).
+    mean_queued: float | None = None
+
+
+def target_cell(
+    target: str,
+    stats: LevelStats,
+    summary: ClassSummary | None,
+    time_scale: float,
+    mean_queued: float | None = None,
+) -> TargetCell:
+    """One target's cell from its level's figures (wall-clock) at time scale `time_scale`."""
+    t = time_scale
+    s = summary
+    share = stats.backend_share.get("speculative") if stats.backend_share else None
+    return TargetCell(
+        target=target,
+        completed=stats.completed,
+        errors=stats.errors,
+        client_errors=stats.client_errors,
+        min_ok=stats.min_ok,
+        conclusive=stats.conclusive,
+        output_tok_s=stats.output_tok_s / t,
+        goodput_req_s=(s.goodput_req_s or 0.0) / t if s else 0.0,
+        goodput_share=(s.goodput_share if s and s.goodput_share is not None else math.nan),
+        prefix_cache_hit_rate=s.prefix_cache_hit_rate if s else None,
+        mean_prompt_tokens=s.mean_prompt_tokens if s else math.nan,
+        p50_ttft_ms=(s.p50_ttft_ms if s else math.nan) * t,
+        p99_ttft_ms=(s.p99_ttft_ms if s else math.nan) * t,
+        p50_tpot_ms=(s.p50_tpot_ms if s else math.nan) * t,
+        p99_tpot_ms=(s.p99_tpot_ms if s else math.nan) * t,
+        window_s=stats.duration_s * t,
+        speculative_share=share,
+        mean_queued=mean_queued,
+    )
+
+
+@dataclass(frozen=True)
+class Cell:
+    accept: float
+    context: int  # the mean context asked for
+    sessions: int
+    time_scale: float
+    targets: dict[str, TargetCell]
+    cpu: CpuUse | None = None
+    # KV pools in tokens as the servers report them (sglang:max_total_num_tokens), by server.
+    pools: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def conclusive(self) -> bool:
+        return all(t.conclusive for t in self.targets.values())
+
+    @property
+    def label(self) -> str:
+        from .plan import context_label
+
+        return f"accept {self.accept:g}, {context_label(self.context)} ctx, {self.sessions} sessions"
+
+    @property
+    def measured_prompt_tokens(self) -> float:
+        """The mean prompt over every target's good requests (the same sessions were sent to each)."""
+        values = [t.mean_prompt_tokens for t in self.targets.values() if not math.isnan(t.mean_prompt_tokens)]
+        return sum(values) / len(values) if values else math.nan
+
+
+Outcome = str  # "wins", "loses", "ties", "neither", "unknown"
+
+
+def compare(a: TargetCell, b: TargetCell) -> tuple[Outcome, float]:
+    """a against b on goodput: wins/loses beyond TIE, ties within it, neither when both met the SLOs
+    on nothing, unknown when either figure is inconclusive; and a's goodput over b's."""
+    if not (a.conclusive and b.conclusive):
+        return "unknown", math.nan
+    if a.goodput_req_s < NO_GOODPUT and b.goodput_req_s < NO_GOODPUT:
+        return "neither", math.nan
+    r = ratio(a.goodput_req_s, b.goodput_req_s)
+    if b.goodput_req_s < NO_GOODPUT:
+        return "wins", math.inf
+    if r > 1 + TIE:
+        return "wins", r
+    if r < 1 - TIE:
+        return "loses", r
+    return "ties", r
+
+
+def outcomes(cells: Sequence[Cell], a: str, b: str) -> dict[Outcome, list[tuple[Cell, float]]]:
+    """Every cell sorted by how target `a` fared against `b`."""
+    out: dict[Outcome, list[tuple[Cell, float]]] = {k: [] for k in ("wins", "loses", "ties", "neither", "unknown")}
+    for cell in cells:
+        outcome, r = compare(cell.targets[a], cell.targets[b])
+        out[outcome].append((cell, r))
+    return out
+
+
+def best_target(cell: Cell) -> str | None:
+    """The target with the most goodput in a cell, or None when any figure is inconclusive or
+    nothing met the SLOs; several within TIE of the best are joined with '='."""
+    if not cell.conclusive:
+        return None
+    top = max(t.goodput_req_s for t in cell.targets.values())
+    if top < NO_GOODPUT:
+        return None
+    near = [n for n, t in cell.targets.items() if t.goodput_req_s >= top * (1 - TIE)]
+    return "=".join(near)
