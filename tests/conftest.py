@@ -46,6 +46,7 @@ MODULE_TIERS = {
     "test_engines": "inprocess",
     "test_evidence": "inprocess",
     "test_gateway": "inprocess",
+    "test_headtohead": "inprocess",
     "test_hostile_config": "inprocess",
     "test_hostile_edge": "loopback",
     "test_hostile_input": "loopback",

@@ -35,7 +35,7 @@ inconclusive figure is never a win or a loss: the verdict lists it as unknown.
 
 Time: with --time-scale T a simulated second lasts 1/T wall seconds (T < 1: slow motion, same
 physics, a lower event rate for the client and simulators). By default each level's T holds each
-target near 1,500 output tokens a wall second (1 at 1-10 sessions, 0.125 from 80); SLOs, think
+target near 3,000 output tokens a wall second (1 up to 20 sessions, 0.25 from 80); SLOs, think
 times and windows are given in simulated time and converted with T, and every figure is reported in
 simulated time. The report prints the machine's CPU per cell and warns when it was saturated.
 """
@@ -175,7 +175,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="concurrent sessions, comma list (default 1,4,16,64,256)")  # fmt: skip
     p.add_argument("--time-scale", type=_floats, default=(),
                    help="simulators' time scale: one for every level or one per --sessions level (default: "
-                        "each level's holds a target near 1,500 output tokens a wall second)")  # fmt: skip
+                        "each level's holds a target near 3,000 output tokens a wall second)")  # fmt: skip
     p.add_argument("--turns", type=count, default=4, help="turns a session (default 4)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens a turn (default 128)")
     p.add_argument("--think-time-s", type=non_negative, default=0.5,
@@ -187,8 +187,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--slo-ttft-ms", type=positive, default=2000.0, help="simulated ms (default 2000)")
     p.add_argument("--slo-tpot-ms", type=positive, default=50.0, help="simulated ms (default 50: 20 tok/s)")
     p.add_argument("--spec-steps", type=count, default=3, help="EAGLE draft steps of the speculative servers (3)")
-    p.add_argument("--calibration-time-scale", type=positive, default=0.25,
-                   help="time scale of the calibration pairs (default 0.25)")  # fmt: skip
+    p.add_argument("--calibration-time-scale", type=positive, default=0.5,
+                   help="time scale of the calibration pairs (default 0.5)")  # fmt: skip
     p.add_argument("--calibrations", default=None, metavar="DIR",
                    help="reuse an earlier run's calibrations (its --out-dir) instead of calibrating")  # fmt: skip
     add_run_options(p, "a cell needs per target", "headtohead-results")

@@ -23,7 +23,7 @@ REPLY_PROMPT_TOKENS = sum(len(t) for t in TOKENS) / len(TOKENS) / 4
 # from the 8B's ~150 tok/s a stream alone (6.2 ms a step), flat past SATURATION streams where the
 # GPU's throughput stops growing much. Slow motion keeps the physics and lowers the event rate the
 # load tester and simulators must sustain on a small machine.
-TOK_S_BUDGET = 1500.0
+TOK_S_BUDGET = 3000.0
 PER_STREAM_TOK_S = 150.0
 SATURATION = 80
 # Calibration: levels (in-flight requests) and their window, in simulated seconds.
@@ -107,7 +107,7 @@ class HeadPlan:
     slo_ttft_ms: float = 2000.0  # simulated
     slo_tpot_ms: float = 50.0  # simulated
     spec_steps: int = 3
-    calibration_time_scale: float = 0.25
+    calibration_time_scale: float = 0.5
     seed: int = 0
     min_requests: int = DEFAULT_MIN_REQUESTS
     profile: str = PROFILE

@@ -65,7 +65,8 @@ def calibrate(plan: HeadPlan, accept: float, context: int, out_dir: Path, quiet:
         return plan.pair_args(accept, t, spec_port, base_port)
 
     say(f"accept {accept:g}, {context_label(context)} context:", quiet)
-    return calibrate_fresh_pair(pair, plan.calibration_levels, extra, CALIBRATE_WINDOW_S / t, where, quiet)
+    levels = plan.calibration_levels
+    return calibrate_fresh_pair(pair, levels, extra, CALIBRATE_WINDOW_S / t, where, quiet, prompts=None)
 
 
 def start_servers(plan: HeadPlan, accept: float, sessions: int, calibration: Path) -> Servers:

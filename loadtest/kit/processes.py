@@ -66,10 +66,12 @@ def calibrate_fresh_pair(
     duration_s: float,
     out_dir: Path,
     quiet: bool,
+    prompts: str | None = "diverse",
 ) -> Path:
     """Start a simulated pair (`pair_args(speculative_port, baseline_port)`), run `loadtest calibrate
-    --save` on it with diverse prompts at `levels`, stop it; the calibration file's path. `extra`:
-    more calibrate arguments (seed, tokens, minimum requests). Its output goes to calibration.txt."""
+    --save` on it with `prompts` at `levels`, stop it; the calibration file's path. `extra`: more
+    calibrate arguments (seed, tokens, minimum requests; a --workload, with `prompts` None, since
+    --prompts is refused beside one). Its output goes to calibration.txt."""
     spec_port, base_port = free_port(), free_port()
     spec, base = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{base_port}"
     pair = Fleet()
@@ -79,10 +81,12 @@ def calibrate_fresh_pair(
         pair.ready()
         args = [
             sys.executable, "-m", "loadtest", "calibrate", "--speculative", spec, "--baseline", base,
-            "--prompts", "diverse", "--concurrency", ",".join(map(str, levels)), "--duration-s", f"{duration_s:g}",
-            *extra, "--save", str(path), "--out", str(out_dir / "calibration-sweep.json"), "--quiet",
+            *(["--prompts", prompts] if prompts else []), "--concurrency", ",".join(map(str, levels)),
+            "--duration-s", f"{duration_s:g}", *extra, "--save", str(path),
+            "--out", str(out_dir / "calibration-sweep.json"), "--quiet",
         ]  # fmt: skip
-        say(f"calibrating a fresh pair with diverse prompts at {', '.join(map(str, levels))} streams...", quiet)
+        what = f"{prompts} prompts" if prompts else "the scenario's workload"
+        say(f"calibrating a fresh pair with {what} at {', '.join(map(str, levels))} streams...", quiet)
         done = subprocess.run(args, capture_output=True, text=True, check=False)
         (out_dir / "calibration.txt").write_text(done.stdout + done.stderr)
         if done.returncode == EXIT_NO_RECOMMENDATION:
