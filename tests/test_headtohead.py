@@ -84,14 +84,18 @@ def test_contexts_parse_with_k() -> None:
 
 
 def test_time_scale_per_level_and_slos_in_wall_time() -> None:
-    assert default_time_scale(1) == 1.0
-    assert default_time_scale(256) == default_time_scale(80) < default_time_scale(16) < 1.0
+    assert default_time_scale(1) == 2.0  # capped: few events, spare the wall time
+    assert default_time_scale(256) == default_time_scale(80) < default_time_scale(16) < 2.0
+    # Longer contexts give fewer output tokens a second: a faster clock for the same event rate.
+    assert default_time_scale(64, 8000) > default_time_scale(64, 1000)
     plan = HeadPlan(sessions=(1, 64), time_scales=(1.0, 0.25))
-    assert plan.time_scale(64) == 0.25
-    slo = plan.wall_slo(64)
+    assert plan.time_scale(64, 8000) == 0.25 and plan.time_scale(1, 1000) == 1.0
+    slo = plan.wall_slo(64, 1000)
     # A simulated 50 ms lasts 200 wall ms at a quarter speed.
     assert slo.tpot_ms == pytest.approx(200.0) and slo.ttft_ms == pytest.approx(8000.0)
     assert plan.workload(1000, 64).think_time_s == pytest.approx(plan.think_time_s / 0.25)
+    # The calibration drives one server at a time: twice the cells' scale at its top level.
+    assert HeadPlan().calibration_scale(1000) == pytest.approx(2 * default_time_scale(256, 1000))
     with pytest.raises(ValueError, match="one per"):
         HeadPlan(sessions=(1, 4, 16), time_scales=(1.0, 0.5))
 
@@ -107,7 +111,7 @@ def test_the_command_line_builds_the_plan() -> None:
     )
     plan = plan_of(args)
     assert plan.accept_lengths == (2.0,) and plan.contexts == (2000,) and plan.sessions == (2, 8)
-    assert plan.time_scale(8) == 0.5
+    assert plan.time_scale(8, 2000) == 0.5
     with pytest.raises(SystemExit):
         build_parser().parse_args(["headtohead", "--accept-lengths", "0.5"])
 

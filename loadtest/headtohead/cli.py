@@ -34,10 +34,12 @@ the servers') stayed under 5%: the window runs on (up to --max-window-s) until i
 inconclusive figure is never a win or a loss: the verdict lists it as unknown.
 
 Time: with --time-scale T a simulated second lasts 1/T wall seconds (T < 1: slow motion, same
-physics, a lower event rate for the client and simulators). By default each level's T holds each
-target near 3,000 output tokens a wall second (1 up to 20 sessions, 0.25 from 80); SLOs, think
-times and windows are given in simulated time and converted with T, and every figure is reported in
-simulated time. The report prints the machine's CPU per cell and warns when it was saturated.
+physics, a lower event rate for the client and simulators). By default each cell's T holds each
+target near 3,000 output tokens a wall second by a rough estimate of its output (150 tok/s a
+stream up to 80 streams, divided by the context over 1k), at most 2: at 1k, 2 up to 10 sessions,
+1.25 at 16, 0.3125 at 64, 0.25 at 256; at 8k, 2 throughout. SLOs, think times and windows are
+given in simulated time and converted with T, and every figure is reported in simulated time. The
+report prints the machine's CPU per cell and warns when it was saturated.
 """
 
 from __future__ import annotations
@@ -63,16 +65,16 @@ from .score import Cell, target_cell
 
 
 def run_cell(plan: HeadPlan, accept: float, context: int, sessions: int, calibration: Path, quiet: bool) -> Cell:
-    t = plan.time_scale(sessions)
+    t = plan.time_scale(sessions, context)
     say(f"  {sessions} sessions (time scale {t:g}): starting three simulated GPUs and specgate...", quiet)
-    servers = start_servers(plan, accept, sessions, calibration)
+    servers = start_servers(plan, accept, sessions, context, calibration)
     try:
         cpu0 = self_cpu_s()
         cap = asyncio.run(measure_cell(plan, context, sessions, servers))
         cpu = cpu_use(cap.cpu_samples, servers.fleet.procs, self_cpu_s() - cpu0)
     finally:
         servers.fleet.stop()
-    slo = plan.wall_slo(sessions)
+    slo = plan.wall_slo(sessions, context)
     targets = {}
     for name, run in cap.runs.items():
         stats = run.stats(slo, plan.min_requests)
@@ -125,7 +127,8 @@ def run_headtohead(plan: HeadPlan, out_dir: Path, reuse: Path | None, quiet: boo
             **{k: v for k, v in vars(plan).items()},
             "sizes": {context_label(c): plan.sizes(c) for c in plan.contexts},
             "predicted_mean_prompt": {context_label(c): plan.sizes(c).predicted_mean_prompt for c in plan.contexts},
-            "level_time_scales": {c: plan.time_scale(c) for c in plan.sessions},
+            "time_scales": {context_label(x): {c: plan.time_scale(c, x) for c in plan.sessions} for x in plan.contexts},
+            "calibration_time_scales": {context_label(x): plan.calibration_scale(x) for x in plan.contexts},
         },
         "calibrations": calibrations,
         "cells": cells,
@@ -174,8 +177,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--sessions", type=level_tuple, default=(1, 4, 16, 64, 256),
                    help="concurrent sessions, comma list (default 1,4,16,64,256)")  # fmt: skip
     p.add_argument("--time-scale", type=_floats, default=(),
-                   help="simulators' time scale: one for every level or one per --sessions level (default: "
-                        "each level's holds a target near 3,000 output tokens a wall second)")  # fmt: skip
+                   help="simulators' time scale: one for every cell or one per --sessions level (default: "
+                        "each cell's holds a target near 3,000 output tokens a wall second, at most 2)")  # fmt: skip
     p.add_argument("--turns", type=count, default=4, help="turns a session (default 4)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens a turn (default 128)")
     p.add_argument("--think-time-s", type=non_negative, default=0.5,
@@ -187,8 +190,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--slo-ttft-ms", type=positive, default=2000.0, help="simulated ms (default 2000)")
     p.add_argument("--slo-tpot-ms", type=positive, default=50.0, help="simulated ms (default 50: 20 tok/s)")
     p.add_argument("--spec-steps", type=count, default=3, help="EAGLE draft steps of the speculative servers (3)")
-    p.add_argument("--calibration-time-scale", type=positive, default=0.5,
-                   help="time scale of the calibration pairs (default 0.5)")  # fmt: skip
+    p.add_argument("--calibration-time-scale", type=positive, default=None,
+                   help="time scale of the calibration pairs (default: twice the cells' default at the top "
+                        "calibration level, one server being driven at a time rather than three)")  # fmt: skip
     p.add_argument("--calibrations", default=None, metavar="DIR",
                    help="reuse an earlier run's calibrations (its --out-dir) instead of calibrating")  # fmt: skip
     add_run_options(p, "a cell needs per target", "headtohead-results")

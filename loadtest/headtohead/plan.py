@@ -19,20 +19,28 @@ SYSTEM_SHARE = 0.125
 # A reply resent as part of the next prompt: the simulator writes one word a token and counts four
 # bytes of text a token, so a reply of n tokens comes back as about n * this many prompt tokens.
 REPLY_PROMPT_TOKENS = sum(len(t) for t in TOKENS) / len(TOKENS) / 4
-# Default time scale of a level: each target's output held near TOK_S_BUDGET tokens per wall second,
-# from the 8B's ~150 tok/s a stream alone (6.2 ms a step), flat past SATURATION streams where the
-# GPU's throughput stops growing much. Slow motion keeps the physics and lowers the event rate the
-# load tester and simulators must sustain on a small machine.
+# Default time scale of a cell: each target's output held near TOK_S_BUDGET tokens per wall second.
+# Output grows ~150 tok/s a stream (the 8B alone: 6.2 ms a step) up to SATURATION streams, where the
+# GPU's throughput stops growing much, and falls with the context beyond CONTEXT_REF: a step reads
+# the whole KV cache and every turn prefills its new tokens (and, under pool pressure, evicted ones),
+# so 8k-token conversations give several times fewer output tokens than 1k ones. Slow motion (< 1)
+# keeps the physics and lowers the event rate the load tester and simulators must sustain; faster
+# (up to MAX_TIME_SCALE) spares wall time where events are few.
 TOK_S_BUDGET = 3000.0
 PER_STREAM_TOK_S = 150.0
 SATURATION = 80
-# Calibration: levels (in-flight requests) and their window, in simulated seconds.
+CONTEXT_REF = 1000
+MAX_TIME_SCALE = 2.0
+# Calibration: levels (in-flight requests) and their window, in simulated seconds. It drives one
+# server at a time, not three: its time scale is CALIBRATION_SPEEDUP times the cells' at its top level.
 CALIBRATE_LEVELS = (4, 16, 64, 256)
 CALIBRATE_WINDOW_S = 2.0
+CALIBRATION_SPEEDUP = 2.0
 
 
-def default_time_scale(sessions: int) -> float:
-    return min(1.0, TOK_S_BUDGET / (PER_STREAM_TOK_S * min(sessions, SATURATION)))
+def default_time_scale(sessions: int, context: int = CONTEXT_REF) -> float:
+    expected = PER_STREAM_TOK_S * min(sessions, SATURATION) * CONTEXT_REF / max(context, CONTEXT_REF)
+    return min(MAX_TIME_SCALE, TOK_S_BUDGET / expected)
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,7 @@ class HeadPlan:
     accept_lengths: tuple[float, ...] = (1.5, 2.5)
     contexts: tuple[int, ...] = (1000, 8000)
     sessions: tuple[int, ...] = (1, 4, 16, 64, 256)
-    # One per level; empty: default_time_scale of each.
+    # One for every cell, or one per level; empty: default_time_scale of each cell.
     time_scales: tuple[float, ...] = ()
     turns: int = 4
     max_tokens: int = 128
@@ -107,7 +115,8 @@ class HeadPlan:
     slo_ttft_ms: float = 2000.0  # simulated
     slo_tpot_ms: float = 50.0  # simulated
     spec_steps: int = 3
-    calibration_time_scale: float = 0.5
+    # None: CALIBRATION_SPEEDUP times the cells' default at the top calibration level.
+    calibration_time_scale: float | None = None
     seed: int = 0
     min_requests: int = DEFAULT_MIN_REQUESTS
     profile: str = PROFILE
@@ -115,7 +124,7 @@ class HeadPlan:
     def __post_init__(self) -> None:
         if self.time_scales and len(self.time_scales) not in (1, len(self.sessions)):
             raise ValueError("--time-scale: one value, or one per --sessions level")
-        if any(t <= 0 for t in self.time_scales) or self.calibration_time_scale <= 0:
+        if any(t <= 0 for t in self.time_scales) or (self.calibration_time_scale or 1.0) <= 0:
             raise ValueError("time scales must be positive")
         if not 0 < self.window_s <= self.max_window_s:
             raise ValueError("--window-s must be positive and at most --max-window-s")
@@ -130,16 +139,23 @@ class HeadPlan:
         top = max(self.sessions)
         return tuple(x for x in CALIBRATE_LEVELS if x <= top) or tuple(sorted(set(self.sessions)))
 
-    def time_scale(self, sessions: int) -> float:
+    def time_scale(self, sessions: int, context: int) -> float:
+        """A cell's time scale: --time-scale's (one, or the level's), else default_time_scale."""
         if not self.time_scales:
-            return default_time_scale(sessions)
+            return round(default_time_scale(sessions, context), 4)
         if len(self.time_scales) == 1:
             return self.time_scales[0]
         return self.time_scales[self.sessions.index(sessions)]
 
-    def wall_slo(self, sessions: int) -> Slo:
-        """The SLOs in wall-clock ms at this level's time scale (a simulated ms lasts 1/T of them)."""
-        t = self.time_scale(sessions)
+    def calibration_scale(self, context: int) -> float:
+        if self.calibration_time_scale is not None:
+            return self.calibration_time_scale
+        top = max(self.calibration_levels)
+        return round(min(MAX_TIME_SCALE, CALIBRATION_SPEEDUP * default_time_scale(top, context)), 4)
+
+    def wall_slo(self, sessions: int, context: int) -> Slo:
+        """The SLOs in wall-clock ms at the cell's time scale (a simulated ms lasts 1/T of them)."""
+        t = self.time_scale(sessions, context)
         return Slo(ttft_ms=self.slo_ttft_ms / t, tpot_ms=self.slo_tpot_ms / t)
 
     def workload(self, context: int, sessions: int) -> WorkloadSpec:
@@ -152,7 +168,7 @@ class HeadPlan:
             system_tokens=s.system_tokens,
             turns=s.turns,
             user_tokens=s.user_tokens,
-            think_time_s=self.think_time_s / self.time_scale(sessions),
+            think_time_s=self.think_time_s / self.time_scale(sessions, context),
         )
 
     def common_flags(self, accept: float, time_scale: float) -> list[str]:

@@ -54,7 +54,7 @@ def calibrate(plan: HeadPlan, accept: float, context: int, out_dir: Path, quiet:
     where = calibration_dir(out_dir, accept, context)
     where.mkdir(parents=True, exist_ok=True)
     s = plan.sizes(context)
-    t = plan.calibration_time_scale
+    t = plan.calibration_scale(context)
     extra = [
         *calibrate_options(plan.seed, plan.max_tokens, plan.min_requests),
         "--workload", "multiturn", "--system-tokens", str(s.system_tokens), "--turns", str(s.turns),
@@ -64,15 +64,15 @@ def calibrate(plan: HeadPlan, accept: float, context: int, out_dir: Path, quiet:
     def pair(spec_port: int, base_port: int) -> list[str]:
         return plan.pair_args(accept, t, spec_port, base_port)
 
-    say(f"accept {accept:g}, {context_label(context)} context:", quiet)
+    say(f"accept {accept:g}, {context_label(context)} context (calibration at time scale {t:g}):", quiet)
     levels = plan.calibration_levels
     return calibrate_fresh_pair(pair, levels, extra, CALIBRATE_WINDOW_S / t, where, quiet, prompts=None)
 
 
-def start_servers(plan: HeadPlan, accept: float, sessions: int, calibration: Path) -> Servers:
+def start_servers(plan: HeadPlan, accept: float, sessions: int, context: int, calibration: Path) -> Servers:
     """Baseline and adaptive alone, each a simulator process of its own (its own GPU), and the
     shared-GPU pair with a specgate in front of it configured from the calibration."""
-    t = plan.time_scale(sessions)
+    t = plan.time_scale(sessions, context)
     fleet = Fleet()
     try:
         ports = {name: free_port() for name in ("baseline", "adaptive", "pair-speculative", "pair-baseline")}
@@ -144,7 +144,7 @@ async def _sample(session: aiohttp.ClientSession, servers: Servers, cap: CellCap
 
 async def measure_cell(plan: HeadPlan, context: int, sessions: int, servers: Servers) -> CellCapture:
     """The three targets at once, each `sessions` multi-turn streams of the same sessions."""
-    t = plan.time_scale(sessions)
+    t = plan.time_scale(sessions, context)
     spec = plan.workload(context, sessions)
     level = LevelPlan(duration_s=plan.window_s / t, max_duration_s=plan.max_window_s / t, max_wait_s=MAX_WAIT_S / t)
     bank = TextBank(spec.seed)
