@@ -84,15 +84,15 @@ def test_contexts_parse_with_k() -> None:
 
 
 def test_time_scale_per_level_and_slos_in_wall_time() -> None:
-    assert default_time_scale(1) == 2.0  # capped: few events, spare the wall time
-    assert default_time_scale(256) == default_time_scale(80) < default_time_scale(16) < 2.0
+    assert default_time_scale(1) == 4.0  # capped: few events, spare the wall time
+    assert default_time_scale(256) == default_time_scale(80) < default_time_scale(16) < 4.0
     # Longer contexts give fewer output tokens a second: a faster clock for the same event rate.
     assert default_time_scale(64, 8000) > default_time_scale(64, 1000)
     plan = HeadPlan(sessions=(1, 64), time_scales=(1.0, 0.25))
     assert plan.time_scale(64, 8000) == 0.25 and plan.time_scale(1, 1000) == 1.0
     slo = plan.wall_slo(64, 1000)
-    # A simulated 50 ms lasts 200 wall ms at a quarter speed.
-    assert slo.tpot_ms == pytest.approx(200.0) and slo.ttft_ms == pytest.approx(8000.0)
+    # A simulated 100 ms lasts 400 wall ms at a quarter speed.
+    assert slo.tpot_ms == pytest.approx(400.0) and slo.ttft_ms == pytest.approx(8000.0)
     assert plan.workload(1000, 64).think_time_s == pytest.approx(plan.think_time_s / 0.25)
     # The calibration drives one server at a time: twice the cells' scale at its top level.
     assert HeadPlan().calibration_scale(1000) == pytest.approx(2 * default_time_scale(256, 1000))
@@ -152,6 +152,11 @@ def test_target_cell_converts_wall_figures_to_simulated_time() -> None:
     assert t.p50_ttft_ms == pytest.approx(100.0) and t.p99_tpot_ms == pytest.approx(20.0)
     assert t.window_s == pytest.approx(0.75)
     assert t.speculative_share == 0.75 and t.prefix_cache_hit_rate == 0.6
+    assert t.mean_prompt_tokens == 990.0
+    # Everything to the baseline: a share of 0; a target that is no specgate: none.
+    assert target_cell("specgate", level_stats(True, 1.0, {"baseline": 1.0}), summary, 1.0).speculative_share == 0.0
+    assert target_cell("adaptive", level_stats(True, 1.0), summary, 1.0, None, 1234.0).speculative_share is None
+    assert target_cell("adaptive", level_stats(True, 1.0), summary, 1.0, None, 1234.0).mean_prompt_tokens == 1234.0
 
 
 def test_compare_needs_both_figures_conclusive() -> None:
@@ -205,7 +210,7 @@ def test_table_marks_inconclusive_figures_and_names_the_best() -> None:
     lines = cell_table(HeadPlan(), cells).splitlines()
     assert lines[2].rstrip().endswith("adaptive")
     assert "9.00*" in lines[3] and lines[3].rstrip().endswith("unknown")
-    assert "TTFT <= 2000 ms and TPOT <= 50 ms" in lines[-1]
+    assert "TTFT <= 2000 ms and TPOT <= 100 ms" in lines[-1]
 
 
 def test_warnings_keep_client_errors_apart_from_the_servers() -> None:

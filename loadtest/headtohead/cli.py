@@ -26,8 +26,8 @@ and the replies resent). The measured mean prompt is reported beside it. Every t
 sessions, side by side, at the same time: they share the machine's conditions.
 
 Scoring, per cell (accept x context x sessions x target), in simulated time: goodput (requests a
-second finishing inside the window within --slo-ttft-ms and --slo-tpot-ms: a chat user's patience
-for the first token and a stream faster than reading, 20 tokens a second), output tok/s, the
+second finishing inside the window within --slo-ttft-ms (2000) and --slo-tpot-ms (100): a chat
+user's patience for the first token, and a stream of 10 tokens a second, faster than anyone reads), output tok/s, the
 prefix-cache hit rate (cached_tokens), TTFT/TPOT p50/p99. A cell is conclusive for a target when it
 had the good requests stats.min_ok_requests asks for and client errors (the load tester's, never
 the servers') stayed under 5%: the window runs on (up to --max-window-s) until it has them. An
@@ -36,10 +36,11 @@ inconclusive figure is never a win or a loss: the verdict lists it as unknown.
 Time: with --time-scale T a simulated second lasts 1/T wall seconds (T < 1: slow motion, same
 physics, a lower event rate for the client and simulators). By default each cell's T holds each
 target near 3,000 output tokens a wall second by a rough estimate of its output (150 tok/s a
-stream up to 80 streams, divided by the context over 1k), at most 2: at 1k, 2 up to 10 sessions,
-1.25 at 16, 0.3125 at 64, 0.25 at 256; at 8k, 2 throughout. SLOs, think times and windows are
-given in simulated time and converted with T, and every figure is reported in simulated time. The
-report prints the machine's CPU per cell and warns when it was saturated.
+stream up to 80 streams, divided by (context / 1k) ** 1.5), at most 4: at 1k, 4 up to 4 sessions,
+1.25 at 16, 0.3125 at 64, 0.25 at 256; at 8k, 4 throughout. Calibrations run at twice the cells'
+scale at their top level (one server driven at a time, not three). SLOs, think times and windows
+are given in simulated time and converted with T, and every figure is reported in simulated time.
+The report prints the machine's CPU per cell and warns when it was saturated.
 """
 
 from __future__ import annotations
@@ -79,8 +80,14 @@ def run_cell(plan: HeadPlan, accept: float, context: int, sessions: int, calibra
     for name, run in cap.runs.items():
         stats = run.stats(slo, plan.min_requests)
         queued = cap.queued.get(name)
+        prompts = [r.prompt_tokens for r in run.results if r.ok]
         targets[name] = target_cell(
-            name, stats, stats.classes.get("all"), t, sum(queued) / len(queued) if queued else None
+            name,
+            stats,
+            stats.classes.get("all"),
+            t,
+            sum(queued) / len(queued) if queued else None,
+            sum(prompts) / len(prompts) if prompts else None,
         )
     cell = Cell(accept, context, sessions, t, {n: targets[n] for n in ("baseline", "adaptive", "specgate")}, cpu,
                 cap.pools)  # fmt: skip
@@ -178,17 +185,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="concurrent sessions, comma list (default 1,4,16,64,256)")  # fmt: skip
     p.add_argument("--time-scale", type=_floats, default=(),
                    help="simulators' time scale: one for every cell or one per --sessions level (default: "
-                        "each cell's holds a target near 3,000 output tokens a wall second, at most 2)")  # fmt: skip
+                        "each cell's holds a target near 3,000 output tokens a wall second, at most 4)")  # fmt: skip
     p.add_argument("--turns", type=count, default=4, help="turns a session (default 4)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens a turn (default 128)")
     p.add_argument("--think-time-s", type=non_negative, default=0.5,
                    help="mean think time between turns, simulated seconds (default 0.5)")  # fmt: skip
     p.add_argument("--window-s", type=positive, default=6.0,
                    help="measurement window per cell, simulated seconds (default 6)")  # fmt: skip
-    p.add_argument("--max-window-s", type=positive, default=24.0,
-                   help="the window runs on up to this long until a cell is conclusive (default 24)")  # fmt: skip
+    p.add_argument("--max-window-s", type=positive, default=60.0,
+                   help="the window runs on until a cell is conclusive, up to this long, simulated s (60)")  # fmt: skip
     p.add_argument("--slo-ttft-ms", type=positive, default=2000.0, help="simulated ms (default 2000)")
-    p.add_argument("--slo-tpot-ms", type=positive, default=50.0, help="simulated ms (default 50: 20 tok/s)")
+    p.add_argument("--slo-tpot-ms", type=positive, default=100.0, help="simulated ms (default 100: 10 tok/s)")
     p.add_argument("--spec-steps", type=count, default=3, help="EAGLE draft steps of the speculative servers (3)")
     p.add_argument("--calibration-time-scale", type=positive, default=None,
                    help="time scale of the calibration pairs (default: twice the cells' default at the top "

@@ -35,6 +35,8 @@ class TargetCell:
     goodput_req_s: float  # requests finished inside the window within both SLOs, per second
     goodput_share: float  # of the requests started inside it
     prefix_cache_hit_rate: float | None
+    # Over every good request of the cell (warm-up and drain too): the sessions all start together,
+    # so the window alone holds more of their later, longer turns.
     mean_prompt_tokens: float
     p50_ttft_ms: float
     p99_ttft_ms: float
@@ -53,11 +55,14 @@ def target_cell(
     summary: ClassSummary | None,
     time_scale: float,
     mean_queued: float | None = None,
+    mean_prompt_tokens: float | None = None,
 ) -> TargetCell:
-    """One target's cell from its level's figures (wall-clock) at time scale `time_scale`."""
+    """One target's cell from its level's figures (wall-clock) at time scale `time_scale`;
+    `mean_prompt_tokens`, when given, replaces the window's (see TargetCell)."""
     t = time_scale
     s = summary
-    share = stats.backend_share.get("speculative") if stats.backend_share else None
+    # No request to the speculative server is a share of 0, not an unknown one.
+    share = stats.backend_share.get("speculative", 0.0) if stats.backend_share else None
     return TargetCell(
         target=target,
         completed=stats.completed,
@@ -69,7 +74,11 @@ def target_cell(
         goodput_req_s=(s.goodput_req_s or 0.0) / t if s else 0.0,
         goodput_share=(s.goodput_share if s and s.goodput_share is not None else math.nan),
         prefix_cache_hit_rate=s.prefix_cache_hit_rate if s else None,
-        mean_prompt_tokens=s.mean_prompt_tokens if s else math.nan,
+        mean_prompt_tokens=mean_prompt_tokens
+        if mean_prompt_tokens is not None
+        else s.mean_prompt_tokens
+        if s
+        else math.nan,
         p50_ttft_ms=(s.p50_ttft_ms if s else math.nan) * t,
         p99_ttft_ms=(s.p99_ttft_ms if s else math.nan) * t,
         p50_tpot_ms=(s.p50_tpot_ms if s else math.nan) * t,
