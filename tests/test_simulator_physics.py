@@ -19,7 +19,7 @@ from loadtest.simulator.engine import Engine, Sequence, SharedGpu
 from loadtest.simulator.radix import PrefixCache, page_keys
 from loadtest.simulator.speed import TableSpeed
 from loadtest.simulator.steptimes import AdaptiveSteps, load_steptimes
-from loadtest.simulator.wire import token_text
+from loadtest.simulator.wire import count_tokens, token_text
 
 STEP_S = 1e-4
 PREFILL_S = 1e-3
@@ -301,3 +301,8 @@ def test_the_pair_on_one_gpu_splits_its_memory_and_the_adaptive_server_has_it_al
     (fixed,), _ = configs_from_args(["--role", "baseline", "--profile", "h200-llama8b", "--max-total-tokens", "5000"])
     assert fixed.kv_capacity_tokens == 5000
     assert spec.default_accept_length == 2.5 and spec.max_accept == 4.0
+
+
+def test_a_reply_resent_in_the_next_turn_counts_the_tokens_it_had() -> None:
+    for n in (1, 33, 128, 1000):
+        assert count_tokens(token_text(7, n)) == n

@@ -359,12 +359,17 @@ def generate(shared: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         tables = [dict(t) for _, t in sorted(by_shape[shape].items())]
         derived = ""
         if shape != "llama8b" and len(tables) == 1:
-            scale = MEMORY[shape]["kv_bytes_per_token"] / MEMORY["llama8b"]["kv_bytes_per_token"]
+            # The target's and the draft's growth each scale by their own KV bytes a token.
+            scales = {
+                key: MEMORY[shape][kv] / MEMORY["llama8b"][kv]
+                for key, kv in (("target_step_s", "kv_bytes_per_token"), ("draft_step_s", "draft_kv_bytes_per_token"))
+            }
             base, short, long = tables[0], small[1024.0], small[4096.0]
-            extra = {"model_shape": shape, "ctx": 4096, "derived": (
-                f"not measured: the 1k table plus the 8B's growth from 1k to 4k tokens, times {scale:g} "
-                "(the KV bytes a token of this shard reads over the 8B's)")}  # fmt: skip
-            for key in ("target_step_s", "draft_step_s"):
+            extra: dict[str, Any] = {"model_shape": shape, "ctx": 4096, "derived": (
+                "not measured: the 1k table plus the 8B's growth from 1k to 4k tokens, times the KV bytes a "
+                f"token of this shard reads over the 8B's ({scales['target_step_s']:g} for the target, "
+                f"{scales['draft_step_s']:g} for the draft)")}  # fmt: skip
+            for key, scale in scales.items():
                 extra[key] = {
                     b: {q: round(v + scale * (long[key][b][q] - short[key][b][q]), 6) for q, v in row.items()}
                     for b, row in base[key].items()

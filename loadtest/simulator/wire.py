@@ -24,11 +24,11 @@ GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
 CHAT_TEMPLATE_TOKENS_PER_MESSAGE = 4
 
 _WORDS = (
-    "the quick brown fox jumps over a lazy dog while speculative decoding drafts several tokens "
-    "and the target model verifies them in one forward pass so that latency falls at low load "
-    "but batching wins when many streams share the same accelerator"
+    "the big gpu ran one new job and its set did not fit yet now two old men had all the few who see "
+    "how far our low bar can get per day"
 ).split()
-# One simulated token = one word with its leading space: plain ASCII, nothing to escape.
+# One simulated token = one three-letter word with its leading space: four bytes of plain ASCII, as
+# `count_tokens` counts a prompt, so a reply resent in the next turn counts the tokens it had.
 TOKENS = tuple(" " + w for w in _WORDS)
 
 
