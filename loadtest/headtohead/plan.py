@@ -16,8 +16,8 @@ TARGETS = ("baseline", "adaptive", "specgate")
 PROFILE = "h200-llama8b"
 # The system prompt every session shares: this share of the mean context.
 SYSTEM_SHARE = 0.125
-# A reply resent as part of the next prompt: the simulator writes one word a token and counts four
-# bytes of text a token, so a reply of n tokens comes back as about n * this many prompt tokens.
+# A reply resent as part of the next prompt: n output tokens come back as n * this many prompt tokens,
+# from the simulator's own output words and its four bytes of text a token (1 since they match).
 REPLY_PROMPT_TOKENS = sum(len(t) for t in TOKENS) / len(TOKENS) / 4
 # Default time scale of a cell: each target's output held near TOK_S_BUDGET tokens per wall second.
 # Output grows ~150 tok/s a stream (the 8B alone: 6.2 ms a step) up to SATURATION streams, where the
@@ -41,7 +41,7 @@ CALIBRATION_SPEEDUP = 2.0
 
 
 def default_time_scale(sessions: int, context: int = CONTEXT_REF) -> float:
-    slower = (max(context, CONTEXT_REF) / CONTEXT_REF) ** CONTEXT_EXPONENT
+    slower: float = (max(context, CONTEXT_REF) / CONTEXT_REF) ** CONTEXT_EXPONENT
     expected = PER_STREAM_TOK_S * min(sessions, SATURATION) / slower
     return min(MAX_TIME_SCALE, TOK_S_BUDGET / expected)
 
