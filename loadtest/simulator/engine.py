@@ -274,10 +274,6 @@ class Engine:
             self.abort(seq)
 
     # ----- requests -----
-    def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
-        """Whether a request could ever be admitted: alone, with the whole pool to itself."""
-        return prompt_tokens + max_new_tokens <= self.kv_capacity
-
     def submit(self, seq: Sequence) -> None:
         seq.arrived = asyncio.get_running_loop().time()
         seq.state = SeqState.QUEUED
@@ -363,20 +359,22 @@ class Engine:
     def _reserve(self, seq: Sequence) -> bool:
         """Find the prompt's cached prefix and room for the rest plus max_new_tokens, or change nothing."""
         cache, keys = self.cache, seq._keys
-        matched = cache.match(keys) if cache is not None and keys else 0
-        if cache is not None and keys and matched:
-            cache.acquire(keys[:matched])  # before evicting: the prefix found must stay
-        # At least the last prompt token is computed: it yields the first output token.
-        cached = min(matched * cache.page_tokens, seq.prompt_tokens - 1) if cache is not None and matched else 0
+        found: list[int] = []
+        cached = 0
+        if cache is not None and keys:
+            found = keys[: cache.match(keys)]
+            cache.acquire(found)  # before evicting: the prefix found must stay
+            # At least the last prompt token is computed: it yields the first output token.
+            cached = min(len(found) * cache.page_tokens, seq.prompt_tokens - 1)
         need = seq.prompt_tokens - cached + seq.max_new_tokens
         if need > self._free() and cache is not None:
             cache.evict(need - self._free())
         if need > self._free():
-            if cache is not None and keys and matched:
-                cache.release(keys[:matched])
+            if cache is not None:
+                cache.release(found)
             return False
         seq.cached_tokens = cached
-        seq.locked = keys[:matched] if keys and matched else []
+        seq.locked = found
         seq.reserved = need
         self._reserved += need
         return True
