@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import resource
 import sys
 import time
 from dataclasses import asdict, dataclass
 
-from .procs import free_port, simulator_args, start
+from .procs import pinned_simulator
 from .simulator.probe import closed_loop
 from .simulator.profile import load_profile
 
@@ -46,26 +45,13 @@ def _client_cpu() -> float:
 def measure(
     role: str, profile: str, concurrency: int, time_scale: float, tolerance: float, warmup_s: float, measure_s: float
 ) -> Point:
-    cores = sorted(os.sched_getaffinity(0))
-    sim_cpus, client_cpus = ({cores[0]}, set(cores[1:])) if len(cores) > 1 else (None, None)
-    port = free_port()
-    args = simulator_args(
-        role, port, "--profile", profile, "--time-scale", str(time_scale), "--max-running-requests", str(concurrency)
-    )
-    proc = start("simulator", args, ready_url=f"http://127.0.0.1:{port}/health", cpus=sim_cpus)
-    if client_cpus:
-        os.sched_setaffinity(0, client_cpus)
-    try:
+    extra = ("--profile", profile, "--time-scale", str(time_scale), "--max-running-requests", str(concurrency))
+    with pinned_simulator(role, *extra) as (proc, url):
         cpu0, client0, t0 = proc.cpu_seconds(), _client_cpu(), time.monotonic()
-        result = asyncio.run(
-            closed_loop(f"http://127.0.0.1:{port}", concurrency, warmup_s=warmup_s, measure_s=measure_s)
-        )
+        result = asyncio.run(closed_loop(url, concurrency, warmup_s=warmup_s, measure_s=measure_s))
         wall = time.monotonic() - t0
         sim_cpu = (proc.cpu_seconds() - cpu0) / wall
         client_cpu = (_client_cpu() - client0) / wall
-    finally:
-        proc.stop()
-        os.sched_setaffinity(0, set(cores))
     expected = load_profile(profile).throughput(role, concurrency) * time_scale  # type: ignore[arg-type]
     ratio = result.tok_s / expected
     return Point(

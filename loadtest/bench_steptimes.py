@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -29,7 +28,7 @@ import aiohttp
 
 from proxy.promtext import totals
 
-from .procs import free_port, simulator_args, start
+from .procs import pinned_simulator
 from .simulator.steptimes import StepTimes, load_steptimes
 
 ACCEPT = 2  # an integer, so every speculative step advances a stream by exactly this many tokens
@@ -100,24 +99,13 @@ async def _measure(url: str, table: StepTimes, role: str, batch: int, ctx: int) 
 
 
 def measure(profile: str, role: str, batch: int, ctx: int) -> Point:
-    cores = sorted(os.sched_getaffinity(0))
-    sim_cpus, client_cpus = ({cores[0]}, set(cores[1:])) if len(cores) > 1 else (None, None)
-    port = free_port()
     extra = ["--profile", profile, "--max-running-requests", str(max(batch, 1)), "--spec-steps", str(SPEC_STEPS)]
     if role != "baseline":
         extra += ["--accept-length", str(ACCEPT)]
-    proc = start("simulator", simulator_args(role, port, *extra), ready_url=f"http://127.0.0.1:{port}/health",
-                 cpus=sim_cpus)  # fmt: skip
-    if client_cpus:
-        os.sched_setaffinity(0, client_cpus)
-    try:
+    with pinned_simulator(role, *extra) as (proc, url):
         cpu0, t0 = proc.cpu_seconds(), time.monotonic()
-        measured, expected, mid_ctx = asyncio.run(_measure(f"http://127.0.0.1:{port}", load_steptimes(profile),
-                                                           role, batch, ctx))  # fmt: skip
+        measured, expected, mid_ctx = asyncio.run(_measure(url, load_steptimes(profile), role, batch, ctx))
         sim_cpu = (proc.cpu_seconds() - cpu0) / (time.monotonic() - t0)
-    finally:
-        proc.stop()
-        os.sched_setaffinity(0, set(cores))
     return Point(profile, role, batch, mid_ctx, expected, measured, measured / expected, sim_cpu)
 
 

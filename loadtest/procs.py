@@ -117,6 +117,24 @@ def simulator_args(role: str, port: int, *extra: str) -> list[str]:
     return ["-m", "loadtest.simulator", "--role", role, "--port", str(port), "--log-level", "warning", *extra]
 
 
+@contextmanager
+def pinned_simulator(role: str, *extra: str) -> Iterator[tuple[Proc, str]]:
+    """One simulator on the first core and this process on the others (where there are two), so a
+    benchmark measures the simulator, not its own client; the process and its URL."""
+    cores = sorted(os.sched_getaffinity(0))
+    sim_cpus, client_cpus = ({cores[0]}, set(cores[1:])) if len(cores) > 1 else (None, None)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start("simulator", simulator_args(role, port, *extra), ready_url=url + "/health", cpus=sim_cpus)
+    if client_cpus:
+        os.sched_setaffinity(0, client_cpus)
+    try:
+        yield proc, url
+    finally:
+        proc.stop()
+        os.sched_setaffinity(0, set(cores))
+
+
 def pair_args(spec_port: int, base_port: int, *extra: str) -> list[str]:
     """A simulated pair sharing one compute budget (`loadtest.simulator pair --shared-gpu`)."""
     ports = ["--speculative-port", str(spec_port), "--baseline-port", str(base_port)]

@@ -113,14 +113,13 @@ class CellCapture:
     cpu_samples: list[tuple[float, float]] = field(default_factory=list)
 
 
-async def _gauges(session: aiohttp.ClientSession, servers: Mapping[str, str]) -> dict[str, float]:
-    """Each server's queue and KV pool, by server name; a server that does not answer is left out."""
-    out: dict[str, float] = {}
+async def _gauges(session: aiohttp.ClientSession, servers: Mapping[str, str]) -> dict[str, tuple[float, float]]:
+    """Each server's (queue, KV pool), by server name; a server that does not answer is left out."""
+    out: dict[str, tuple[float, float]] = {}
     for name, url in servers.items():
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
             found = metric_samples(await get_text(session, url + "/metrics"), (QUEUE, POOL))
-            out[f"{name}:queue"] = sum(v for _, v in found[QUEUE])
-            out[f"{name}:pool"] = sum(v for _, v in found[POOL])
+            out[name] = (sum(v for _, v in found[QUEUE]), sum(v for _, v in found[POOL]))
     return out
 
 
@@ -131,12 +130,10 @@ async def _sample(session: aiohttp.ClientSession, servers: Servers, cap: CellCap
     while not done.is_set():
         for target, backends in servers.servers.items():
             g = await _gauges(session, backends)
-            queues = [v for k, v in g.items() if k.endswith(":queue")]
-            if queues:
-                cap.queued.setdefault(target, []).append(sum(queues))
-            for k, v in g.items():
-                if k.endswith(":pool"):
-                    cap.pools[f"{target}/{k.removesuffix(':pool')}"] = v
+            if g:
+                cap.queued.setdefault(target, []).append(sum(queue for queue, _ in g.values()))
+            for name, (_, pool) in g.items():
+                cap.pools[f"{target}/{name}"] = pool
         cpu.poll(time.monotonic())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), SAMPLE_S)
