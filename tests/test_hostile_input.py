@@ -15,9 +15,11 @@ from hypothesis import strategies as st
 from .conftest import StartStack
 from .helpers import routing, scrape, wait_for
 
-PATHS = ["/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings", "/v1/", "/generate?x=1"]
+PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate", "/v1/embeddings", "/v1/",
+         "/generate?x=1"]  # fmt: skip
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n",
-          "temperature", "text", "sampling_params", "rid", "ignore_eos"]  # fmt: skip
+          "temperature", "text", "sampling_params", "rid", "ignore_eos",
+          "input", "instructions", "max_output_tokens", "previous_response_id", "store"]  # fmt: skip
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=30),
@@ -28,7 +30,7 @@ json_values = st.recursive(
 
 def _short(body: dict[str, Any]) -> dict[str, Any]:
     """Keep generations short: a valid length becomes 4 (invalid ones stay, to be rejected)."""
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             body[key] = 4
