@@ -4,8 +4,12 @@ prober both take it. A module of its own so that neither imports the other to na
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .kinds import Endpoint
+
+if TYPE_CHECKING:
+    from .tracing import RequestTrace
 
 
 @dataclass(frozen=True)
@@ -23,3 +27,5 @@ class ProxyCall:
     started: float
     # Who sent it, for pooling acceptance evidence by client (access.client_key): never a secret.
     client: str = ""
+    # Its spans, when tracing is on (proxy/tracing.py).
+    trace: RequestTrace | None = None

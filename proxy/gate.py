@@ -13,6 +13,7 @@ from .health import HealthMonitor
 from .metrics import Metrics
 from .probe import Prober
 from .routing import Fleet
+from .tracing import Tracing
 from .upstream import Upstream
 
 
@@ -25,3 +26,5 @@ class Gate:
     fleet: Fleet
     # Shadow probes (adaptive policy, SPECGATE_ADAPTIVE_PROBE_MODE=shadow); None otherwise.
     prober: Prober | None = None
+    # OpenTelemetry traces (proxy/tracing.py); None when off, the hot path's one test.
+    tracing: Tracing | None = None
