@@ -193,11 +193,13 @@ class RequestTrace:
     """One proxied request's spans. The relay tells it what happens; `end` runs once, on every path
     (the relay's `finish`, or ingress when it answers itself)."""
 
-    __slots__ = ("_attempt", "_child", "_error", "_errored", "_span", "_tracing")
+    __slots__ = ("_attempt", "_child", "_context", "_error", "_errored", "_span", "_tracing")
 
     def __init__(self, tracing: Tracing, span: Span) -> None:
         self._tracing = tracing
         self._span = span
+        # The request span as its children's parent.
+        self._context = set_span_in_context(span)
         # The open child span (an attempt's connect, or its wait for the first byte), if any.
         self._child: Span | None = None
         self._attempt = 0
@@ -205,10 +207,6 @@ class RequestTrace:
         self._error: str | None = None
         # The span's status is ERROR already, with its description.
         self._errored = False
-
-    @property
-    def span(self) -> Span:
-        return self._span
 
     def model(self, name: object) -> None:
         if isinstance(name, str):
@@ -247,8 +245,7 @@ class RequestTrace:
             )
         self._span.set_attribute("specgate.server", server)
         self._attempt += 1
-        context = set_span_in_context(self._span)
-        child = t.tracer.start_span("upstream connect", context, SpanKind.CLIENT, attrs)
+        child = t.tracer.start_span("upstream connect", self._context, SpanKind.CLIENT, attrs)
         self._child = child
         return self._traced(headers, child)
 
@@ -268,9 +265,8 @@ class RequestTrace:
             child.set_status(Status(StatusCode.ERROR))
             child.set_attribute("error.type", str(status))
         child.end()
-        context = set_span_in_context(self._span)
         self._child = t.tracer.start_span(
-            "first byte", context, SpanKind.CLIENT, {"specgate.attempt": self._attempt - 1}
+            "first byte", self._context, SpanKind.CLIENT, {"specgate.attempt": self._attempt - 1}
         )
 
     def first_byte(self) -> None:
@@ -299,7 +295,7 @@ class RequestTrace:
         """A shadow probe's span (a child of this request's) and its head lines naming it."""
         t = self._tracing
         attrs = {"specgate.server": server, "specgate.backend": "speculative", **t.addresses.get(server, {})}
-        span = t.tracer.start_span("shadow probe", set_span_in_context(self._span), SpanKind.CLIENT, attrs)
+        span = t.tracer.start_span("shadow probe", self._context, SpanKind.CLIENT, attrs)
         return self._traced(headers, span), span
 
     def shadow_end(self, span: Span, outcome: str, status: int | None) -> None:
