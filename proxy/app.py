@@ -29,6 +29,7 @@ from .policy import Role
 from .probe import Prober
 from .routing import Fleet
 from .servers import servers_of
+from .stored import StoredResponses
 from .tracing import Tracing
 from .upstream import Upstream
 
@@ -66,7 +67,9 @@ async def running(settings: Settings, tracer_provider: TracerProvider | None = N
     prober = None
     if settings.policy == "adaptive" and settings.adaptive_probe_mode == "shadow":
         prober = Prober(upstream, metrics, settings.adaptive_shadow_tokens)
-    gate = Gate(settings, metrics, upstream, health, fleet, prober, tracing)
+    stored = StoredResponses(settings.responses_entries)
+    metrics.stored_responses.set_function(stored.__len__)
+    gate = Gate(settings, metrics, upstream, health, fleet, prober, stored, tracing)
     await health.poll_once()  # so /ready and routing are right from the first request
     poller = asyncio.get_running_loop().create_task(health.run(), name="specgate-health")
     # Everything made so far (modules, app, metrics) lives as long as the process. Out of the

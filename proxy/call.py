@@ -27,5 +27,9 @@ class ProxyCall:
     started: float
     # Who sent it, for pooling acceptance evidence by client (access.client_key): never a secret.
     client: str = ""
+    # Responses API: the stored response this request continues (`previous_response_id`), and
+    # whether the server will store this one (`store` is not false).
+    previous: str | None = None
+    stores: bool = False
     # Its spans, when tracing is on (proxy/tracing.py).
     trace: RequestTrace | None = None

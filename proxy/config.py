@@ -20,7 +20,14 @@ from .topology import build as build_topology
 
 # The inference routes a client may reach on a server (proxy/paths.py): each engine's admin routes
 # (SGLang's /update_weights_from_disk, /flush_cache; vLLM's /v1/load_lora_adapter) are not among them.
-DEFAULT_ALLOWED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/generate")
+DEFAULT_ALLOWED_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/v1/models",
+    "/generate",
+)
 
 
 class Settings(BaseSettings):
@@ -101,6 +108,10 @@ class Settings(BaseSettings):
     connect_timeout_s: float = Field(3.0, gt=0)
     read_timeout_s: float = Field(120.0, gt=0)
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    # The Responses API stores a response on the server that made it, and a request naming it in
+    # `previous_response_id` fails anywhere else: where each was made is remembered (proxy/stored.py),
+    # for this many of the newest; 0 remembers none.
+    responses_entries: int = Field(100_000, ge=0, le=10_000_000)
     max_connections_per_backend: int = Field(1024, ge=1)
     shutdown_grace_s: float = Field(30.0, ge=0)
 

@@ -6,13 +6,14 @@ import it from here, and none of them imports another to name it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import Settings
 from .health import HealthMonitor
 from .metrics import Metrics
 from .probe import Prober
 from .routing import Fleet
+from .stored import StoredResponses
 from .tracing import Tracing
 from .upstream import Upstream
 
@@ -26,5 +27,7 @@ class Gate:
     fleet: Fleet
     # Shadow probes (adaptive policy, SPECGATE_ADAPTIVE_PROBE_MODE=shadow); None otherwise.
     prober: Prober | None = None
+    # Which server holds each stored Responses API response (previous_response_id goes there).
+    stored: StoredResponses = field(default_factory=lambda: StoredResponses(0))
     # OpenTelemetry traces (proxy/tracing.py); None when off, the hot path's one test.
     tracing: Tracing | None = None

@@ -29,6 +29,7 @@ from .tracing import RequestTrace
 _EXACT: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
+    "/v1/responses": "responses",
     GENERATE_PATH: "generate",
 }
 _JSON_TYPES = (b"application/json",)
@@ -119,7 +120,16 @@ async def _accept(
         if settings.policy == "adaptive"
         else ""
     )
-    return ProxyCall(target, endpoint, body, up_headers, request_id, stream, strip_usage, started, client_id, trace)
+    previous: str | None = None
+    stores = False
+    if endpoint == "responses":
+        # No `stream_options` here: a streamed response's usage comes in its `response.completed` event.
+        after = payload.get("previous_response_id")
+        previous = after if isinstance(after, str) else None
+        stores = payload.get("store") is not False
+    return ProxyCall(
+        target, endpoint, body, up_headers, request_id, stream, strip_usage, started, client_id, previous, stores, trace
+    )
 
 
 def ask_for_usage(payload: dict[str, Any], body: bytes) -> tuple[bytes, bool]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-Endpoint = Literal["chat", "completions", "generate", "other"]
-ENDPOINTS: tuple[Endpoint, ...] = ("chat", "completions", "generate", "other")
+Endpoint = Literal["chat", "completions", "responses", "generate", "other"]
+ENDPOINTS: tuple[Endpoint, ...] = ("chat", "completions", "responses", "generate", "other")
+# The endpoints whose requests say something of acceptance: they may be probes, or shadowed.
+GENERATIONS: tuple[Endpoint, ...] = ("chat", "completions", "responses")
 # How talking to a server failed (proxy/upstream.py).
 ErrorKind = Literal["connect", "timeout", "disconnect", "protocol"]
 ERROR_KINDS: tuple[ErrorKind, ...] = ("connect", "timeout", "disconnect", "protocol")

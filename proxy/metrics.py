@@ -131,6 +131,11 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.stored_responses = Gauge(
+            "specgate_stored_responses",
+            "Stored Responses API responses whose server specgate remembers (SPECGATE_RESPONSES_ENTRIES caps them).",
+            registry=r,
+        )
         self.failovers = Counter(
             "specgate_failovers", "Requests retried on the other backend.", ["from", "to"], registry=r
         )

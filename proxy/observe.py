@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .policy import Role, other
-from .sse import content_events
+from .sse import DELTA_MARK, content_events, response_deltas
 
 if TYPE_CHECKING:
     from .health import HealthMonitor
@@ -44,25 +44,32 @@ class StreamObserver:
 
 
 class StreamTiming(StreamObserver):
-    """Time to first token and the gaps between chunks, of a successful stream."""
+    """Time to first token and the gaps between chunks, of a successful stream. A Responses API
+    stream (`typed`) opens with `response.created` before its prompt is even read: its first
+    token is its first delta event."""
 
-    __slots__ = ("_backend", "_inter_chunk", "_last", "_metrics", "_started")
+    __slots__ = ("_backend", "_inter_chunk", "_last", "_metrics", "_started", "_waiting")
 
-    def __init__(self, metrics: Metrics, backend: Role, started: float) -> None:
+    def __init__(self, metrics: Metrics, backend: Role, started: float, typed: bool = False) -> None:
         self._metrics = metrics
         self._backend = backend
         self._started = started
         self._inter_chunk = metrics.child(metrics.inter_chunk, backend)
         self._last = 0.0
+        self._waiting = typed
 
     def first(self, data: bytes, at: float) -> None:
         self._last = at
-        if data:
+        if data and (not self._waiting or DELTA_MARK in data):
+            self._waiting = False
             self._metrics.child(self._metrics.ttft, self._backend).observe(at - self._started)
 
     def chunk(self, data: bytes, at: float) -> None:
         self._inter_chunk.observe(at - self._last)
         self._last = at
+        if self._waiting and DELTA_MARK in data:
+            self._waiting = False
+            self._metrics.child(self._metrics.ttft, self._backend).observe(at - self._started)
 
 
 class TokenCounts(StreamObserver):
@@ -108,10 +115,15 @@ class Learning(StreamObserver):
     of one server alone, and on a shared GPU each slows the other (a switch's drain would read as
     the new server being slow)."""
 
-    __slots__ = ("_backend", "_body", "_client", "_count", "_first_at", "_learn", "_router", "_size", "_start_load")
+    __slots__ = (
+        "_backend", "_body", "_client", "_count", "_first_at", "_learn", "_router", "_size", "_start_load", "_typed"
+    )  # fmt: skip
 
-    def __init__(self, router: Router, backend: Role, client: str, *, probe: bool, timed: bool) -> None:
+    def __init__(
+        self, router: Router, backend: Role, client: str, *, probe: bool, timed: bool, typed: bool = False
+    ) -> None:
         self._router = router
+        self._typed = typed
         self._backend = backend
         self._client = client
         self._count = probe
@@ -139,7 +151,10 @@ class Learning(StreamObserver):
         if usage is None:
             return
         router, backend, tokens = self._router, self._backend, usage[1]
-        events = content_events(b"".join(self._body)) if self._count else None
+        events = None
+        if self._count:
+            body = b"".join(self._body)
+            events = response_deltas(body) if self._typed else content_events(body)
         router.note_output(backend, tokens, events, self._client)
         elapsed = last_at - self._first_at
         if self._learn and tokens >= MIN_LEARN_TOKENS and elapsed > 0 and not router.backend_load(other(backend)):

@@ -72,6 +72,7 @@ Reason = Literal[
     "probe",  # adaptive: one request to the idle speculative server, to re-measure its acceptance
     "only_healthy",  # the policy's choice is down; the other server takes it
     "failover",  # a retry on the other server after the first failed before any byte
+    "stored_response",  # the request continues a response stored on one server (previous_response_id)
     "no_healthy_backend",
 ]
 REASONS: tuple[Reason, ...] = (
@@ -84,6 +85,7 @@ REASONS: tuple[Reason, ...] = (
     "probe",
     "only_healthy",
     "failover",
+    "stored_response",
     "no_healthy_backend",
 )
 

@@ -1,7 +1,7 @@
 """Shadow probes: the adaptive policy's way to re-measure the speculative server's acceptance on
 today's traffic while everything goes to the baseline, at a small, bounded cost.
 
-A probe is a copy of a client's chat or completion request, capped to a few output tokens,
+A probe is a copy of a client's chat, completion or Responses API request, capped to a few output tokens,
 streamed, and sent to the idle speculative server; the client's own request goes where the mode
 says, untouched, and never sees the copy. Its acceptance comes from its own stream where the
 engine sends one content event per decode step (engines.Engine.stream_steps): tokens over events,
@@ -28,8 +28,9 @@ import orjson
 
 from .adaptive import MIN_STREAM_EVENTS
 from .forwarding import renamed
+from .kinds import GENERATIONS
 from .policy import Role
-from .sse import completion_tokens, content_events
+from .sse import ResponseEvents, completion_tokens, content_events, response_deltas
 from .upstream import UpstreamError
 
 if TYPE_CHECKING:
@@ -55,35 +56,62 @@ _KEPT = frozenset(
         "reasoning_effort", "lora_path",
     )
 )  # fmt: skip
+# The same for a Responses API request: its input and sampling. `previous_response_id` and
+# `conversation` are left out by not being copied at all: such a request is not copied (below).
+_KEPT_RESPONSES = frozenset(
+    (
+        "model", "input", "instructions",
+        "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+        "frequency_penalty", "presence_penalty", "repetition_penalty", "reasoning",
+    )
+)  # fmt: skip
 # A copy shorter than this cannot show enough decode steps to read acceptance from (MIN_STREAM_EVENTS).
 MIN_SHADOW_TOKENS = 2 * MIN_STREAM_EVENTS
 
 
-def shadow_body(body: bytes, max_tokens: int) -> bytes | None:
+def shadow_body(body: bytes, max_tokens: int, typed: bool = False) -> bytes | None:
     """The copy to send: the request's prompt (the first, of a list of prompts) and sampling, streamed
     with usage, capped to `max_tokens` output tokens and to the client's own limit; None for a body
-    that is not a JSON object, that cannot be written back, or whose limit is too short to measure."""
+    that is not a JSON object, that cannot be written back, or whose limit is too short to measure.
+    `typed`: a Responses API request, whose copy is never stored by the server, and which is not
+    copied when it continues a stored conversation (that lives on one server, and not the copy's)."""
     try:
         payload: Any = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
     if not isinstance(payload, dict):
         return None
-    limits = [v for k in ("max_tokens", "max_completion_tokens") if (v := _count(payload.get(k))) is not None]
+    fields = ("max_output_tokens",) if typed else ("max_tokens", "max_completion_tokens")
+    limits = [v for k in fields if (v := _count(payload.get(k))) is not None]
     tokens = min([max_tokens, *limits])
     if tokens < MIN_SHADOW_TOKENS:
         return None
-    copy = {k: v for k, v in payload.items() if k in _KEPT}
-    prompt = copy.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        copy["prompt"] = prompt[0]  # a batch of prompts (strings, or token lists): one
-    copy["max_tokens"] = tokens
-    copy["stream"] = True
-    copy["stream_options"] = {"include_usage": True}
+    if typed:
+        if payload.get("previous_response_id") is not None or payload.get("conversation") is not None:
+            return None
+        copy = {k: v for k, v in payload.items() if k in _KEPT_RESPONSES}
+        copy.update(max_output_tokens=tokens, stream=True, store=False)
+    else:
+        copy = {k: v for k, v in payload.items() if k in _KEPT}
+        prompt = copy.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            copy["prompt"] = prompt[0]  # a batch of prompts (strings, or token lists): one
+        copy["max_tokens"] = tokens
+        copy["stream"] = True
+        copy["stream_options"] = {"include_usage": True}
     try:
         return orjson.dumps(copy)
     except orjson.JSONEncodeError:  # nested past orjson's depth: no copy, rather than an error
         return None
+
+
+def _output_tokens(data: bytes) -> int | None:
+    """A Responses stream's output tokens (its `response.completed` event's usage)."""
+    events = ResponseEvents()
+    events.feed(data)
+    events.flush()
+    found = events.usage()
+    return found[1] if found is not None else None
 
 
 def _count(v: object) -> int | None:
@@ -110,15 +138,16 @@ class Prober:
     def start(self, call: ProxyCall, router: Router) -> bool:
         """Send a copy of `call` to the group's speculative server unless a copy is under way or it
         cannot be copied; True if sent."""
-        if self.busy or call.endpoint not in ("chat", "completions") or not router.wants_shadow_of(call.client):
+        if self.busy or call.endpoint not in GENERATIONS or not router.wants_shadow_of(call.client):
             return False
-        body = shadow_body(call.body, self._max_tokens)
+        body = shadow_body(call.body, self._max_tokens, call.endpoint == "responses")
         if body is None:
             return False
         self._task = asyncio.get_running_loop().create_task(self._run(call, body, router), name="specgate-probe")
         return True
 
     async def _run(self, call: ProxyCall, body: bytes, router: Router) -> None:
+        typed = call.endpoint == "responses"
         lease = router.admit(Role.SPECULATIVE)
         outcome = "error"
         resp = None
@@ -136,10 +165,10 @@ class Prober:
                     raise UpstreamError("protocol", "a shadow probe's body grew past its limit", retryable=False)
                 parts.append(chunk)
             data = b"".join(parts)
-            tokens = completion_tokens(data) if resp.status == 200 else None
+            tokens = (_output_tokens(data) if typed else completion_tokens(data)) if resp.status == 200 else None
             if tokens is not None:
                 resp.release()
-                router.note_shadow(tokens, content_events(data), call.client)
+                router.note_shadow(tokens, response_deltas(data) if typed else content_events(data), call.client)
                 outcome = "ok"
                 if self._failing:
                     self._failing = False

@@ -22,9 +22,10 @@ from starlette.types import Message, Receive, Scope, Send
 
 from .call import ProxyCall
 from .engines import DONE_GRACE_S
-from .errors import ApiError, sse_error
+from .errors import ApiError
 from .gate import Gate
 from .inflight import Lease
+from .kinds import GENERATIONS
 from .metrics import code_class
 from .observe import Learning, Liveness, StreamObserver, StreamTiming, TokenCounts
 from .policy import Reason, Role, other
@@ -116,7 +117,8 @@ class _Relay:
     async def run(self) -> None:
         gate = self.gate
         call = self.call
-        placed = gate.fleet.decide(can_probe=call.endpoint in ("chat", "completions"))
+        held = gate.stored.server_of(call.previous) if call.previous is not None else None
+        placed = gate.fleet.decide(can_probe=call.endpoint in GENERATIONS, server=held)
         decision, self.router = placed.decision, placed.router
         if call.trace is not None:
             call.trace.decided(decision, placed.router.group.name)
@@ -130,7 +132,7 @@ class _Relay:
             )
             await self._error(raise_error, decision.reason)
             return
-        self.lease = placed.router.admit(decision.backend)
+        self.lease = placed.router.admit(decision.backend, placed.server)
         gate.metrics.child(gate.metrics.server_requests, self.lease.server).inc()
         reason: Reason = decision.reason
         first = await self._connect(reason)
@@ -186,19 +188,20 @@ class _Relay:
     async def _relay(self, first: bytes, reason: Reason) -> None:
         """Pump the body to the client; the subscribers (observe.py) see it pass."""
         gate, call = self.gate, self.call
-        up = self.upstream
-        backend = self.role
-        assert up is not None and backend is not None
+        up, lease = self.upstream, self.lease
+        assert up is not None and lease is not None
+        backend = lease.role
         self.status = up.status
         is_sse = up.content_type.startswith("text/event-stream")
-        reader = reader_for(up.content_type, up.status, call.strip_usage)
+        typed = call.endpoint == "responses"
+        reader = reader_for(up.content_type, up.status, call.strip_usage, typed)
         headers = up.headers()
         if is_sse and call.strip_usage:
             headers = [(k, v) for k, v in headers if k != b"content-length"]
         headers += self._own_headers(backend, reason)
         # Sent just before the first body bytes: until then a failure can still be answered cleanly.
         self._head = {"type": "http.response.start", "status": up.status, "headers": headers}
-        observers = self._observers(is_sse and reason == "probe")
+        observers = self._observers(is_sse and reason == "probe", typed)
         loop = asyncio.get_running_loop()
         now = loop.time()
         for o in observers:
@@ -232,15 +235,17 @@ class _Relay:
             log.warning("request %s: stream from %s broke: %s", call.request_id, backend, err)
             if call.trace is not None:
                 call.trace.broke(err.kind, str(err))
-            await self._last(sse_error(f"Upstream stream broke: {err}", "upstream_" + err.kind) if is_sse else b"")
+            await self._last(reader.broken(f"Upstream stream broke: {err}", "upstream_" + err.kind))
             return
         tail = reader.flush()
         usage = reader.usage()
         for o in observers:
             o.end(usage, now)
+        if call.stores and up.status == 200 and (made := reader.response_id()) is not None:
+            gate.stored.remember(made, lease.server)
         await self._last(out + tail if tail else out)
 
-    def _observers(self, probe: bool) -> tuple[StreamObserver, ...]:
+    def _observers(self, probe: bool, typed: bool) -> tuple[StreamObserver, ...]:
         """This response's subscribers, each only where it has work."""
         gate, call, up, lease = self.gate, self.call, self.upstream, self.lease
         assert up is not None and lease is not None and self.router is not None
@@ -248,11 +253,11 @@ class _Relay:
         timed = call.stream and up.status == 200
         out: list[StreamObserver] = []
         if timed:
-            out.append(StreamTiming(gate.metrics, backend, call.started))
+            out.append(StreamTiming(gate.metrics, backend, call.started, typed))
         if up.status < 500:  # a server that fails everything it gets is no proof of life
             out.append(Liveness(gate.health, lease.server))
         out.append(TokenCounts(gate.metrics, backend))
-        out.append(Learning(self.router, backend, call.client, probe=probe, timed=timed))
+        out.append(Learning(self.router, backend, call.client, probe=probe, timed=timed, typed=typed))
         return tuple(out)
 
     async def _last(self, data: bytes) -> None:

@@ -95,6 +95,9 @@ class Router:
         """This gateway's requests in flight on the group's servers of `role`."""
         return sum(self.tracker.count(s) for s in self.group.of(role))
 
+    def server_healthy(self, server: str) -> bool:
+        return self._servers[server].healthy
+
     def healthy_map(self) -> dict[Role, bool]:
         return {role: any(self._servers[s].healthy for s in self.group.of(role)) for role in ROLES}
 
@@ -174,8 +177,16 @@ class Router:
         assert chosen is not None
         return chosen
 
-    def admit(self, backend: Role) -> Lease:
-        return self.tracker.acquire(self.pick(backend))
+    def admit(self, backend: Role, server: str | None = None) -> Lease:
+        """A lease on `server`, or on the group's pick for `backend`."""
+        return self.tracker.acquire(server if server is not None else self.pick(backend))
+
+    def pinned(self, server: str) -> Decision:
+        """The decision for a request that must go to `server` (it holds what the request
+        continues): no policy runs, and the mode's state is left as it is."""
+        role = self._servers[server].role
+        self._metrics.child(self._metrics.decisions, role, "stored_response").inc()
+        return Decision(role, "stored_response", self.state, self.last_load)
 
     def failover(self, lease: Lease, to: Role) -> Lease:
         """Move a request that failed before its first byte to the group's other role."""
@@ -314,6 +325,8 @@ class Placement:
 
     decision: Decision
     router: Router
+    # The server the request must go to (Router.pinned); None: the router picks one at admission.
+    server: str | None = None
 
 
 class Fleet:
@@ -353,7 +366,13 @@ class Fleet:
         name = least_loaded(up, self._rng.random())
         return next((r for r in self.routers if r.group.name == name), self.routers[0])
 
-    def decide(self, can_probe: bool = True) -> Placement:
+    def decide(self, can_probe: bool = True, server: str | None = None) -> Placement:
+        """Where a new request goes; `server`: where it should go if that server is up (it holds
+        what the request continues)."""
+        if server is not None:
+            router = self._router_of.get(server)
+            if router is not None and router.server_healthy(server):
+                return Placement(router.pinned(server), router, server)
         router = self.choose()
         return Placement(router.decide(can_probe), router)
 

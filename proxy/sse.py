@@ -1,5 +1,6 @@
 """Reading and rewriting the server's response bodies as they pass: OpenAI-style SSE streams (event
-boundaries, the usage chunk specgate asked for and drops again, content events, token counts) and
+boundaries, the usage chunk specgate asked for and drops again, content events, token counts), the
+Responses API's typed event streams (their usage in `response.completed`, their delta events), and
 the usage of a JSON body. Pure functions and small stateful readers over bytes: no I/O, so the relay
 (relay.py) and the shadow prober (probe.py) both read streams through this module and not through
 each other.
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 import orjson
 
 from .engines import USAGE_FIELDS
+from .errors import sse_error
 
 # Bytes of a non-streamed JSON body kept to read its `usage`; larger bodies are relayed unread.
 USAGE_BODY_LIMIT = 4 * 1024 * 1024
@@ -41,11 +43,20 @@ class BodyReader(Protocol):
 
     def usage(self) -> tuple[int, int] | None: ...
 
+    def response_id(self) -> str | None:
+        """A Responses API body's response id, once it has ended."""
+        ...
 
-def reader_for(content_type: str, status: int, strip_usage: bool) -> BodyReader:
-    """The reader for a response: an event stream's events, a successful JSON body's usage, or neither."""
+    def broken(self, message: str, code: str) -> bytes:
+        """What ends the client's copy of a body that broke off after its first bytes."""
+        ...
+
+
+def reader_for(content_type: str, status: int, strip_usage: bool, typed: bool = False) -> BodyReader:
+    """The reader for a response: an event stream's events (`typed`: the Responses API's), a
+    successful JSON body's usage, or neither."""
     if content_type.startswith("text/event-stream"):
-        return SseRelay(strip_usage)
+        return ResponseEvents() if typed else SseRelay(strip_usage)
     if status == 200 and "json" in content_type:
         return JsonUsage()
     return Passthrough()
@@ -65,15 +76,22 @@ class Passthrough:
     def usage(self) -> tuple[int, int] | None:
         return None
 
+    def response_id(self) -> str | None:
+        return None
+
+    def broken(self, message: str, code: str) -> bytes:
+        return b""  # a JSON body cut short: the client's parser says so
+
 
 class JsonUsage(Passthrough):
     """A JSON body, passed on as it comes and kept (up to USAGE_BODY_LIMIT) to read its usage."""
 
-    __slots__ = ("_kept", "_parts")
+    __slots__ = ("_kept", "_obj", "_parts")
 
     def __init__(self) -> None:
         self._parts: list[bytes] = []
         self._kept = 0
+        self._obj: Any = None
 
     def feed(self, chunk: bytes) -> bytes:
         if self._kept <= USAGE_BODY_LIMIT:
@@ -85,12 +103,19 @@ class JsonUsage(Passthrough):
         return chunk
 
     def usage(self) -> tuple[int, int] | None:
-        if not self._parts:
-            return None
-        try:
-            return usage_of(orjson.loads(b"".join(self._parts)))
-        except orjson.JSONDecodeError:
-            return None
+        return usage_of(self._parsed())
+
+    def response_id(self) -> str | None:
+        return response_id_of(self._parsed())
+
+    def _parsed(self) -> Any:
+        if self._obj is None and self._parts:
+            try:
+                self._obj = orjson.loads(b"".join(self._parts))
+            except (orjson.JSONDecodeError, RecursionError):
+                self._obj = False
+            self._parts.clear()
+        return self._obj
 
 
 class SseRelay:
@@ -183,9 +208,94 @@ class SseRelay:
         except orjson.JSONDecodeError:
             return None
 
+    def response_id(self) -> str | None:
+        return None
+
+    def broken(self, message: str, code: str) -> bytes:
+        return sse_error(message, code)
+
+
+# A Responses stream's last event: its whole response, with usage (whichever way it ended).
+_TERMINAL = (b"response.completed", b"response.incomplete", b"response.failed")
+
+
+class ResponseEvents:
+    """A Responses API stream (`event: <type>` / `data: {...}` pairs, numbered by `sequence_number`,
+    no `[DONE]`), passed through unchanged. Its events are told apart as they pass, to keep the last
+    one that ends the response (`response.completed`, or `.incomplete` / `.failed`), whose response
+    holds the usage and the id, read once, at the end."""
+
+    __slots__ = ("_final", "_parts", "_size", "events")
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._final: bytes | None = None
+        # Complete events so far: the next one's sequence_number, as engines number them from 0.
+        self.events = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        start = 0
+        if self._parts and self._parts[-1].endswith(b"\n") and chunk.startswith(b"\n"):
+            self._event_ended()  # the blank line was split between two reads
+            start = 1
+        while (at := chunk.find(b"\n\n", start)) >= 0:
+            self._keep(chunk[start:at])
+            self._event_ended()
+            start = at + 2
+        if start < len(chunk):
+            self._keep(chunk[start:] if start else chunk)
+        return chunk
+
+    def _keep(self, part: bytes) -> None:
+        self._size += len(part)
+        if self._size <= USAGE_BODY_LIMIT:
+            self._parts.append(part)
+
+    def _event_ended(self) -> None:
+        event = b"".join(self._parts) if self._size <= USAGE_BODY_LIMIT else b""
+        self._parts.clear()
+        self._size = 0
+        if event.strip():
+            self.events += 1
+            if any(mark in event for mark in _TERMINAL):
+                self._final = event
+
+    def flush(self) -> bytes:
+        if self._parts:
+            self._event_ended()  # a last event without its blank line
+        return b""
+
+    def _response(self) -> Any:
+        if self._final is None:
+            return None
+        obj = _event_data(self._final)
+        return obj.get("response") if isinstance(obj, dict) else None
+
+    def usage(self) -> tuple[int, int] | None:
+        return usage_of(self._response())
+
+    def response_id(self) -> str | None:
+        return response_id_of(self._response())
+
+    def broken(self, message: str, code: str) -> bytes:
+        """The Responses API's own error event (it has no `[DONE]` to end with)."""
+        error = {"type": "error", "code": code, "message": message, "param": None, "sequence_number": self.events}
+        return b"event: error\ndata: " + orjson.dumps(error) + b"\n\n"
+
+
+def _event_data(event: bytes) -> Any:
+    """An SSE event's data (its `data:` lines joined) as JSON, or None."""
+    lines = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
+    try:
+        return orjson.loads(b"\n".join(lines)) if lines else None
+    except (orjson.JSONDecodeError, RecursionError):
+        return None
+
 
 def usage_of(obj: Any) -> tuple[int, int] | None:
-    """(prompt, completion) tokens from an OpenAI `usage` or SGLang's native `meta_info`."""
+    """(prompt, completion) tokens from an OpenAI `usage` (chat and completions' names, or the
+    Responses API's `input_tokens` / `output_tokens`) or SGLang's native `meta_info`."""
     if not isinstance(obj, dict):
         return None
     src = None
@@ -194,9 +304,18 @@ def usage_of(obj: Any) -> tuple[int, int] | None:
         if src:
             break
     if isinstance(src, dict):
-        p, c = src.get("prompt_tokens"), src.get("completion_tokens")
+        p = src.get("prompt_tokens", src.get("input_tokens"))
+        c = src.get("completion_tokens", src.get("output_tokens"))
         if isinstance(p, int) and isinstance(c, int):
             return p, c
+    return None
+
+
+def response_id_of(obj: Any) -> str | None:
+    """The id of a Responses API response object."""
+    if isinstance(obj, dict) and obj.get("object") == "response":
+        rid = obj.get("id")
+        return rid if isinstance(rid, str) else None
     return None
 
 
@@ -211,6 +330,23 @@ def content_events(body: bytes) -> int:
             if at >= 0 and event[at + len(mark) : at + len(mark) + 1] not in (b'"', b""):
                 n += 1
                 break
+    return n
+
+
+# A Responses event whose `delta` is text a decode step made: output, reasoning or a tool call's
+# arguments. Matched as `"delta":"` followed by anything but the closing quote (an empty delta).
+DELTA_MARK = _DELTA = b'"delta":"'
+
+
+def response_deltas(body: bytes) -> int:
+    """Events in a Responses API stream that carry a decode step's output (its `*.delta` events):
+    what `content_events` is to a chat stream. Its `*.done` events and `response.completed` repeat
+    the whole text, so the chat marks would count those too."""
+    n = 0
+    for event in body.split(b"\n\n"):
+        at = event.find(_DELTA)
+        if at >= 0 and event[at + len(_DELTA) : at + len(_DELTA) + 1] not in (b'"', b""):
+            n += 1
     return n
 
 

@@ -65,6 +65,7 @@ MODULE_TIERS = {
     "test_proxy": "loopback",
     "test_real_engine": "real",
     "test_reliability": "loopback",
+    "test_responses": "inprocess",
     "test_scaleout": "inprocess",
     "test_shift": "inprocess",
     "test_simulator_accept": "inprocess",
@@ -86,6 +87,8 @@ MODULE_TIERS = {
 
 # Tests that start processes in modules that are otherwise in-process ("module::function").
 TEST_TIERS = {
+    "test_responses::test_openai_sdk_responses_streamed_and_not_and_continued": "loopback",
+    "test_responses::test_openai_sdk_responses_errors_and_a_client_that_leaves": "loopback",
     "test_calibration_file::test_save_writes_the_curves_acceptance_settings_and_recommendation": "loopback",
     "test_calibration_file::test_a_server_without_metrics_gives_null_acceptance_and_still_a_file": "loopback",
     "test_calibration_file::test_a_server_without_speculation_gives_null_acceptance": "loopback",

@@ -96,15 +96,20 @@ VARIED = " ".join(f"word{i} means thing{i * 7 % 13}" for i in range(60))
 REPEATED = "copy this line exactly as it is. " * 40
 
 
-async def complete(gw: Gateway, prompt: str, max_tokens: int = 64) -> httpx.Response:
-    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
-    r = await gw.client.post("/v1/chat/completions", json=body)
+async def complete(gw: Gateway, prompt: str, max_tokens: int = 64, api: str = "chat") -> httpx.Response:
+    if api == "responses":
+        r = await gw.client.post("/v1/responses", json={"model": "m", "input": prompt, "max_output_tokens": max_tokens})
+    else:
+        body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+        r = await gw.client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200
     return r
 
 
+# The Responses API's probes are counted by their delta events (its `done` events repeat the text).
+@pytest.mark.parametrize("api", ["chat", "responses"])
 async def test_shadow_probes_see_acceptance_rise_and_bring_speculation_back(
-    gateway: StartGateway, tmp_path: Path
+    gateway: StartGateway, tmp_path: Path, api: str
 ) -> None:
     gw = await gateway(
         sim=SIM,
@@ -115,12 +120,12 @@ async def test_shadow_probes_see_acceptance_rise_and_bring_speculation_back(
     )
     # Varied prompts accept about 1 token a step where the calibration saw 3: once the engine's
     # gauge says so, everything goes to the baseline.
-    assert (await complete(gw, VARIED, 200)).headers["x-specgate-backend"] == "speculative"
+    assert (await complete(gw, VARIED, 200, api)).headers["x-specgate-backend"] == "speculative"
     await wait_until(lambda: _high_is_0(gw), timeout_s=10)
     # Shadows of varied prompts measure ~1 and change nothing; the client is served by the baseline.
 
     async def shadowed() -> bool:
-        assert (await complete(gw, VARIED)).headers["x-specgate-backend"] == "baseline"
+        assert (await complete(gw, VARIED, api=api)).headers["x-specgate-backend"] == "baseline"
         return (await gw.metrics())["specgate_shadow_probes_total"] >= 1
 
     await wait_until(shadowed, timeout_s=10, interval_s=0.1)  # a probe is due every 0.3 s
@@ -130,7 +135,7 @@ async def test_shadow_probes_see_acceptance_rise_and_bring_speculation_back(
     seen: list[str] = []
 
     async def back_to_speculation() -> bool:
-        seen.append((await complete(gw, REPEATED)).headers["x-specgate-backend"])
+        seen.append((await complete(gw, REPEATED, api=api)).headers["x-specgate-backend"])
         return seen[-1] == "speculative"
 
     await wait_until(back_to_speculation, timeout_s=15)

@@ -97,11 +97,20 @@ def idle(server_url: str) -> bool:
 
 def normalized(obj: dict[str, Any]) -> dict[str, Any]:
     """An answer or chunk without what differs between two runs of the same request: ids, the
-    clock, and the numbers in llama-server's `timings` (its keys stay)."""
-    out = {k: v for k, v in obj.items() if k not in ("id", "created")}
+    clock, and the numbers in llama-server's `timings` (its keys stay). A Responses API event
+    holds its response, items and ids nested: those go at every depth."""
+    out = {k: v for k, v in obj.items() if k not in _RUN_FIELDS}
     if isinstance(out.get("timings"), dict):
         out["timings"] = sorted(out["timings"])
+    for k, v in out.items():
+        if isinstance(v, dict):
+            out[k] = normalized(v)
+        elif isinstance(v, list):
+            out[k] = [normalized(x) if isinstance(x, dict) else x for x in v]
     return out
+
+
+_RUN_FIELDS = frozenset({"id", "created", "created_at", "item_id", "completed_at"})
 
 
 # Each case: (endpoint, request). The same request goes to the speculative server directly and
@@ -116,16 +125,21 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}},
     ),
     "completions": ("completions", {"prompt": PROMPT}),
+    "responses-stream": ("responses", {"input": CHAT, "stream": True}),
+    "responses": ("responses", {"input": CHAT}),
 }
 
 
 def ask(url: str, endpoint: str, request: dict[str, Any]) -> tuple[Mapping[str, str], list[dict[str, Any]]]:
     """Response headers and every parsed event (one for a non-streamed answer), normalized."""
     c = client(url)
-    create = c.chat.completions.with_raw_response.create
-    if endpoint == "completions":
-        create = c.completions.with_raw_response.create  # type: ignore[assignment]
-    raw = create(model="m", max_tokens=24, temperature=0, **request)
+    if endpoint == "responses":
+        raw: Any = c.responses.with_raw_response.create(model="m", max_output_tokens=24, temperature=0, **request)
+    else:
+        create = c.chat.completions.with_raw_response.create
+        if endpoint == "completions":
+            create = c.completions.with_raw_response.create  # type: ignore[assignment]
+        raw = create(model="m", max_tokens=24, temperature=0, **request)
     parsed = raw.parse()
     events = list(parsed) if request.get("stream") else [parsed]
     return raw.headers, [normalized(e.model_dump()) for e in events]
@@ -139,15 +153,22 @@ def test_answers_through_specgate_equal_the_servers_own(gateway: Gateway, case: 
     # same cache (usage counts cached tokens, and a cached prefix can change the output).
     ask(spec, endpoint, request)
     _, direct = ask(spec, endpoint, request)
+    counted = scrape(gateway.url)["specgate_output_tokens_total"]
     headers, proxied = ask(gateway.url, endpoint, request)
+    counted = scrape(gateway.url)["specgate_output_tokens_total"] - counted
     assert headers["x-specgate-backend"] == "speculative"
     # llama-server puts `timings` on the finish chunk, or on the usage chunk when usage is asked
     # for; specgate asks for usage itself, and must not move or lose them.
     where = [i for i, e in enumerate(direct) if "timings" in e]
-    assert where, "llama-server sent no timings: the comparison below would not check them"
+    if endpoint != "responses":  # whose events carry none
+        assert where, "llama-server sent no timings: the comparison below would not check them"
     assert [i for i, e in enumerate(proxied) if "timings" in e] == where
     assert proxied == direct
-    if request.get("stream"):
+    if endpoint == "responses":
+        # Its usage is in the response (streamed: in `response.completed`), and specgate counted it.
+        last = proxied[-1].get("response", proxied[-1])
+        assert counted == last["usage"]["output_tokens"] > 0
+    elif request.get("stream"):
         has_usage = [e["usage"] is not None for e in proxied]
         asked = "stream_options" in request or endpoint == "completions"  # completions always send it
         assert any(has_usage) == asked

@@ -8,11 +8,14 @@ disconnects, which is how a client going away aborts the generation here as in S
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -24,6 +27,8 @@ from .engine import Engine, Sequence, SharedGpu
 from .metrics import build_registry
 from .profile import Profile, Role
 from .radix import PrefixCache
+from .responses import NotFound, ResponsesStream, ResponseStore, chat_of, response_id
+from .responses import full_response as responses_body
 from .speed import CurveSpeed, Speed, TableSpeed
 from .steptimes import H200_GPU_GIB, AdaptiveSteps, StepTimes
 from .wire import (
@@ -36,6 +41,7 @@ from .wire import (
     fit_pool,
     full_response,
     parse_request,
+    token_text,
 )
 
 log = logging.getLogger("loadtest.simulator")
@@ -177,6 +183,7 @@ class SimServer:
         self._ready_at = 0.0
         self._runner: web.AppRunner | None = None
         self._created_at = int(time.time())
+        self.responses = ResponseStore()
 
     # ----- lifecycle -----
     def app(self) -> web.Application:
@@ -191,6 +198,7 @@ class SimServer:
             app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/chat/completions", self._generation("chat"))
         app.router.add_post("/v1/completions", self._generation("completion"))
+        app.router.add_post("/v1/responses", self._generation("responses"))
         app.router.add_post("/generate", self._generation("generate"))
         return app
 
@@ -312,9 +320,11 @@ class SimServer:
     async def generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         cfg = self.config
         try:
-            req = await self._parse(request, kind)
+            req, convo = await self._parse(request, kind)
             check_context(req, cfg.max_model_len)
             req = fit_pool(req, self.engine.kv_capacity)
+        except NotFound as exc:
+            return _error(exc.message, 404, "invalid_request_error")
         except RequestError as exc:
             return _error(exc.message, 400, "BadRequestError")
         if cfg.fail_rate and self._rng.random() < cfg.fail_rate:
@@ -331,25 +341,50 @@ class SimServer:
             cache_data=req.cache_data,
         )
         created = cfg.created if cfg.created is not None else int(time.time())
+        stored = convo is not None and convo[1]
+
+        def done() -> None:
+            # Stored before the client can see the end: its next turn may name this response at once.
+            if convo is not None and convo[1]:
+                self.responses.save(req.rid, convo[0], token_text(0, seq.generated))
+
         self.engine.submit(seq)
         try:
             if req.stream:
-                return await self._stream(request, req, seq, created)
+                return await self._stream(request, req, seq, created, done, stored)
             while not seq.done:
                 await seq.wait()
             if not seq.finished:
                 return _error("The request was aborted.", 500, "InternalServerError")
-            latency = asyncio.get_running_loop().time() - seq.arrived
-            body = full_response(req, created, seq.generated, latency, seq.cached_tokens, cfg.enable_cache_report)
+            done()
+            if req.kind == "responses":
+                body = responses_body(req, created, stored, seq.generated, seq.cached_tokens)
+            else:
+                latency = asyncio.get_running_loop().time() - seq.arrived
+                body = full_response(req, created, seq.generated, latency, seq.cached_tokens, cfg.enable_cache_report)
             return web.Response(body=body, content_type="application/json")
         finally:
             # Client gone (handler cancelled), write failed, or server stopping: free the slot.
             self.engine.abort(seq)
 
-    async def _stream(self, request: web.Request, req: GenRequest, seq: Sequence, created: int) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        req: GenRequest,
+        seq: Sequence,
+        created: int,
+        done: Callable[[], None],
+        stored: bool,
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        fmt = StreamFormatter(req, created, self.config.enable_cache_report)
+        fmt: StreamFormatter | ResponsesStream = (
+            ResponsesStream(req, created, stored)
+            if req.kind == "responses"
+            else StreamFormatter(req, created, self.config.enable_cache_report)
+        )
+        if opening := fmt.opening():
+            await resp.write(opening)
         sent = 0
         while True:
             steps = await seq.wait()
@@ -361,6 +396,7 @@ class SimServer:
                 sent += n
             if seq.finished and not seq.pending:
                 parts.append(fmt.finish(sent, seq.cached_tokens))
+                done()
             try:
                 await resp.write(b"".join(parts))
             except ConnectionResetError:
@@ -370,7 +406,11 @@ class SimServer:
         await resp.write_eof()
         return resp
 
-    async def _parse(self, request: web.Request, kind: Kind) -> GenRequest:
+    async def _parse(
+        self, request: web.Request, kind: Kind
+    ) -> tuple[GenRequest, tuple[tuple[dict[str, Any], ...], bool] | None]:
+        """The request, and for the Responses API the conversation it ends with and whether its
+        response is stored."""
         ctype = request.headers.get("Content-Type", "")
         if ctype and ctype.split(";")[0].strip().lower() != "application/json":
             raise RequestError(f"Content-Type must be application/json, got {ctype!r}.")
@@ -379,7 +419,13 @@ class SimServer:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise RequestError(f"Invalid JSON body: {exc}") from None
-        return parse_request(kind, body, self.config.served_model_name, self.config.default_max_tokens)
+        cfg = self.config
+        if kind != "responses":
+            return parse_request(kind, body, cfg.served_model_name, cfg.default_max_tokens), None
+        chat, store = chat_of(body, self.responses)
+        req = parse_request("chat", chat, cfg.served_model_name, cfg.default_max_tokens)
+        req = dataclasses.replace(req, kind="responses", rid=response_id(), include_usage=True)
+        return req, (tuple(chat["messages"]), store)
 
 
 def _json(obj: object) -> web.Response:

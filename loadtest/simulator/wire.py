@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 import orjson
 
-Kind = Literal["chat", "completion", "generate"]
+# "responses": a Responses API request, generated as the chat it stands for (responses.py).
+Kind = Literal["chat", "completion", "responses", "generate"]
 
 # EOS id that SGLang reports in `matched_stop` when a Llama-3 model stops on its own.
 EOS_TOKEN_ID = 128009
@@ -312,6 +313,10 @@ class StreamFormatter:
             choice = {"index": 0, "text": _SPLIT, "logprobs": None, "finish_reason": None, "matched_stop": None}
         self._pre, self._post = _template({**self._head, "choices": [choice]})
         self._generated_text: list[str] = []
+
+    def opening(self) -> bytes:
+        """Sent as soon as the request is taken: nothing, here (see responses.ResponsesStream)."""
+        return b""
 
     def first(self) -> bytes:
         """Sent once the first token exists (as SGLang does), before that token's own chunk."""
