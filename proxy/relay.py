@@ -121,7 +121,7 @@ class _Relay:
         placed = gate.fleet.decide(can_probe=call.endpoint in GENERATIONS, server=held)
         decision, self.router = placed.decision, placed.router
         if call.trace is not None:
-            call.trace.decided(decision, placed.router.group.name)
+            call.trace.decided(decision, placed.router.group.name, call.previous is not None, held)
         if decision.shadow and gate.prober is not None and not gate.prober.start(call, placed.router):
             # No copy was sent (this request cannot be copied, or its client counts fully): the
             # next request may be the probe, as if this one had not been due.

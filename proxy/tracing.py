@@ -212,21 +212,26 @@ class RequestTrace:
         if isinstance(name, str):
             self._span.set_attribute("gen_ai.request.model", name[:_MODEL_CHARS])
 
-    def decided(self, decision: Decision, group: str) -> None:
-        """The routing decision: where it went, why, in which mode, at what load (as the policy read it)."""
+    def decided(self, decision: Decision, group: str, continues: bool = False, held: str | None = None) -> None:
+        """The routing decision: where it went, why, in which mode, at what load (as the policy read
+        it). `continues`: the request continues a stored response, held on server `held` if known."""
         backend = decision.backend
-        self._span.set_attributes(
-            {
-                # str(): a Role is a StrEnum, and the exporter wants plain strings.
-                "specgate.backend": str(backend) if backend is not None else "none",
-                "specgate.reason": decision.reason,
-                "specgate.mode": str(decision.state.mode),
-                "specgate.load": decision.load,
-                "specgate.group": group,
-                "specgate.probe": decision.reason == "probe",
-                "specgate.shadow": decision.shadow,
-            }
-        )
+        attrs: dict[str, Any] = {
+            # str(): a Role is a StrEnum, and the exporter wants plain strings.
+            "specgate.backend": str(backend) if backend is not None else "none",
+            "specgate.reason": decision.reason,
+            "specgate.mode": str(decision.state.mode),
+            "specgate.load": decision.load,
+            "specgate.group": group,
+            "specgate.probe": decision.reason == "probe",
+            "specgate.shadow": decision.shadow,
+        }
+        if continues:
+            # Affinity: sent to the server that stores the response, or not, because no server is
+            # known to (another replica's, or forgotten) or because that server is down.
+            pinned = decision.reason == "stored_response"
+            attrs["specgate.affinity"] = "held" if pinned else "unknown" if held is None else "down"
+        self._span.set_attributes(attrs)
 
     def attempt(self, headers: bytes, server: str, backend: str) -> bytes:
         """An upstream attempt begins: its span, and the request's head lines naming it as the

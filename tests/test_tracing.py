@@ -326,6 +326,27 @@ async def test_a_shadow_probe_is_a_child_of_the_request_it_copies(gateway: Start
     assert attrs(probe)["specgate.outcome"] == "ok" and attrs(probe)["http.response.status_code"] == 200
 
 
+@pytest.mark.anyio
+async def test_a_responses_continuation_says_whether_it_reached_its_server(gateway: StartGateway, spans: Spans) -> None:
+    gw = await gateway(tracer_provider=spans.provider, health_interval_s=0.1)
+    first = await gw.client.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2})
+    assert first.headers["x-specgate-backend"] == "speculative"
+    after = {"input": "again", "previous_response_id": first.json()["id"], "max_output_tokens": 2}
+    assert (await gw.client.post("/v1/responses", json=after)).headers["x-specgate-reason"] == "stored_response"
+    await gw.client.post("/v1/responses", json={**after, "previous_response_id": "resp_nobody"})
+    await gw.spec.stop()
+
+    async def spec_down() -> bool:
+        return (await gw.routing())["backends"]["speculative"]["healthy"] is False
+
+    await wait_until(spec_down)
+    await gw.client.post("/v1/responses", json=after)
+    plain, held, unknown, down = spans.named("POST /v1/responses")
+    assert "specgate.affinity" not in attrs(plain) and attrs(plain)["gen_ai.request.model"] == "m"
+    assert [attrs(s)["specgate.affinity"] for s in (held, unknown, down)] == ["held", "unknown", "down"]
+    assert attrs(held)["specgate.reason"] == "stored_response"
+
+
 # ----- the OTEL_* variables -----
 
 TOPOLOGY = build("http://127.0.0.1:1", "http://127.0.0.1:2", None)
