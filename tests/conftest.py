@@ -107,6 +107,7 @@ TEST_TIERS = {
     "test_shift::test_shift_rejects_a_settle_period_as_long_as_the_phase": "loopback",
     "test_simulator_accept::test_chunks_and_live_gauge_follow_the_prompt_mix": "loopback",
     "test_tracing::test_spans_reach_an_otlp_receiver_and_the_last_at_exit": "loopback",
+    "test_tracing::test_the_overhead_benchmark_measures_specgate_traced_beside_untraced": "loopback",
     "test_upstream::test_an_https_server_is_reached_over_tls": "loopback",
     "test_workload::test_multiturn_classes_against_the_simulator": "loopback",
     "test_workload::test_sweep_reports_each_class_in_the_table_and_the_json": "loopback",

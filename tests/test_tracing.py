@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.trace import SpanKind, StatusCode
 
+from loadtest.overhead import Scenario, format_results, run_overhead
 from loadtest.procs import Proc, free_port, start
 from proxy.topology import build
 from proxy.tracing import Tracing, provider_from_env
@@ -480,3 +481,16 @@ def test_spans_reach_an_otlp_receiver_and_the_last_at_exit(stack: StartStack, ot
     wait_for(lambda: httpx.get(sink + "/count", timeout=5).json()["spans"] >= before + 3, timeout_s=10)
     last = [x for x in sink_spans(sink) if x["name"] == "POST /v1/completions"]
     assert len(last) == 1 and last[0]["resource"]["service.name"] == "specgate"
+
+
+def test_the_overhead_benchmark_measures_specgate_traced_beside_untraced() -> None:
+    said: list[str] = []
+    scenarios = (Scenario("tiny", 2, False, 1, 200),)
+    results = run_overhead(reps=1, nginx=False, scenarios=scenarios, say=said.append, otel=True)
+    assert {r.target for r in results} == {"direct", "specgate", "specgate+otel"}
+    for r in results:
+        assert r.samples[0].errors == 0 and r.samples[0].req_s > 0
+    # Three spans a request (the request, its connect, its first byte), the warm-up's included.
+    (count,) = [int(line.split()[3]) for line in said if "otlpsink received" in line]
+    assert count >= 3 * 200
+    assert "tracing on/off, tiny: req/s x" in format_results(results)
