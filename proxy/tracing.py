@@ -223,9 +223,12 @@ class RequestTrace:
             "specgate.mode": str(decision.state.mode),
             "specgate.load": decision.load,
             "specgate.group": group,
-            "specgate.probe": decision.reason == "probe",
-            "specgate.shadow": decision.shadow,
         }
+        # Flags only when set, as specgate.failover: every attribute costs its encoding, per request.
+        if decision.reason == "probe":
+            attrs["specgate.probe"] = True
+        if decision.shadow:
+            attrs["specgate.shadow"] = True
         if continues:
             # Affinity: sent to the server that stores the response, or not, because no server is
             # known to (another replica's, or forgotten) or because that server is down.
@@ -246,9 +249,15 @@ class RequestTrace:
         }
         if self._attempt:
             self._span.set_attributes(
-                {"specgate.failover": True, "specgate.reason": "failover", "specgate.backend": str(backend)}
+                {
+                    "specgate.failover": True,
+                    "specgate.reason": "failover",
+                    "specgate.backend": str(backend),
+                    "specgate.server": server,
+                }
             )
-        self._span.set_attribute("specgate.server", server)
+        else:
+            self._span.set_attribute("specgate.server", server)
         self._attempt += 1
         child = t.tracer.start_span("upstream connect", self._context, SpanKind.CLIENT, attrs)
         self._child = child
@@ -318,14 +327,15 @@ class RequestTrace:
         child, self._child = self._child, None
         if child is not None:  # the client left during an attempt
             child.end()
-        span.set_attribute("http.response.status_code", status)
+        attrs: dict[str, Any] = {"http.response.status_code": status}
         if code is not None:
-            span.set_attribute("specgate.error_code", code)
+            attrs["specgate.error_code"] = code
         if gone:
             span.add_event("client disconnected")
         # A server span fails on 5xx only (HTTP semantic conventions): a 4xx is the client's.
         if status >= 500 and not self._errored:
             error = self._error or str(status)
-            span.set_attribute("error.type", error)
+            attrs["error.type"] = error
             span.set_status(Status(StatusCode.ERROR, error))
+        span.set_attributes(attrs)
         span.end()
