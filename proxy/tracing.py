@@ -35,6 +35,7 @@ from .config import redact_url
 from .forwarding import traced
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 
     from .policy import Decision
@@ -193,13 +194,16 @@ class RequestTrace:
     """One proxied request's spans. The relay tells it what happens; `end` runs once, on every path
     (the relay's `finish`, or ingress when it answers itself)."""
 
-    __slots__ = ("_attempt", "_child", "_context", "_error", "_errored", "_span", "_tracing")
+    __slots__ = ("_attempt", "_child", "_context", "_error", "_errored", "_recording", "_span", "_tracing")
 
     def __init__(self, tracing: Tracing, span: Span) -> None:
         self._tracing = tracing
         self._span = span
         # The request span as its children's parent.
         self._context = set_span_in_context(span)
+        # False: the sampler left this request out. Then it gets no children (measured: unsampled
+        # requests cost most of what sampled ones did before), only the trace context upstream.
+        self._recording = span.is_recording()
         # The open child span (an attempt's connect, or its wait for the first byte), if any.
         self._child: Span | None = None
         self._attempt = 0
@@ -239,6 +243,8 @@ class RequestTrace:
     def attempt(self, headers: bytes, server: str, backend: str) -> bytes:
         """An upstream attempt begins: its span, and the request's head lines naming it as the
         server's parent. A second attempt is a failover."""
+        if not self._recording:
+            return self._traced(headers, self._context)
         t = self._tracing
         attrs: dict[str, Any] = {
             "http.request.method": "POST",
@@ -261,11 +267,11 @@ class RequestTrace:
         self._attempt += 1
         child = t.tracer.start_span("upstream connect", self._context, SpanKind.CLIENT, attrs)
         self._child = child
-        return self._traced(headers, child)
+        return self._traced(headers, set_span_in_context(child))
 
-    def _traced(self, headers: bytes, span: Span) -> bytes:
+    def _traced(self, headers: bytes, context: Context) -> bytes:
         carrier: dict[str, str] = {}
-        self._tracing.propagator.inject(carrier, set_span_in_context(span))
+        self._tracing.propagator.inject(carrier, context)
         return traced(headers, carrier["traceparent"], carrier.get("tracestate"))
 
     def answered(self, status: int) -> None:
@@ -307,10 +313,12 @@ class RequestTrace:
 
     def shadow(self, headers: bytes, server: str) -> tuple[bytes, Span]:
         """A shadow probe's span (a child of this request's) and its head lines naming it."""
+        if not self._recording:
+            return self._traced(headers, self._context), self._span  # ending it is a no-op
         t = self._tracing
         attrs = {"specgate.server": server, "specgate.backend": "speculative", **t.addresses.get(server, {})}
         span = t.tracer.start_span("shadow probe", self._context, SpanKind.CLIENT, attrs)
-        return self._traced(headers, span), span
+        return self._traced(headers, set_span_in_context(span)), span
 
     def shadow_end(self, span: Span, outcome: str, status: int | None) -> None:
         span.set_attribute("specgate.outcome", outcome)

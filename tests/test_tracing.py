@@ -19,7 +19,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, StatusCode
 
 from loadtest.overhead import Scenario, format_results, run_overhead
@@ -215,6 +215,24 @@ async def test_without_a_client_context_a_new_trace_reaches_the_server(gateway: 
     ids = f"{server.context.trace_id:032x}-{connect.context.span_id:016x}"
     # Flags 03: sampled, and a random trace id (W3C Trace Context level 2), as the SDK makes them.
     assert rec.values(0, "traceparent") == [f"00-{ids}-03"] and rec.values(0, "tracestate") == []
+
+
+@pytest.mark.anyio
+async def test_a_request_the_sampler_leaves_out_makes_no_span_but_tells_the_server(gateway: StartGateway) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_OFF, shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with recording_server() as rec:
+        gw = await gateway(speculative_url=rec.url, tracer_provider=provider)
+        r = await gw.client.post("/v1/completions", json={"prompt": "p"}, headers=CLIENT_CONTEXT)
+        assert r.status_code == 200
+    assert exporter.get_finished_spans() == ()
+    # The client's trace, not sampled (flags 00), under a span id of specgate's.
+    (parent,) = rec.values(0, "traceparent")
+    version, trace_id, span_id, flags = parent.split("-")
+    assert (version, trace_id, flags) == ("00", TRACE_ID, "00") and span_id != PARENT_ID
+    assert rec.values(0, "tracestate") == [CLIENT_CONTEXT["tracestate"]]
+    provider.shutdown()
 
 
 @pytest.mark.anyio
