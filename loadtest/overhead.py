@@ -1,7 +1,7 @@
 """What one hop through specgate costs, beside the practical limit of a proxy hop (nginx) and the
 peers users would deploy instead (LiteLLM's proxy, SGLang's Rust router) when they are installed.
 
-    python -m loadtest overhead [--reps 3] [--no-nginx] [--peers-venv .venv-peers]
+    python -m loadtest overhead [--reps 3] [--no-nginx] [--no-otel] [--peers-venv .venv-peers]
 
 Starts a backend (the simulator with its delays off), specgate in front of it (both backend URLs
 point at it), nginx as a plain reverse proxy (Debian's nginx-light, configured here on loopback,
@@ -18,12 +18,17 @@ streams every process is saturated and inter-chunk gaps measure throughput, not 
 as a GPU server does, and every chunk of every stream must cross the hop within its step.
 The load generator's own CPU is printed: near 100% of a core its figures would measure the
 generator, not the target.
+
+`specgate+otel` is specgate with tracing on (docs/tracing.md): a span per request and two per
+upstream attempt, exported over OTLP/HTTP with the SDK's default batching to `loadtest.otlpsink`
+on loopback; its CPU includes the exporter's thread, not the receiver's. Needs the `otel` extra.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import itertools
 import os
 import resource
@@ -33,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +131,8 @@ class Target:
     port: int
     proc: Proc | None  # the process whose CPU is the hop's cost (None: the backend itself)
     headers: dict[str, str] = field(default_factory=dict)
+    # The OTLP receiver this target's spans go to (specgate+otel), to count them at the end.
+    sink: str | None = None
 
 
 def _client_cpu() -> float:
@@ -280,8 +288,28 @@ def _pace_profile(pace_ms: float, workdir: Path) -> Path:
     return path
 
 
+def _start_traced(env: dict[str, str], procs: list[Proc], say: Callable[[str], None]) -> Target | None:
+    """specgate as `env` starts it, but tracing every request to an otlpsink on loopback."""
+    if importlib.util.find_spec("opentelemetry.sdk") is None:
+        say("the OpenTelemetry SDK is not installed (pip install 'specgate[otel]'): measuring without specgate+otel")
+        return None
+    sink_port, port = free_port(), free_port()
+    sink = f"http://127.0.0.1:{sink_port}"
+    # --keep 0: the receiver only counts, so that its own CPU stays small beside the target's.
+    procs.append(start("otlpsink", ["-m", "loadtest.otlpsink", "--port", str(sink_port), "--keep", "0"],
+                       ready_url=sink + "/count"))  # fmt: skip
+    traced = {**env, "SPECGATE_PORT": str(port), "OTEL_SDK_DISABLED": "false", "OTEL_EXPORTER_OTLP_ENDPOINT": sink}
+    procs.append(start("specgate+otel", ["-m", "proxy"], ready_url=f"http://127.0.0.1:{port}/ready", env=traced))
+    return Target("specgate+otel", port, procs[-1], sink=sink)
+
+
 def _start_targets(
-    pace_ms: float, workdir: Path, nginx: bool, peers_venv: Path | None, say: Callable[[str], None]
+    pace_ms: float,
+    workdir: Path,
+    nginx: bool,
+    peers_venv: Path | None,
+    say: Callable[[str], None],
+    otel: bool = False,
 ) -> tuple[list[Proc], list[Target]]:
     procs: list[Proc] = []
     targets: list[Target] = []
@@ -305,8 +333,11 @@ def _start_targets(
            "SPECGATE_SPECULATIVE_URL": f"http://127.0.0.1:{backend_port}",
            "SPECGATE_BASELINE_URL": f"http://127.0.0.1:{backend_port}",
            "SPECGATE_HIGH_WATERMARK": "100000", "SPECGATE_LOW_WATERMARK": "1"}  # fmt: skip
+    env["OTEL_SDK_DISABLED"] = "true"  # untraced, whatever OTEL_* this shell has
     procs.append(start("specgate", ["-m", "proxy"], ready_url=f"http://127.0.0.1:{port}/ready", env=env))
     targets.append(Target("specgate", port, procs[-1]))
+    if otel and (traced := _start_traced(env, procs, say)) is not None:
+        targets.append(traced)
     binary = _find("nginx", None) or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
     if nginx and binary:
         port = free_port()
@@ -355,6 +386,7 @@ def run_overhead(
     scenarios: tuple[Scenario, ...] = SCENARIOS,
     peers_venv: Path | None = None,
     say: Callable[[str], None] = print,
+    otel: bool = False,
 ) -> list[Result]:
     results: dict[tuple[str, str], Result] = {}
     for pace in sorted({sc.pace_ms for sc in scenarios}):
@@ -362,13 +394,18 @@ def run_overhead(
         procs: list[Proc] = []
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                procs, targets = _start_targets(pace, Path(tmp), nginx, peers_venv, say)
+                procs, targets = _start_targets(pace, Path(tmp), nginx, peers_venv, say, otel)
                 for rep in range(reps):
                     for sc in group:
                         for t in targets if rep % 2 == 0 else targets[::-1]:
                             sample = uvloop.run(_run(t, sc))
                             results.setdefault((sc.name, t.name), Result(sc.name, t.name)).samples.append(sample)
                     say(f"{'paced' if pace else 'zero-delay'} backend: repetition {rep + 1}/{reps} done")
+                for t in targets:
+                    if t.sink is not None and t.proc is not None:
+                        t.proc.stop()  # its last batch goes out as it stops
+                        count = orjson.loads(urllib.request.urlopen(t.sink + "/count", timeout=5).read())
+                        say(f"{t.name}: otlpsink received {count['spans']} spans in {count['exports']} exports")
             finally:
                 for proc in reversed(procs):
                     proc.stop()
@@ -401,9 +438,23 @@ def format_results(results: list[Result]) -> str:
             f"{r.median('chunk_p99_ms'):>9.2f} {chunk_add:>9.2f} {r.median('chunks_s'):>8.0f} "
             f"{r.median('target_cpu_per_1k_s'):>8.2f} {vs_ng:>8.2f} {r.median('client_cpu'):>6.0%}{flags}"
         )
+    lines += _tracing_cost(by)
     lines.append("(medians over repetitions; added = target minus direct; chunk = gap between SSE events of one")
     lines.append(" stream; client = the load generator's CPU, near 100% it measures itself, not the target)")
     return "\n".join(lines)
+
+
+def _tracing_cost(by: dict[tuple[str, str], Result]) -> list[str]:
+    """specgate with tracing on against off, per scenario: requests/s and CPU per 1,000 requests."""
+    out = []
+    for (scenario, target), on in by.items():
+        off = by.get((scenario, "specgate"))
+        if target != "specgate+otel" or off is None:
+            continue
+        req = on.median("req_s") / off.median("req_s")
+        cpu = on.median("target_cpu_per_1k_s") / off.median("target_cpu_per_1k_s")
+        out.append(f"tracing on/off, {scenario}: req/s x{req:.3f}, CPU s per 1k requests x{cpu:.3f}")
+    return out
 
 
 def default_peers_venv() -> Path | None:
@@ -420,6 +471,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                           help="a venv with litellm[proxy] and sglang-router (scripts/install-peers); "
                                "default: .venv-peers beside this venv, when it exists")  # fmt: skip
     overhead.add_argument("--no-peers", action="store_true", help="measure neither LiteLLM nor sglang-router")
+    overhead.add_argument("--no-otel", action="store_true",
+                          help="leave out specgate+otel (specgate tracing to a receiver on loopback)")  # fmt: skip
     overhead.add_argument("--only", action="append", default=None, metavar="TEXT",
                           help="run only the scenarios whose name contains TEXT (repeatable)")  # fmt: skip
     overhead.add_argument("--out", default=None, help="write every sample as JSON here")
@@ -432,7 +485,9 @@ def cmd_overhead(args: argparse.Namespace) -> int:
         print(f"loadtest: no scenario matches {args.only}; there are: {', '.join(sc.name for sc in SCENARIOS)}",
               file=sys.stderr)  # fmt: skip
         return 2
-    results = run_overhead(args.reps, nginx=not args.no_nginx, peers_venv=peers, scenarios=scenarios)
+    results = run_overhead(
+        args.reps, nginx=not args.no_nginx, peers_venv=peers, scenarios=scenarios, otel=not args.no_otel
+    )
     print(format_results(results))
     if args.out:
         write_json(args.out, {"settings": vars(args), "results": results})

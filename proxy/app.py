@@ -8,7 +8,7 @@ import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,15 +30,20 @@ from .probe import Prober
 from .routing import Fleet
 from .servers import servers_of
 from .stored import StoredResponses
+from .tracing import Tracing
 from .upstream import Upstream
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 log = logging.getLogger("specgate")
 
 
 @contextlib.asynccontextmanager
-async def running(settings: Settings) -> AsyncIterator[Gate]:
+async def running(settings: Settings, tracer_provider: TracerProvider | None = None) -> AsyncIterator[Gate]:
     """Every resource of a running gateway, built once, in dependency order, each part given what it
-    needs (no callbacks patched on later), and closed on exit."""
+    needs (no callbacks patched on later), and closed on exit. Traces go to `tracer_provider` when
+    one is handed in (tests), else where the `OTEL_*` variables say (proxy/tracing.py), if anywhere."""
     topology = settings.routing_topology()
     servers = servers_of(topology)
     metrics = Metrics(topology.names(), [g.name for g in topology.groups])
@@ -46,7 +51,9 @@ async def running(settings: Settings) -> AsyncIterator[Gate]:
     fleet = Fleet(
         topology, servers, settings.policy_config(calibration), metrics, settings.adaptive_config(), calibration
     )
-    upstream = Upstream.of(topology, settings, keepalive_s=POOL_KEEPALIVE_S)  # connections open on first use
+    tracing = Tracing.of(topology, settings.allowed_paths, tracer_provider)
+    # Connections open on first use.
+    upstream = Upstream.of(topology, settings, keepalive_s=POOL_KEEPALIVE_S, own_trace_context=tracing is not None)
     health = HealthMonitor(
         settings,
         upstream,
@@ -62,7 +69,7 @@ async def running(settings: Settings) -> AsyncIterator[Gate]:
         prober = Prober(upstream, metrics, settings.adaptive_shadow_tokens)
     stored = StoredResponses(settings.responses_entries)
     metrics.stored_responses.set_function(stored.__len__)
-    gate = Gate(settings, metrics, upstream, health, fleet, prober, stored)
+    gate = Gate(settings, metrics, upstream, health, fleet, prober, stored, tracing)
     await health.poll_once()  # so /ready and routing are right from the first request
     poller = asyncio.get_running_loop().create_task(health.run(), name="specgate-health")
     # Everything made so far (modules, app, metrics) lives as long as the process. Out of the
@@ -95,15 +102,17 @@ async def running(settings: Settings) -> AsyncIterator[Gate]:
         if prober is not None:
             await prober.aclose()
         await upstream.aclose()
+        if tracing is not None:
+            await tracing.aclose()
 
 
-def create_app(settings: Settings | None = None) -> ASGIApp:
+def create_app(settings: Settings | None = None, *, tracer_provider: TracerProvider | None = None) -> ASGIApp:
     settings = settings if settings is not None else Settings()
     routes = Routes(settings.allowed_paths)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        async with running(settings) as gate:
+        async with running(settings, tracer_provider) as gate:
             app.state.gate = gate
             # uvicorn's shared lifespan state: the client-side protocol (edge.py) counts into these.
             yield {METRICS_KEY: gate.metrics}

@@ -4,8 +4,12 @@ prober both take it. A module of its own so that neither imports the other to na
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .kinds import Endpoint
+
+if TYPE_CHECKING:
+    from .tracing import RequestTrace
 
 
 @dataclass(frozen=True)
@@ -27,3 +31,5 @@ class ProxyCall:
     # whether the server will store this one (`store` is not false).
     previous: str | None = None
     stores: bool = False
+    # Its spans, when tracing is on (proxy/tracing.py).
+    trace: RequestTrace | None = None

@@ -32,6 +32,8 @@ _NOT_FORWARDED_UP = HOP_BY_HOP | {
     b"content-type",
 }
 _NOT_RETURNED = HOP_BY_HOP | {b"server", b"date"}
+# W3C trace context: with tracing on, the server gets specgate's (`traced`), not the client's.
+_TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
 # Who the client is and how it came: set by specgate from the peer, kept only from trusted proxies.
 _FORWARDING = frozenset(
     {b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"x-forwarded-port", b"x-real-ip", b"forwarded"}
@@ -68,10 +70,21 @@ def renamed(headers: bytes, request_id: str, new_id: str) -> bytes:
     return headers[: -len(line)] + b"x-request-id: " + new_id.encode("latin-1") + b"\r\n"
 
 
-class Forwarding:
-    """The request headers a server gets, given which peers are trusted proxies."""
+def traced(headers: bytes, traceparent: str, tracestate: str | None) -> bytes:
+    """Head lines with the W3C trace context of specgate's span added (the client's was left out:
+    `Forwarding(own_trace_context=True)`). The values are the propagator's, never a client's bytes."""
+    lines = headers + b"traceparent: " + traceparent.encode("latin-1") + b"\r\n"
+    if tracestate:
+        lines += b"tracestate: " + tracestate.encode("latin-1") + b"\r\n"
+    return lines
 
-    def __init__(self, trusted_proxies: Iterable[str] = ()) -> None:
+
+class Forwarding:
+    """The request headers a server gets, given which peers are trusted proxies and whether
+    specgate sends a trace context of its own (then the client's stays out)."""
+
+    def __init__(self, trusted_proxies: Iterable[str] = (), *, own_trace_context: bool = False) -> None:
+        self._dropped = _NOT_FORWARDED_UP | _TRACE_CONTEXT if own_trace_context else _NOT_FORWARDED_UP
         self._trusted_nets = [ipaddress.ip_network(n, strict=False) for n in trusted_proxies]
         self._trusted_seen: dict[str, bool] = {}
 
@@ -108,9 +121,10 @@ class Forwarding:
         hop: set[bytes] | None = None
         forwarded_for = b""
         proto = b""
+        dropped = self._dropped
         for k, v in client_headers:
             name = k.lower()
-            if name in _NOT_FORWARDED_UP:
+            if name in dropped:
                 if name == b"connection" and v.lower() not in _CONNECTION_OPTIONS:
                     hop = (hop or set()) | (_tokens(v) - _CONNECTION_OPTIONS)
             elif name not in _FORWARDING:

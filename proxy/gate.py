@@ -14,6 +14,7 @@ from .metrics import Metrics
 from .probe import Prober
 from .routing import Fleet
 from .stored import StoredResponses
+from .tracing import Tracing
 from .upstream import Upstream
 
 
@@ -28,3 +29,5 @@ class Gate:
     prober: Prober | None = None
     # Which server holds each stored Responses API response (previous_response_id goes there).
     stored: StoredResponses = field(default_factory=lambda: StoredResponses(0))
+    # OpenTelemetry traces (proxy/tracing.py); None when off, the hot path's one test.
+    tracing: Tracing | None = None

@@ -24,6 +24,7 @@ from .gate import Gate
 from .kinds import Endpoint
 from .metrics import code_class
 from .relay import RelayResponse
+from .tracing import RequestTrace
 
 _EXACT: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",
@@ -50,12 +51,17 @@ async def handle(gate: Gate, scope: Scope, receive: Receive, send: Send) -> None
     request_id = request_id_of(headers.get(b"x-request-id"))
     path: str = scope["path"]
     endpoint = endpoint_of(path)
+    trace = None if gate.tracing is None else gate.tracing.request(scope["method"], path, headers, request_id)
     try:
-        call = await _accept(gate, scope, receive, headers, request_id, endpoint, started)
+        call = await _accept(gate, scope, receive, headers, request_id, endpoint, started, trace)
     except ApiError as err:
+        if trace is not None:
+            trace.end(err.status, code=err.code)
         await send_error(gate, send, err, endpoint, request_id)
         return
     except _ClientGone:
+        if trace is not None:
+            trace.end(499, gone=True)
         gate.metrics.requests.labels("none", endpoint, "4xx").inc()
         return
     await RelayResponse(gate, call)(scope, receive, send)
@@ -69,6 +75,7 @@ async def _accept(
     request_id: str,
     endpoint: Endpoint,
     started: float,
+    trace: RequestTrace | None = None,
 ) -> ProxyCall:
     settings = gate.settings
     authorize(settings, headers.get(b"authorization", b""))
@@ -91,6 +98,8 @@ async def _accept(
         raise ApiError(400, f"The body is not valid JSON: {exc.msg}.", code="invalid_json") from None
     if not isinstance(payload, dict):
         raise ApiError(400, "The body must be a JSON object.", code="invalid_json")
+    if trace is not None:
+        trace.model(payload.get("model"))
     # Fields specgate need not understand go on as sent, for the server to judge: a `stream` that is
     # not a boolean is the server's to accept or refuse, and specgate then asks for no usage.
     stream = payload.get("stream") is True
@@ -119,7 +128,7 @@ async def _accept(
         previous = after if isinstance(after, str) else None
         stores = payload.get("store") is not False
     return ProxyCall(
-        target, endpoint, body, up_headers, request_id, stream, strip_usage, started, client_id, previous, stores
+        target, endpoint, body, up_headers, request_id, stream, strip_usage, started, client_id, previous, stores, trace
     )
 
 

@@ -151,8 +151,11 @@ class Prober:
         lease = router.admit(Role.SPECULATIVE)
         outcome = "error"
         resp = None
+        span = None
         try:
             headers = renamed(call.headers, call.request_id, call.request_id + "-probe")
+            if call.trace is not None:
+                headers, span = call.trace.shadow(headers, lease.server)
             resp = await self._upstream.send(lease.server, call.target, body, headers)
             parts: list[bytes] = []
             size = 0
@@ -184,6 +187,8 @@ class Prober:
                 resp.close()  # nothing to do once released
             lease.release()
             self._metrics.shadow_probes.labels(outcome).inc()
+            if span is not None and call.trace is not None:
+                call.trace.shadow_end(span, outcome, resp.status if resp is not None else None)
 
     async def aclose(self) -> None:
         task, self._task = self._task, None

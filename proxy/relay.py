@@ -120,6 +120,8 @@ class _Relay:
         held = gate.stored.server_of(call.previous) if call.previous is not None else None
         placed = gate.fleet.decide(can_probe=call.endpoint in GENERATIONS, server=held)
         decision, self.router = placed.decision, placed.router
+        if call.trace is not None:
+            call.trace.decided(decision, placed.router.group.name, call.previous is not None, held)
         if decision.shadow and gate.prober is not None and not gate.prober.start(call, placed.router):
             # No copy was sent (this request cannot be copied, or its client counts fully): the
             # next request may be the probe, as if this one had not been due.
@@ -142,16 +144,24 @@ class _Relay:
     async def _connect(self, reason: Reason) -> tuple[bytes, Reason] | None:
         """Send upstream and wait for the first body byte, retrying once on the other server."""
         gate, call = self.gate, self.call
+        trace = call.trace
         for attempt in (0, 1):
             assert self.lease is not None and self.router is not None
             backend, server = self.lease.role, self.lease.server
+            headers = call.headers if trace is None else trace.attempt(call.headers, server, backend)
             try:
-                self.upstream = await gate.upstream.send(server, call.target, call.body, call.headers)
+                self.upstream = await gate.upstream.send(server, call.target, call.body, headers)
+                if trace is not None:
+                    trace.answered(self.upstream.status)
                 first = await self.upstream.read_chunk()
+                if trace is not None:
+                    trace.first_byte()
                 if self.upstream.status < 500:  # a server that fails everything it gets is no proof of life
                     gate.health.note_alive(server)
                 return first, reason
             except UpstreamError as err:
+                if trace is not None:
+                    trace.failed(err.kind, str(err))
                 gate.metrics.upstream_errors.labels(backend, err.kind).inc()
                 gate.metrics.server_upstream_errors.labels(server, err.kind).inc()
                 if err.kind == "connect":
@@ -223,6 +233,8 @@ class _Relay:
         except UpstreamError as err:
             gate.metrics.upstream_errors.labels(backend, err.kind).inc()
             log.warning("request %s: stream from %s broke: %s", call.request_id, backend, err)
+            if call.trace is not None:
+                call.trace.broke(err.kind, str(err))
             await self._last(reader.broken(f"Upstream stream broke: {err}", "upstream_" + err.kind))
             return
         tail = reader.flush()
@@ -312,3 +324,5 @@ class _Relay:
         if role is not None:
             loop_time = asyncio.get_running_loop().time()
             m.child(m.duration, role, self.call.endpoint).observe(loop_time - self.call.started)
+        if self.call.trace is not None:
+            self.call.trace.end(status, gone=self.gone)

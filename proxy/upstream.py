@@ -122,8 +122,9 @@ class Upstream:
         *,
         api_key: str | None = None,
         trusted_proxies: Iterable[str] = (),
+        own_trace_context: bool = False,
     ) -> None:
-        self.forwarding = Forwarding(trusted_proxies)
+        self.forwarding = Forwarding(trusted_proxies, own_trace_context=own_trace_context)
         # The head's lines for the server (Forwarding.request_headers), as the hot path asks for them.
         self.request_headers = self.forwarding.request_headers
         auth = b"Bearer " + api_key.encode("latin-1") if api_key else None
@@ -131,16 +132,25 @@ class Upstream:
         self._pools = {s.name: ServerPool(s.name, s.url, limits, auth) for s in topology.servers}
 
     @classmethod
-    def of(cls, topology: Topology, settings: Settings, *, keepalive_s: float) -> Upstream:
+    def of(
+        cls, topology: Topology, settings: Settings, *, keepalive_s: float, own_trace_context: bool = False
+    ) -> Upstream:
         """The upstream the settings ask for, to the servers of `topology` (built by the caller),
         keeping idle connections `keepalive_s` (engines.POOL_KEEPALIVE_S: an engine fact, handed in
-        so that the transport imports none of the engine adapters' parsing)."""
+        so that the transport imports none of the engine adapters' parsing); `own_trace_context`:
+        tracing is on, and the client's trace context stays out (forwarding.traced adds specgate's)."""
         key = settings.upstream_api_key
         limits = Limits(
             settings.connect_timeout_s, settings.read_timeout_s, settings.max_connections_per_backend, keepalive_s
         )
         api_key = key.get_secret_value() if key else None
-        return cls(topology, limits, api_key=api_key, trusted_proxies=settings.trusted_proxies)
+        return cls(
+            topology,
+            limits,
+            api_key=api_key,
+            trusted_proxies=settings.trusted_proxies,
+            own_trace_context=own_trace_context,
+        )
 
     def url(self, server: str) -> str:
         return self._pools[server].url

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from opentelemetry.trace import TracerProvider
 from starlette.types import ASGIApp, Message
 
 from loadtest.procs import free_port
@@ -264,15 +265,16 @@ StartGateway = Callable[..., Awaitable[Gateway]]
 @contextlib.asynccontextmanager
 async def gateways() -> AsyncIterator[StartGateway]:
     """`await start(sim={"time_scale": 1}, spec={...}, base={...}, high_watermark=4)` builds a
-    gateway: `sim` holds both simulators' settings, `spec` and `base` one's, the rest are the app's
-    Settings (a `speculative_url` there puts another server in the simulator's place). Everything
-    started is stopped when the block ends."""
+    gateway: `sim` holds both simulators' settings, `spec` and `base` one's, `tracer_provider` takes
+    the app's traces (proxy/tracing.py), the rest are the app's Settings (a `speculative_url` there
+    puts another server in the simulator's place). Everything started is stopped when the block ends."""
     async with contextlib.AsyncExitStack() as stack:
 
         async def start(
             sim: dict[str, Any] | None = None,
             spec: dict[str, Any] | None = None,
             base: dict[str, Any] | None = None,
+            tracer_provider: TracerProvider | None = None,
             **settings: Any,
         ) -> Gateway:
             common = {"time_scale": 20.0, **(sim or {})}
@@ -283,7 +285,7 @@ async def gateways() -> AsyncIterator[StartGateway]:
                 sims.append(s)
             defaults = {"speculative_url": sims[0].url, "baseline_url": sims[1].url, "health_interval_s": 0.2}
             cfg = Settings(_env_file=None, **{**defaults, **settings})
-            app = create_app(cfg)
+            app = create_app(cfg, tracer_provider=tracer_provider)
             state = await stack.enter_async_context(lifespan(app))
             transport = StreamingASGITransport(app, state)
             client = await stack.enter_async_context(

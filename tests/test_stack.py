@@ -423,6 +423,8 @@ def test_install_step_of_the_image(tmp_path: Path) -> None:
     where = run(str(venv_python), "-c", "import proxy; print(proxy.__file__)", cwd=tmp_path).stdout
     assert where.startswith(str(tmp_path / "venv"))
     assert run(str(venv_python), "-c", "import pytest", cwd=tmp_path).returncode != 0  # no dev tools in the image
+    # The otel extra: the image traces once OTEL_EXPORTER_OTLP_ENDPOINT is set (docs/tracing.md).
+    assert run(str(venv_python), "-c", "import opentelemetry.sdk.trace", cwd=tmp_path).returncode == 0
 
 
 def test_promtool_checks() -> None:
