@@ -69,6 +69,11 @@ def describe(gate: Gate) -> dict[str, Any]:
             "url": redact_url(srv.url),
             "healthy": h.healthy,
             "inflight": tracker.count(name),
+            # The tokens those requests hold (prompts as estimated, plus generated so far), and the
+            # engine's own count of its KV cache in use (tokens, and the pool's fraction).
+            "tokens": tracker.tokens(name),
+            "engine_tokens": h.engine_tokens,
+            "engine_kv_usage": h.engine_kv_usage,
             # Requests not this gateway's, as last read (the engine's count minus ours then).
             "others": tracker.others(name),
             "others_smoothed": round(tracker.others_smooth(name), 2),
@@ -93,6 +98,7 @@ def describe(gate: Gate) -> dict[str, Any]:
                 "servers": names,
                 "healthy": gate.health.role_healthy(b),
                 "inflight": sum(tracker.count(n) for n in names),
+                "tokens": sum(tracker.tokens(n) for n in names),
                 "engine_load": None if None in loads else sum(loads),
             }
     groups = [
@@ -120,6 +126,8 @@ def describe(gate: Gate) -> dict[str, Any]:
         "engine_setting": s.engine,
         "load": sum(g["load"] for g in groups),
         "inflight": tracker.total,
+        # Prompt tokens the servers reported over those estimated from request bodies (tokens.py).
+        "prompt_token_ratio": round(gate.token_ratio.value, 3),
         "watermarks": {"high": first.cfg.high_watermark, "low": first.cfg.low_watermark},
         "calibration": s.calibration,
         "spillover_limit": s.spillover_limit,

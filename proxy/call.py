@@ -33,3 +33,7 @@ class ProxyCall:
     stores: bool = False
     # Its spans, when tracing is on (proxy/tracing.py).
     trace: RequestTrace | None = None
+    # Its prompt's tokens as first guessed from the body (tokens.prompt_estimate), and as held on
+    # its server (that guess scaled by what servers reported of earlier ones).
+    prompt_estimate: int = 0
+    prompt_tokens: int = 0

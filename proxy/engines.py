@@ -12,6 +12,11 @@ engine-specific lives in an `Engine` value here; the rest of the proxy asks thes
 - llama.cpp: `llamacpp:requests_processing` + `llamacpp:requests_deferred`; acceptance: the same
   counters with the `llamacpp:` prefix.
 
+KV cache in use, the engine's own count of the work it holds in tokens: SGLang's
+`sglang:num_used_tokens` (tokens) and `sglang:token_usage` (the pool's fraction in use); vLLM's
+`vllm:kv_cache_usage_perc` (a fraction, despite its name; no token count); llama-server exports none
+now (its `kv_cache_tokens` and `kv_cache_usage_ratio` were removed upstream in 2025).
+
 Streams: SGLang (with its default `--stream-interval 1`) and vLLM send one SSE content event per
 decode step, so a single stream's tokens over its content events is its acceptance length, with no
 wait for a gauge's refresh (`stream_steps`); llama-server sends one event per token. Asked for
@@ -68,6 +73,11 @@ MAX_ACCEPT_LENGTH = 64.0
 # Cumulative token and draft counters: past 2**53 a float no longer counts by one, so differences
 # of them, and any rate, are noise. A server making a million tokens a second gets there in 285 years.
 MAX_COUNTER = float(2**53)
+# Tokens in one server's KV cache: an H200 node's eight GPUs hold a few million for an 8B model; a
+# billion is beyond any. A fraction of the pool in use is at most 1, per data-parallel rank (the
+# ranks' label sets are summed): at most this many ranks.
+MAX_KV_TOKENS = 1_000_000_000
+MAX_KV_RANKS = 64
 # Lines of the names the adapters read, per /metrics: each label set is one (a rank, vLLM's engine
 # index), so a real server has a few hundred at most. More is a flood, refused before the parser
 # sees it: that parser takes ~12 us a line.
@@ -98,6 +108,8 @@ class Reading:
     activity: tuple[float, ...]  # the values that move while the server works (`Engine.activity`)
     accept_length: float | None  # from a gauge; None without one or without speculation
     accept_counters: tuple[float, float] | None  # (accepted tokens, drafts) so far
+    kv_tokens: int | None = None  # tokens in the KV cache; None when the engine does not say
+    kv_usage: float | None = None  # the KV pool's fraction in use (summed over ranks); None: not said
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,9 @@ class Engine:
     accept_gauge: str | None = None
     accepted_counter: str | None = None
     drafts_counter: str | None = None
+    # The KV cache in use: in tokens, and as the pool's fraction.
+    kv_tokens: str | None = None
+    kv_usage: str | None = None
     # SGLang refreshes its gauges every `gauge_refresh_steps` decode steps (and at prefill) and keeps
     # them when idle: values that stop moving mean an idle server. vLLM's and llama.cpp's gauges are
     # live, so a standing value is real.
@@ -129,13 +144,28 @@ class Engine:
     @functools.cached_property
     def names(self) -> frozenset[str]:
         """Every metric name this adapter reads, under each of its prefixes."""
-        read = (self.running, self.queued, self.accept_gauge, self.accepted_counter, self.drafts_counter)
+        read = (
+            self.running,
+            self.queued,
+            self.accept_gauge,
+            self.accepted_counter,
+            self.drafts_counter,
+            self.kv_tokens,
+            self.kv_usage,
+        )
         return frozenset(p + n for p in self.prefixes for n in (*read, *self.activity) if n is not None)
 
     def read(self, values: Mapping[str, float]) -> Reading:
         """The reading in `values`. Raises BadReading when any value it uses is one no server could
         report: a server that sends one is not to be believed for the rest either."""
-        return Reading(self._load(values), self._activity(values), self._gauge(values), self._counters(values))
+        return Reading(
+            self._load(values),
+            self._activity(values),
+            self._gauge(values),
+            self._counters(values),
+            self._kv_tokens(values),
+            self._kv_usage(values),
+        )
 
     def load(self, values: Mapping[str, float]) -> int | None:
         """Running plus queued requests, or None when the metrics lack either or hold a value no
@@ -206,6 +236,17 @@ class Engine:
         drafts = self._checked(values, self.drafts_counter, 0.0, MAX_COUNTER)
         return None if accepted is None or drafts is None else (accepted, drafts)
 
+    def _kv_tokens(self, values: Mapping[str, float]) -> int | None:
+        if self.kv_tokens is None:
+            return None
+        value = self._checked(values, self.kv_tokens, 0.0, MAX_KV_TOKENS)
+        return None if value is None else int(value)
+
+    def _kv_usage(self, values: Mapping[str, float]) -> float | None:
+        if self.kv_usage is None:
+            return None
+        return self._checked(values, self.kv_usage, 0.0, float(MAX_KV_RANKS))
+
     def _get(self, values: Mapping[str, float], name: str) -> float | None:
         for prefix in self.prefixes:
             value = values.get(prefix + name)
@@ -232,6 +273,8 @@ SGLANG = Engine(
     running="num_running_reqs",
     queued="num_queue_reqs",
     accept_gauge="spec_accept_length",
+    kv_tokens="num_used_tokens",
+    kv_usage="token_usage",
     freezes_when_idle=True,
     gauge_refresh_steps=40,
     keepalive_s=5.0,  # uvicorn's default
@@ -252,6 +295,7 @@ VLLM = Engine(
     queued="num_requests_waiting",
     accepted_counter="spec_decode_num_accepted_tokens_total",
     drafts_counter="spec_decode_num_drafts_total",
+    kv_usage="kv_cache_usage_perc",
     stream_steps=True,
 )
 LLAMACPP = Engine(

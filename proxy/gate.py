@@ -14,6 +14,7 @@ from .metrics import Metrics
 from .probe import Prober
 from .routing import Fleet
 from .stored import StoredResponses
+from .tokens import TokenRatio
 from .tracing import Tracing
 from .upstream import Upstream
 
@@ -31,3 +32,5 @@ class Gate:
     stored: StoredResponses = field(default_factory=lambda: StoredResponses(0))
     # OpenTelemetry traces (proxy/tracing.py); None when off, the hot path's one test.
     tracing: Tracing | None = None
+    # Prompt tokens the servers report over those estimated from bodies (proxy/tokens.py).
+    token_ratio: TokenRatio = field(default_factory=TokenRatio)

@@ -1,4 +1,6 @@
 """In-flight accounting: each admitted request holds a lease, released exactly once on every path.
+A lease holds the request's tokens too (its prompt as estimated, then what was generated so far:
+tokens.py, observe.py), so each server's tokens in flight are as exact as its count.
 
 Counts are per server. With the engine load signal, a server's load is what its engine last
 reported minus this gateway's own requests then (the others': other replicas', other clients'),
@@ -23,22 +25,29 @@ from .servers import Server
 class Lease:
     """One request's slot on one server. `release()` is idempotent, so every exit path may call it."""
 
-    __slots__ = ("_released", "_tracker", "role", "server")
+    __slots__ = ("_released", "_tracker", "role", "server", "tokens")
 
-    def __init__(self, tracker: InflightTracker, server: str, role: Role) -> None:
+    def __init__(self, tracker: InflightTracker, server: str, role: Role, tokens: int = 0) -> None:
         self._tracker = tracker
         self.server = server
         self.role = role  # the server's
+        self.tokens = tokens
         self._released = False
 
     @property
     def released(self) -> bool:
         return self._released
 
+    def add(self, tokens: int) -> None:
+        """More tokens held (generated) by this request on its server."""
+        if tokens > 0 and not self._released:
+            self.tokens += tokens
+            self._tracker._add_tokens(self.server, tokens)
+
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._tracker._release(self.server)
+            self._tracker._release(self.server, self.tokens)
 
     def __del__(self) -> None:
         # Last resort: a lease dropped without release (a bug elsewhere) must not leak the count.
@@ -76,16 +85,21 @@ class InflightTracker:
     def role(self, server: str) -> Role:
         return self._servers[server].role
 
-    def acquire(self, server: str) -> Lease:
+    def acquire(self, server: str, tokens: int = 0) -> Lease:
         s = self._servers[server]
         s.load.count += 1
+        s.load.tokens += max(0, tokens)
         if self.on_change is not None:
             self.on_change(server, s.load.count)
-        return Lease(self, server, s.role)
+        return Lease(self, server, s.role, max(0, tokens))
 
-    def _release(self, server: str) -> None:
+    def _add_tokens(self, server: str, tokens: int) -> None:
+        self._servers[server].load.tokens += tokens
+
+    def _release(self, server: str, tokens: int) -> None:
         load = self._servers[server].load
         load.count -= 1
+        load.tokens -= tokens
         if self.on_change is not None:
             self.on_change(server, load.count)
 
@@ -107,6 +121,11 @@ class InflightTracker:
 
     def count(self, server: str) -> int:
         return self._servers[server].load.count
+
+    def tokens(self, server: str) -> int:
+        """Tokens this gateway's requests hold on the server: prompts as estimated, plus what they
+        generated so far."""
+        return self._servers[server].load.tokens
 
     def was_read(self, server: str) -> bool:
         """Whether the server's engine load was ever read."""

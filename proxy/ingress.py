@@ -24,6 +24,7 @@ from .gate import Gate
 from .kinds import Endpoint
 from .metrics import code_class
 from .relay import RelayResponse
+from .tokens import prompt_estimate
 from .tracing import RequestTrace
 
 _EXACT: dict[str, Endpoint] = {
@@ -127,8 +128,22 @@ async def _accept(
         after = payload.get("previous_response_id")
         previous = after if isinstance(after, str) else None
         stores = payload.get("store") is not False
+    estimate = prompt_estimate(payload, endpoint)
     return ProxyCall(
-        target, endpoint, body, up_headers, request_id, stream, strip_usage, started, client_id, previous, stores, trace
+        target,
+        endpoint,
+        body,
+        up_headers,
+        request_id,
+        stream,
+        strip_usage,
+        started,
+        client_id,
+        previous,
+        stores,
+        trace,
+        prompt_estimate=estimate,
+        prompt_tokens=gate.token_ratio.scaled(estimate),
     )
 
 

@@ -80,6 +80,27 @@ class Metrics:
         self.server_inflight = Gauge(
             "specgate_server_inflight", "Requests in flight from this gateway on each server.", ["server"], registry=r
         )
+        self.server_tokens = Gauge(
+            "specgate_server_tokens",
+            "Tokens this gateway's requests in flight hold on each server: prompts as estimated from their "
+            "bodies (scaled by what servers reported of earlier ones), plus the tokens generated so far.",
+            ["server"],
+            registry=r,
+        )
+        self.server_engine_tokens = Gauge(
+            "specgate_server_engine_tokens",
+            "Tokens in the server's KV cache as its engine last reported them (SGLang's num_used_tokens; "
+            "-1: unknown or not reported).",
+            ["server"],
+            registry=r,
+        )
+        self.server_kv_usage = Gauge(
+            "specgate_server_kv_usage",
+            "The server's KV pool in use, as a fraction, as its engine last reported it (SGLang's token_usage, "
+            "vLLM's kv_cache_usage_perc; NaN: unknown or not reported).",
+            ["server"],
+            registry=r,
+        )
         self.server_requests = Counter(
             "specgate_server_requests", "Requests sent to each server (retries included).", ["server"], registry=r
         )
@@ -233,6 +254,9 @@ class Metrics:
             self.server_inflight.labels(server).set(0)
             self.server_requests.labels(server)
             self.server_engine_load.labels(server).set(-1)
+            self.server_tokens.labels(server).set(0)
+            self.server_engine_tokens.labels(server).set(-1)
+            self.server_kv_usage.labels(server).set(math.nan)
         for group in self.groups:
             self.group_mode.labels(group).set(1)
             self.group_load.labels(group).set(0)
@@ -248,6 +272,9 @@ class Metrics:
         (-1 while any is unknown), acceptance averaged over the servers that report one, signal up
         while every server's is."""
         self.server_engine_load.labels(server.name).set(-1 if server.engine_load is None else server.engine_load)
+        h = server.health
+        self.server_engine_tokens.labels(server.name).set(-1 if h.engine_tokens is None else h.engine_tokens)
+        self.server_kv_usage.labels(server.name).set(math.nan if h.engine_kv_usage is None else h.engine_kv_usage)
         loads = [p.engine_load for p in peers]
         self.engine_load.labels(server.role).set(-1 if None in loads else sum(v or 0 for v in loads))
         accepts = [p.spec_accept_length for p in peers if p.spec_accept_length is not None]

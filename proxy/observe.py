@@ -15,6 +15,7 @@ from .sse import DELTA_MARK, content_events, response_deltas
 
 if TYPE_CHECKING:
     from .health import HealthMonitor
+    from .inflight import Lease
     from .metrics import Metrics
     from .routing import Router
 
@@ -85,6 +86,31 @@ class TokenCounts(StreamObserver):
         if usage is not None:
             self._metrics.child(self._metrics.prompt_tokens, self._backend).inc(usage[0])
             self._metrics.child(self._metrics.output_tokens, self._backend).inc(usage[1])
+
+
+class Generated(StreamObserver):
+    """The tokens a response generated so far, added to its lease as they pass (so its server's
+    tokens in flight grow with it): its content events, each `per_event` tokens (one a decode step;
+    a speculative server's steps accept its acceptance length)."""
+
+    __slots__ = ("_carry", "_lease", "_mark", "_per_event")
+
+    def __init__(self, lease: Lease, mark: bytes, per_event: float) -> None:
+        self._lease = lease
+        self._mark = mark
+        self._per_event = per_event
+        self._carry = 0.0
+
+    def first(self, data: bytes, at: float) -> None:
+        self.chunk(data, at)
+
+    def chunk(self, data: bytes, at: float) -> None:
+        events = data.count(self._mark)
+        if events:
+            self._carry += events * self._per_event
+            whole = int(self._carry)
+            self._carry -= whole
+            self._lease.add(whole)
 
 
 class Liveness(StreamObserver):

@@ -148,7 +148,7 @@ class Prober:
 
     async def _run(self, call: ProxyCall, body: bytes, router: Router) -> None:
         typed = call.endpoint == "responses"
-        lease = router.admit(Role.SPECULATIVE)
+        lease = router.admit(Role.SPECULATIVE, tokens=call.prompt_tokens)
         outcome = "error"
         resp = None
         span = None

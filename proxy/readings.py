@@ -34,6 +34,8 @@ class Found:
     engine: Engine
     load: int
     accept_length: float | None
+    kv_tokens: int | None = None
+    kv_usage: float | None = None
 
 
 def read(
@@ -61,10 +63,13 @@ def read(
         return str(bad)
     except ValueError:
         return "/metrics is not in Prometheus' text format"
-    load = reading.load
+    load, kv_tokens, kv_usage = reading.load, reading.kv_tokens, reading.kv_usage
     if found.freezes_when_idle and _reads_idle(h, reading.activity, now, stale_s, ours):
+        # Its KV gauges froze with the rest: no request holds a token of it now.
         load = 0
-    return Found(found, load, accept)
+        kv_tokens = None if kv_tokens is None else 0
+        kv_usage = None if kv_usage is None else 0.0
+    return Found(found, load, accept, kv_tokens, kv_usage)
 
 
 def _reads_idle(h: Health, activity: tuple[float, ...], now: float, stale_s: float, ours: int) -> bool:

@@ -27,10 +27,10 @@ from .gate import Gate
 from .inflight import Lease
 from .kinds import GENERATIONS
 from .metrics import code_class
-from .observe import Learning, Liveness, StreamObserver, StreamTiming, TokenCounts
+from .observe import Generated, Learning, Liveness, StreamObserver, StreamTiming, TokenCounts
 from .policy import Reason, Role, other
 from .routing import Router
-from .sse import DONE, reader_for
+from .sse import DONE, generated_mark, reader_for
 from .upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("specgate.relay")
@@ -132,7 +132,7 @@ class _Relay:
             )
             await self._error(raise_error, decision.reason)
             return
-        self.lease = placed.router.admit(decision.backend, placed.server)
+        self.lease = placed.router.admit(decision.backend, placed.server, call.prompt_tokens)
         gate.metrics.child(gate.metrics.server_requests, self.lease.server).inc()
         reason: Reason = decision.reason
         first = await self._connect(reason)
@@ -241,6 +241,8 @@ class _Relay:
         usage = reader.usage()
         for o in observers:
             o.end(usage, now)
+        if usage is not None:
+            gate.token_ratio.learn(call.prompt_estimate, usage[0])
         if call.stores and up.status == 200 and (made := reader.response_id()) is not None:
             gate.stored.remember(made, lease.server)
         await self._last(out + tail if tail else out)
@@ -257,6 +259,9 @@ class _Relay:
         if up.status < 500:  # a server that fails everything it gets is no proof of life
             out.append(Liveness(gate.health, lease.server))
         out.append(TokenCounts(gate.metrics, backend))
+        if up.status == 200:
+            per_event = self.router.server_accept(lease.server) if backend == Role.SPECULATIVE else None
+            out.append(Generated(lease, generated_mark(call.endpoint), per_event or 1.0))
         out.append(Learning(self.router, backend, call.client, probe=probe, timed=timed, typed=typed))
         return tuple(out)
 

@@ -98,6 +98,10 @@ class Router:
     def server_healthy(self, server: str) -> bool:
         return self._servers[server].healthy
 
+    def server_accept(self, server: str) -> float | None:
+        """The server's acceptance length as its engine last reported it (None: none)."""
+        return self._servers[server].spec_accept_length
+
     def healthy_map(self) -> dict[Role, bool]:
         return {role: any(self._servers[s].healthy for s in self.group.of(role)) for role in ROLES}
 
@@ -177,9 +181,9 @@ class Router:
         assert chosen is not None
         return chosen
 
-    def admit(self, backend: Role, server: str | None = None) -> Lease:
-        """A lease on `server`, or on the group's pick for `backend`."""
-        return self.tracker.acquire(server if server is not None else self.pick(backend))
+    def admit(self, backend: Role, server: str | None = None, tokens: int = 0) -> Lease:
+        """A lease on `server`, or on the group's pick for `backend`, holding `tokens` (the prompt's)."""
+        return self.tracker.acquire(server if server is not None else self.pick(backend), tokens)
 
     def pinned(self, server: str) -> Decision:
         """The decision for a request that must go to `server` (it holds what the request
@@ -192,7 +196,7 @@ class Router:
         """Move a request that failed before its first byte to the group's other role."""
         self._metrics.failovers.labels(lease.role, to).inc()
         self._metrics.decisions.labels(to, "failover").inc()
-        new = self.admit(to)
+        new = self.admit(to, tokens=lease.tokens)
         lease.release()
         return new
 
@@ -392,6 +396,7 @@ class Fleet:
         n = len(routers)
         for name, server in servers.items():
             m.child(m.server_inflight, name).set_function(lambda load=server.load: load.count)
+            m.child(m.server_tokens, name).set_function(lambda load=server.load: load.tokens)
         for r in routers:
             m.child(m.group_load, r.group.name).set_function(lambda r=r: r.last_load)
         for role in ROLES:

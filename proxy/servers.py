@@ -34,6 +34,9 @@ class Health:
     # The engine whose metrics the server exports (detected, or as configured).
     engine: EngineName | None = None
     engine_load: int | None = None
+    # The engine's KV cache in use, in tokens and as the pool's fraction (None: not reported).
+    engine_tokens: int | None = None
+    engine_kv_usage: float | None = None
     # None until the first scrape; then whether the engine load could be read, and if not, why.
     engine_signal_up: bool | None = None
     engine_signal_error: str | None = "not scraped yet"
@@ -54,6 +57,8 @@ class Load:
     by InflightTracker only; see inflight.py for the smoothing)."""
 
     count: int = 0
+    # The tokens those requests hold (their leases'): prompts as estimated, plus generated so far.
+    tokens: int = 0
     at_scrape: int = 0
     others: int = 0
     others_smooth: float = 0.0

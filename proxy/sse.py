@@ -16,6 +16,7 @@ import orjson
 
 from .engines import USAGE_FIELDS
 from .errors import sse_error
+from .kinds import Endpoint
 
 # Bytes of a non-streamed JSON body kept to read its `usage`; larger bodies are relayed unread.
 USAGE_BODY_LIMIT = 4 * 1024 * 1024
@@ -336,6 +337,14 @@ def content_events(body: bytes) -> int:
 # A Responses event whose `delta` is text a decode step made: output, reasoning or a tool call's
 # arguments. Matched as `"delta":"` followed by anything but the closing quote (an empty delta).
 DELTA_MARK = _DELTA = b'"delta":"'
+
+
+def generated_mark(endpoint: Endpoint) -> bytes:
+    """What marks one content event of a response of `endpoint`, counted as it passes (a mark found
+    in empty content too: the role chunk counts one)."""
+    if endpoint == "responses":
+        return _DELTA
+    return _OUTPUT[0] if endpoint == "chat" else _OUTPUT[1]
 
 
 def response_deltas(body: bytes) -> int:

@@ -410,7 +410,19 @@ def panels() -> list[dict[str, Any]]:
                 ("sum by (server) (specgate_server_inflight)", "{{server}} specgate"),
                 ("max by (server) (specgate_server_engine_load)", "{{server}} engine"),
             ],
-            (0, 71, 24, 8),
+            (0, 71, 12, 8),
+            unit="short",
+        ),
+        timeseries(
+            "Tokens in flight per server",
+            "The tokens specgate's requests hold on each server (prompts as estimated, plus generated so far; "
+            "summed over replicas) and the engine's KV cache in use as last read (SGLang's count; -1: not "
+            "reported).",
+            [
+                ("sum by (server) (specgate_server_tokens)", "{{server}} specgate"),
+                ("max by (server) (specgate_server_engine_tokens)", "{{server}} engine"),
+            ],
+            (12, 71, 12, 8),
             unit="short",
         ),
     ]

@@ -1,0 +1,197 @@
+"""Load in tokens: each request's lease holds its prompt (estimated from the body, the estimate
+scaled by what servers reported of earlier prompts) and the tokens generated so far, so a server's
+tokens in flight are exact on every path a request can end by; and the engine's own count of its
+KV cache, read through the engine adapters."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+
+from proxy.engines import ENGINES, BadReading
+from proxy.inflight import InflightTracker
+from proxy.policy import Role
+from proxy.servers import Server
+from proxy.tokens import CHARS_PER_TOKEN, MAX_RATIO, TEMPLATE_TOKENS_PER_MESSAGE, TokenRatio, prompt_estimate
+
+from .helpers import wait_until
+from .inprocess import Gateway, StartGateway
+
+LONG = {"prompt": "p" * 400, "max_tokens": 120_000, "stream": True}
+
+
+# ---------------------------------------------------------------------------------------------
+# Units
+
+
+def test_prompt_estimates_count_the_text_of_each_api() -> None:
+    per = TEMPLATE_TOKENS_PER_MESSAGE
+    chat = {"messages": [{"role": "system", "content": "s" * 40}, {"role": "user", "content": [{"text": "u" * 80}]}]}
+    assert prompt_estimate(chat, "chat") == 2 * per + 120 / CHARS_PER_TOKEN
+    assert prompt_estimate({"prompt": "p" * 41}, "completions") == 11  # rounded up
+    assert prompt_estimate({"prompt": [1, 2, 3, 4, 5]}, "completions") == 5  # token ids are tokens
+    assert prompt_estimate({"prompt": ["a" * 40, "b" * 40]}, "completions") == 20
+    responses = {"instructions": "i" * 40, "input": [{"role": "user", "content": "x" * 40}]}
+    assert prompt_estimate(responses, "responses") == per + 20
+    assert prompt_estimate({"input": "y" * 80}, "responses") == per + 20
+    assert prompt_estimate({"text": "t" * 80}, "generate") == 20
+    assert prompt_estimate({"input_ids": [7] * 9}, "generate") == 9
+    assert prompt_estimate({"input": "e" * 80}, "other") == 20
+    # Nonsense is the server's to refuse; its estimate is a floor, never an error.
+    junk: dict[str, Any]
+    for junk in ({"messages": "x"}, {"messages": [1, None, {"content": 3}]}, {"prompt": {}}, {}):
+        assert prompt_estimate(junk, "chat") >= 1 and prompt_estimate(junk, "completions") >= 1
+
+
+def test_the_ratio_learns_what_servers_report_within_bounds() -> None:
+    ratio = TokenRatio()
+    assert ratio.scaled(100) == 100
+    for _ in range(400):
+        ratio.learn(100, 130)
+    assert ratio.scaled(100) == 130
+    for _ in range(400):
+        ratio.learn(10, 10_000)  # a server whose usage is nonsense moves it only so far
+    assert ratio.scaled(100) == round(100 * MAX_RATIO)
+    before = ratio.value
+    ratio.learn(0, 5)
+    ratio.learn(5, 0)
+    assert ratio.value == before
+
+
+def test_a_lease_holds_its_tokens_until_released_once() -> None:
+    servers = {"s": Server("s", Role.SPECULATIVE, "http://x", "g")}
+    tracker = InflightTracker(servers)
+    a = tracker.acquire("s", 100)
+    b = tracker.acquire("s", 50)
+    a.add(7)
+    a.add(0)
+    a.add(-3)  # nothing is taken back but by release
+    assert (tracker.count("s"), tracker.tokens("s")) == (2, 157)
+    a.release()
+    a.release()
+    a.add(5)  # a released lease adds nothing
+    assert (tracker.count("s"), tracker.tokens("s")) == (1, 50)
+    b.release()
+    assert (tracker.count("s"), tracker.tokens("s")) == (0, 0)
+
+
+def test_the_engine_adapters_read_the_kv_cache_in_use() -> None:
+    sglang = ENGINES["sglang"].read(
+        {
+            "sglang:num_running_reqs": 2,
+            "sglang:num_queue_reqs": 0,
+            "sglang:num_used_tokens": 5120,
+            "sglang:token_usage": 0.25,
+        }
+    )
+    assert (sglang.kv_tokens, sglang.kv_usage) == (5120, 0.25)
+    vllm = ENGINES["vllm"].read(
+        {"vllm:num_requests_running": 1, "vllm:num_requests_waiting": 0, "vllm:kv_cache_usage_perc": 0.5}
+    )
+    assert (vllm.kv_tokens, vllm.kv_usage) == (None, 0.5)
+    llama = ENGINES["llamacpp"].read({"llamacpp:requests_processing": 1, "llamacpp:requests_deferred": 0})
+    assert (llama.kv_tokens, llama.kv_usage) == (None, None)
+    for bad in ({"sglang:num_used_tokens": -1}, {"sglang:num_used_tokens": float("inf")}, {"sglang:token_usage": 1e9}):
+        with pytest.raises(BadReading):
+            ENGINES["sglang"].read({"sglang:num_running_reqs": 0, "sglang:num_queue_reqs": 0, **bad})
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process: the gateway's counts on every path
+
+
+async def _tokens(gw: Gateway) -> dict[str, Any]:
+    servers = (await gw.routing())["servers"]
+    return {name: s["tokens"] for name, s in servers.items()}
+
+
+async def _all_zero(gw: Gateway) -> bool:
+    m = await gw.metrics()
+    return m["specgate_server_tokens"] == 0 and set((await _tokens(gw)).values()) == {0}
+
+
+@pytest.mark.anyio
+async def test_tokens_in_flight_grow_with_a_stream_and_return_to_zero(gateway: StartGateway) -> None:
+    gw = await gateway(sim={"time_scale": 1, "live_gauges": True}, scrape_interval_s=0.1)
+    async with gw.client.stream("POST", "/v1/completions", json=LONG) as r:
+        assert r.headers["x-specgate-backend"] == "speculative"
+        lines = r.aiter_lines()
+        await anext(lines)
+        held = (await _tokens(gw))["speculative"]
+        assert held >= 100  # 400 characters of prompt
+
+        async def grown() -> bool:
+            await anext(lines)
+            return bool((await _tokens(gw))["speculative"] >= held + 5)
+
+        await wait_until(grown)
+
+        async def engine_read() -> bool:
+            s = (await gw.routing())["servers"]["speculative"]
+            return bool(s["engine_tokens"] and s["engine_tokens"] > 100 and s["engine_kv_usage"] > 0)
+
+        await wait_until(engine_read)  # the engine's own count, beside ours
+        m = await gw.metrics()
+        assert m["specgate_server_engine_tokens"] > 100 - 1  # the baseline's -1 is in the sum
+    await wait_until(lambda: _all_zero(gw))
+
+
+@pytest.mark.anyio
+async def test_no_token_is_left_behind_on_any_exit_path(gateway: StartGateway) -> None:
+    gw = await gateway(sim={"time_scale": 1}, read_timeout_s=1.0, health_interval_s=60)
+    body = {"prompt": "q" * 200, "max_tokens": 4}
+    # Finished, streamed and not, on every API.
+    for path, extra in (
+        ("/v1/completions", {}),
+        ("/v1/completions", {"stream": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "c" * 200}]}),
+        ("/v1/responses", {"input": "r" * 200, "stream": True}),
+    ):
+        assert (await gw.client.post(path, json={**body, **extra})).status_code == 200
+        assert await _all_zero(gw)
+    # Refused by the server (400 passes through).
+    assert (await gw.client.post("/v1/completions", json={"prompt": "p", "max_tokens": 0})).status_code == 400
+    assert await _all_zero(gw)
+    # A client that leaves mid-stream.
+    async with gw.client.stream("POST", "/v1/completions", json=LONG) as r:
+        await anext(r.aiter_lines())
+        assert (await _tokens(gw))["speculative"] > 0
+    await wait_until(lambda: _all_zero(gw))
+    # A client that leaves before the first byte.
+    with contextlib.suppress(TimeoutError):
+        async with gw.client.stream("POST", "/v1/completions", json={**LONG, "prompt": "p"}) as r:
+            pass
+    await wait_until(lambda: _all_zero(gw))
+    # A failover: the speculative server is gone, the request moves with its tokens to the baseline.
+    await gw.spec.stop()
+    r = await gw.client.post("/v1/completions", json={**body, "stream": True})
+    assert (r.status_code, r.headers["x-specgate-reason"]) == (200, "failover")
+    assert await _all_zero(gw)
+    # Both gone: 503 before or after an attempt.
+    await gw.base.stop()
+    assert (await gw.client.post("/v1/completions", json=body)).status_code in (502, 503)
+    assert await _all_zero(gw)
+
+
+@pytest.mark.anyio
+async def test_a_stream_that_breaks_releases_its_tokens(gateway: StartGateway) -> None:
+    gw = await gateway(sim={"stall_rate": 1, "seed": 1}, read_timeout_s=0.5)
+    r = await gw.client.post("/v1/completions", json={"prompt": "p" * 100, "max_tokens": 1000, "stream": True})
+    assert b"upstream_timeout" in r.content
+    assert await _all_zero(gw)
+
+
+@pytest.mark.anyio
+async def test_the_estimate_is_scaled_by_what_the_servers_report(gateway: StartGateway) -> None:
+    gw = await gateway(sim={"time_scale": 1})
+    assert (await gw.routing())["prompt_token_ratio"] == 1.0
+    # Two bytes a character: the simulator counts twice the tokens the characters suggest.
+    for _ in range(30):
+        await gw.client.post("/v1/completions", json={"prompt": "\u00e9" * 400, "max_tokens": 1})
+    ratio = (await gw.routing())["prompt_token_ratio"]
+    assert 1.3 < ratio <= 2.0
+    async with gw.client.stream("POST", "/v1/completions", json={**LONG, "prompt": "\u00e9" * 400}) as r:
+        await anext(r.aiter_lines())
+        assert (await _tokens(gw))["speculative"] >= round(100 * ratio)
