@@ -69,6 +69,8 @@ def describe(gate: Gate) -> dict[str, Any]:
             "url": redact_url(srv.url),
             "healthy": h.healthy,
             "inflight": tracker.count(name),
+            # Of those, batch requests (x-specgate-priority: batch): not in the load the mode compares.
+            "batch": tracker.batch(name),
             # The tokens those requests hold (prompts as estimated, plus generated so far), and the
             # engine's own count of its KV cache in use (tokens, and the pool's fraction).
             "tokens": tracker.tokens(name),

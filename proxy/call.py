@@ -37,3 +37,5 @@ class ProxyCall:
     # its server (that guess scaled by what servers reported of earlier ones).
     prompt_estimate: int = 0
     prompt_tokens: int = 0
+    # x-specgate-priority: batch (the default is interactive).
+    batch: bool = False

@@ -25,13 +25,15 @@ from .servers import Server
 class Lease:
     """One request's slot on one server. `release()` is idempotent, so every exit path may call it."""
 
-    __slots__ = ("_released", "_tracker", "role", "server", "tokens")
+    __slots__ = ("_released", "_tracker", "batch", "role", "server", "tokens")
 
-    def __init__(self, tracker: InflightTracker, server: str, role: Role, tokens: int = 0) -> None:
+    def __init__(self, tracker: InflightTracker, server: str, role: Role, tokens: int = 0, batch: bool = False) -> None:
         self._tracker = tracker
         self.server = server
         self.role = role  # the server's
         self.tokens = tokens
+        # A batch request (x-specgate-priority: batch): left out of the load the mode compares.
+        self.batch = batch
         self._released = False
 
     @property
@@ -47,7 +49,7 @@ class Lease:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._tracker._release(self.server, self.tokens)
+            self._tracker._release(self.server, self.tokens, self.batch)
 
     def __del__(self) -> None:
         # Last resort: a lease dropped without release (a bug elsewhere) must not leak the count.
@@ -85,20 +87,22 @@ class InflightTracker:
     def role(self, server: str) -> Role:
         return self._servers[server].role
 
-    def acquire(self, server: str, tokens: int = 0) -> Lease:
+    def acquire(self, server: str, tokens: int = 0, batch: bool = False) -> Lease:
         s = self._servers[server]
         s.load.count += 1
+        s.load.batch += batch
         s.load.tokens += max(0, tokens)
         if self.on_change is not None:
             self.on_change(server, s.load.count)
-        return Lease(self, server, s.role, max(0, tokens))
+        return Lease(self, server, s.role, max(0, tokens), batch)
 
     def _add_tokens(self, server: str, tokens: int) -> None:
         self._servers[server].load.tokens += tokens
 
-    def _release(self, server: str, tokens: int) -> None:
+    def _release(self, server: str, tokens: int, batch: bool) -> None:
         load = self._servers[server].load
         load.count -= 1
+        load.batch -= batch
         load.tokens -= tokens
         if self.on_change is not None:
             self.on_change(server, load.count)
@@ -121,6 +125,10 @@ class InflightTracker:
 
     def count(self, server: str) -> int:
         return self._servers[server].load.count
+
+    def batch(self, server: str) -> int:
+        """Of `count`, the batch requests (x-specgate-priority: batch)."""
+        return self._servers[server].load.batch
 
     def tokens(self, server: str) -> int:
         """Tokens this gateway's requests hold on the server: prompts as estimated, plus what they

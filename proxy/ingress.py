@@ -144,7 +144,19 @@ async def _accept(
         trace,
         prompt_estimate=estimate,
         prompt_tokens=gate.token_ratio.scaled(estimate),
+        batch=_batch(headers.get(b"x-specgate-priority")),
     )
+
+
+def _batch(priority: bytes | None) -> bool:
+    """Whether `x-specgate-priority` says batch (absent: interactive)."""
+    if priority is None:
+        return False
+    value = priority.strip().lower()
+    if value in (b"batch", b"interactive"):
+        return value == b"batch"
+    shown = priority[:50].decode("latin-1")
+    raise ApiError(400, f"x-specgate-priority must be interactive or batch, got {shown!r}.", code="invalid_priority")
 
 
 def ask_for_usage(payload: dict[str, Any], body: bytes) -> tuple[bytes, bool]:

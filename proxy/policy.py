@@ -30,8 +30,15 @@ threshold rule with the live watermarks, plus
 
 so that the speculative server's acceptance on today's traffic stays known while it gets none.
 
-where L is the load (in-flight requests over both servers, by the configured signal) and S the
-speculative server's own load, both measured before the new request is admitted. A backend that is
+batch requests (x-specgate-priority: batch), whatever the policy:
+
+    backend = baseline                                          (reason batch)
+
+and they are left out of L and S: a batch job of any size never moves interactive requests off
+speculation, nor takes its room.
+
+where L is the load (in-flight interactive requests over both servers, by the configured signal) and
+S the speculative server's own load, both measured before the new request is admitted. A backend that is
 down is never chosen: its share goes to the other (`only_healthy`); with both down there is no
 backend (`no_healthy_backend`). Running requests never move: only new requests are routed.
 
@@ -73,6 +80,7 @@ Reason = Literal[
     "only_healthy",  # the policy's choice is down; the other server takes it
     "failover",  # a retry on the other server after the first failed before any byte
     "stored_response",  # the request continues a response stored on one server (previous_response_id)
+    "batch",  # baseline: a batch request (x-specgate-priority: batch) leaves speculation to interactive ones
     "no_healthy_backend",
 ]
 REASONS: tuple[Reason, ...] = (
@@ -86,6 +94,7 @@ REASONS: tuple[Reason, ...] = (
     "only_healthy",
     "failover",
     "stored_response",
+    "batch",
     "no_healthy_backend",
 )
 
@@ -306,6 +315,11 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
         state = _probe_sent(dataclasses.replace(state, probes=probes, probing=True), was_probing)
         return Decision(Role.SPECULATIVE, "probe", state, load)
     return _checked(choice, reason, state, snapshot, load)
+
+
+def decide_batch(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:
+    """A batch request's backend: the baseline (the throughput choice), the mode left as it is."""
+    return _checked(Role.BASELINE, "batch", state, snapshot, total_load(snapshot, cfg.load_signal))
 
 
 def _probe_sent(state: PolicyState, was_probing: bool) -> PolicyState:

@@ -118,7 +118,9 @@ class _Relay:
         gate = self.gate
         call = self.call
         held = gate.stored.server_of(call.previous) if call.previous is not None else None
-        placed = gate.fleet.decide(can_probe=call.endpoint in GENERATIONS, server=held)
+        placed = gate.fleet.decide(
+            can_probe=call.endpoint in GENERATIONS and not call.batch, server=held, batch=call.batch
+        )
         decision, self.router = placed.decision, placed.router
         if call.trace is not None:
             call.trace.decided(decision, placed.router.group.name, call.previous is not None, held)
@@ -132,7 +134,7 @@ class _Relay:
             )
             await self._error(raise_error, decision.reason)
             return
-        self.lease = placed.router.admit(decision.backend, placed.server, call.prompt_tokens)
+        self.lease = placed.router.admit(decision.backend, placed.server, call.prompt_tokens, call.batch)
         gate.metrics.child(gate.metrics.server_requests, self.lease.server).inc()
         reason: Reason = decision.reason
         first = await self._connect(reason)

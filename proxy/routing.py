@@ -32,6 +32,7 @@ from .policy import (
     accept_fresh,
     backend_load,
     decide,
+    decide_batch,
     least_loaded,
     probe_returned,
     probes_restarted,
@@ -95,6 +96,10 @@ class Router:
         """This gateway's requests in flight on the group's servers of `role`."""
         return sum(self.tracker.count(s) for s in self.group.of(role))
 
+    def interactive_count(self, role: Role) -> int:
+        """Of `role_count`, the interactive requests: the load the mode compares."""
+        return sum(self.tracker.count(s) - self.tracker.batch(s) for s in self.group.of(role))
+
     def server_healthy(self, server: str) -> bool:
         return self._servers[server].healthy
 
@@ -113,7 +118,7 @@ class Router:
             if not any(self.tracker.was_read(s) for s in servers):
                 out[role] = None  # never read: the policy counts ours (backend_load)
             else:
-                out[role] = sum(self.server_load(s) for s in servers)
+                out[role] = sum(self.server_load(s) - self.tracker.batch(s) for s in servers)
         return out
 
     def server_load(self, server: str) -> int:
@@ -144,7 +149,7 @@ class Router:
 
     def snapshot(self) -> LoadSnapshot:
         return LoadSnapshot(
-            {role: self.role_count(role) for role in ROLES},
+            {role: self.interactive_count(role) for role in ROLES},
             self.engine_loads(),
             self.healthy_map(),
             self._clock(),
@@ -161,9 +166,14 @@ class Router:
             return self.role_count(backend)
         return backend_load(self.snapshot(), backend, self.cfg.load_signal)
 
-    def decide(self, can_probe: bool = True) -> Decision:
+    def decide(self, can_probe: bool = True, batch: bool = False) -> Decision:
         """The backend for a new request. `can_probe` False: the request says nothing of acceptance
-        (a model list, embeddings), so it is no probe, not even a shadow's original."""
+        (a model list, embeddings), so it is no probe, not even a shadow's original. `batch`: the
+        request leaves speculation to interactive ones (policy.decide_batch)."""
+        if batch:
+            decision = decide_batch(self.snapshot(), self.state, self.cfg)
+            self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
+            return decision
         cfg = self.cfg if can_probe or self.cfg.probe_s <= 0 else dataclasses.replace(self.cfg, probe_s=0.0)
         decision = decide(self.snapshot(), self.state, cfg)
         self._set_state(decision.state)
@@ -181,9 +191,9 @@ class Router:
         assert chosen is not None
         return chosen
 
-    def admit(self, backend: Role, server: str | None = None, tokens: int = 0) -> Lease:
+    def admit(self, backend: Role, server: str | None = None, tokens: int = 0, batch: bool = False) -> Lease:
         """A lease on `server`, or on the group's pick for `backend`, holding `tokens` (the prompt's)."""
-        return self.tracker.acquire(server if server is not None else self.pick(backend), tokens)
+        return self.tracker.acquire(server if server is not None else self.pick(backend), tokens, batch)
 
     def pinned(self, server: str) -> Decision:
         """The decision for a request that must go to `server` (it holds what the request
@@ -196,7 +206,7 @@ class Router:
         """Move a request that failed before its first byte to the group's other role."""
         self._metrics.failovers.labels(lease.role, to).inc()
         self._metrics.decisions.labels(to, "failover").inc()
-        new = self.admit(to, tokens=lease.tokens)
+        new = self.admit(to, tokens=lease.tokens, batch=lease.batch)
         lease.release()
         return new
 
@@ -270,8 +280,8 @@ class Router:
         """Re-apply the policy's rule after load or health changed, so the mode gauge tells the truth."""
         if self.cfg.load_signal == "local":
             # The common case, on every admit and release: no snapshot to build.
-            spec_load = self.role_count(Role.SPECULATIVE)
-            load = spec_load + self.role_count(Role.BASELINE)
+            spec_load = self.interactive_count(Role.SPECULATIVE)
+            load = spec_load + self.interactive_count(Role.BASELINE)
         else:
             snap = self.snapshot()
             load = total_load(snap, self.cfg.load_signal)
@@ -370,15 +380,15 @@ class Fleet:
         name = least_loaded(up, self._rng.random())
         return next((r for r in self.routers if r.group.name == name), self.routers[0])
 
-    def decide(self, can_probe: bool = True, server: str | None = None) -> Placement:
+    def decide(self, can_probe: bool = True, server: str | None = None, batch: bool = False) -> Placement:
         """Where a new request goes; `server`: where it should go if that server is up (it holds
-        what the request continues)."""
+        what the request continues); `batch`: a batch request (Router.decide)."""
         if server is not None:
             router = self._router_of.get(server)
             if router is not None and router.server_healthy(server):
                 return Placement(router.pinned(server), router, server)
         router = self.choose()
-        return Placement(router.decide(can_probe), router)
+        return Placement(router.decide(can_probe, batch), router)
 
     def refresh(self) -> None:
         for r in self.routers:

@@ -57,6 +57,8 @@ class Load:
     by InflightTracker only; see inflight.py for the smoothing)."""
 
     count: int = 0
+    # Of those, batch requests (x-specgate-priority: batch), which the mode's load leaves out.
+    batch: int = 0
     # The tokens those requests hold (their leases'): prompts as estimated, plus generated so far.
     tokens: int = 0
     at_scrape: int = 0

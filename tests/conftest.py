@@ -62,6 +62,7 @@ MODULE_TIERS = {
     "test_overhead": "loopback",
     "test_policy": "inprocess",
     "test_profile": "inprocess",
+    "test_priority": "inprocess",
     "test_proxy": "loopback",
     "test_real_engine": "real",
     "test_reliability": "loopback",
