@@ -133,6 +133,12 @@ def describe(gate: Gate) -> dict[str, Any]:
         "prompt_token_ratio": round(gate.token_ratio.value, 3),
         # Conversations whose server is remembered (cache affinity), and the slack of its rule.
         "affinity": {"entries": len(gate.affinity), "slack": s.affinity_slack},
+        # Traffic classes: what names them, and what is known of each tracked one.
+        "classes": {
+            "key": s.class_key,
+            "max": s.max_classes,
+            "tracked": gate.classes.describe(first.now()),
+        },
         "watermarks": {"high": first.cfg.high_watermark, "low": first.cfg.low_watermark},
         "calibration": s.calibration,
         "spillover_limit": s.spillover_limit,

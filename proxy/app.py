@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import access, admin, ingress
 from .affinity import AffinityTable
+from .classes import ClassBook
 from .config import Settings, redact_url
 from .edge import METRICS_KEY
 from .engines import POOL_KEEPALIVE_S
@@ -78,7 +79,8 @@ async def running(settings: Settings, tracer_provider: TracerProvider | None = N
     metrics.stored_responses.set_function(stored.__len__)
     affinity = AffinityTable(settings.affinity_entries)
     metrics.affinity_entries.set_function(affinity.__len__)
-    gate = Gate(settings, metrics, upstream, health, fleet, prober, stored, tracing, affinity=affinity)
+    classes = ClassBook(settings.max_classes)
+    gate = Gate(settings, metrics, upstream, health, fleet, prober, stored, tracing, affinity=affinity, classes=classes)
     await health.poll_once()  # so /ready and routing are right from the first request
     poller = asyncio.get_running_loop().create_task(health.run(), name="specgate-health")
     # Everything made so far (modules, app, metrics) lives as long as the process. Out of the

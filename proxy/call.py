@@ -41,3 +41,5 @@ class ProxyCall:
     batch: bool = False
     # The key its conversation is remembered by (affinity.conversation_key); None: none.
     affinity: bytes | None = None
+    # Its traffic class (classes.class_of); None: none.
+    traffic_class: str | None = None

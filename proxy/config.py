@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from .adaptive import AdaptiveConfig
 from .calibration import MAX_WATERMARK, Calibration, CalibrationError
 from .calibration import load as load_calibration
+from .classes import ClassKey
 from .engines import EngineSetting
 from .policy import LoadSignal, PolicyConfig, PolicyName
 from .topology import Topology, TopologyName, entries
@@ -116,6 +117,9 @@ class Settings(BaseSettings):
     # requests of load a turn's server may have beyond the best, per thousand tokens it has cached.
     affinity_entries: int = Field(100_000, ge=0, le=10_000_000)
     affinity_slack: float = Field(1.0, ge=0, le=1_000_000)
+    # Traffic classes (proxy/classes.py): what names a request's class, and how many are tracked.
+    class_key: ClassKey = "header"
+    max_classes: int = Field(32, ge=1, le=1000)
     max_connections_per_backend: int = Field(1024, ge=1)
     shutdown_grace_s: float = Field(30.0, ge=0)
 

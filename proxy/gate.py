@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .affinity import AffinityTable
+from .classes import ClassBook
 from .config import Settings
 from .health import HealthMonitor
 from .metrics import Metrics
@@ -37,3 +38,5 @@ class Gate:
     token_ratio: TokenRatio = field(default_factory=TokenRatio)
     # Where each conversation's last turn went (proxy/affinity.py).
     affinity: AffinityTable = field(default_factory=lambda: AffinityTable(0))
+    # What is known of each traffic class (proxy/classes.py).
+    classes: ClassBook = field(default_factory=lambda: ClassBook(1))

@@ -18,11 +18,12 @@ from starlette.types import Receive, Scope, Send
 from .access import authorize, client_key, request_id_of
 from .affinity import conversation_key
 from .call import ProxyCall
+from .classes import class_of
 from .config import Settings
 from .engines import GENERATE_PATH
 from .errors import ApiError
 from .gate import Gate
-from .kinds import Endpoint
+from .kinds import GENERATIONS, Endpoint
 from .metrics import code_class
 from .relay import RelayResponse
 from .tokens import prompt_estimate
@@ -148,6 +149,11 @@ async def _accept(
         batch=_batch(headers.get(b"x-specgate-priority")),
         affinity=(
             conversation_key(headers.get(b"x-session-id"), payload, endpoint) if settings.affinity_entries else None
+        ),
+        traffic_class=(
+            class_of(settings.class_key, headers.get(b"x-specgate-class"), payload, headers.get(b"authorization", b""))
+            if endpoint in GENERATIONS
+            else None
         ),
     )
 

@@ -186,6 +186,20 @@ class Metrics:
             ["server"],
             registry=r,
         )
+        # Per traffic class: labels only of the tracked classes (SPECGATE_MAX_CLASSES) and `other`;
+        # a forgotten class's series go with it.
+        self.class_requests = Counter(
+            "specgate_class_requests",
+            "Requests by traffic class (SPECGATE_CLASS_KEY) and the backend they went to.",
+            ["class", "backend"],
+            registry=r,
+        )
+        self.class_accept_length = Gauge(
+            "specgate_class_accept_length",
+            "Acceptance length learnt for each tracked traffic class from its speculative streams (NaN: not yet).",
+            ["class"],
+            registry=r,
+        )
         self.failovers = Counter(
             "specgate_failovers", "Requests retried on the other backend.", ["from", "to"], registry=r
         )
@@ -298,6 +312,15 @@ class Metrics:
             self.affinity_breaks.labels(cause)
         self.mode.set(1)
         self.crossover_estimate.set(math.nan)
+
+    def forget_class(self, name: str) -> None:
+        """A traffic class no longer tracked: its series go (the label set stays bounded)."""
+        for role in REQUEST_BACKENDS:
+            key = (id(self.class_requests), (name, role))
+            if self._children.pop(key, None) is not None:
+                self.class_requests.remove(name, role)
+        if self._children.pop((id(self.class_accept_length), (name,)), None) is not None:
+            self.class_accept_length.remove(name)
 
     def publish_reading(self, server: Server, peers: Sequence[Server]) -> None:
         """A server's engine gauges, and its role's over `peers` (the role's servers): load summed

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .adaptive import MIN_STREAM_EVENTS
 from .policy import Role, other
 from .sse import DELTA_MARK, content_events, response_deltas
 
 if TYPE_CHECKING:
+    from .classes import ClassBook
     from .health import HealthMonitor
     from .inflight import Lease
     from .metrics import Metrics
@@ -111,6 +113,36 @@ class Generated(StreamObserver):
             whole = int(self._carry)
             self._carry -= whole
             self._lease.add(whole)
+
+
+class ClassLearning(StreamObserver):
+    """A traffic class's acceptance, from one of its streams on a speculative server that sends one
+    content event a decode step: its output tokens over its non-empty content events (the first,
+    from prefill, set aside as adaptive.stream_accept does)."""
+
+    __slots__ = ("_book", "_empty", "_events", "_mark", "_metrics", "_name")
+
+    def __init__(self, book: ClassBook, name: str, mark: bytes, metrics: Metrics) -> None:
+        self._book = book
+        self._name = name
+        self._mark = mark
+        self._empty = mark + b'"'
+        self._metrics = metrics
+        self._events = 0
+
+    def first(self, data: bytes, at: float) -> None:
+        self.chunk(data, at)
+
+    def chunk(self, data: bytes, at: float) -> None:
+        self._events += data.count(self._mark) - data.count(self._empty)
+
+    def end(self, usage: tuple[int, int] | None, last_at: float) -> None:
+        if usage is None or self._events < MIN_STREAM_EVENTS or usage[1] < self._events:
+            return
+        self._book.measured(self._name, usage[1] - 1, self._events - 1, last_at)
+        accept = self._book.accept(self._name)
+        if accept is not None:
+            self._metrics.child(self._metrics.class_accept_length, self._name).set(accept)
 
 
 class Liveness(StreamObserver):

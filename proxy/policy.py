@@ -43,6 +43,14 @@ a turn of a conversation whose cache one server holds (affinity.py), whatever th
 
 since between the watermarks either role pays, and moving costs the conversation's re-prefill.
 
+a request of a traffic class whose acceptance is known against the others' (classes.py), where
+speculation has room for only part of the traffic: between the watermarks, and below the high
+one in a pooled topology (whose baseline pool is idle hardware otherwise), whatever the policy but
+spillover:
+
+    backend = speculative if the class gains most (acceptance >= the traffic's median) else baseline
+                                                                              (reason class)
+
 where L is the load (in-flight interactive requests over both servers, by the configured signal) and
 S the speculative server's own load, both measured before the new request is admitted. A backend that is
 down is never chosen: its share goes to the other (`only_healthy`); with both down there is no
@@ -88,6 +96,7 @@ Reason = Literal[
     "stored_response",  # the request continues a response stored on one server (previous_response_id)
     "batch",  # baseline: a batch request (x-specgate-priority: batch) leaves speculation to interactive ones
     "affinity",  # between the watermarks: the role of the server that holds the conversation's cache
+    "class",  # where speculation has room for part of the traffic: by whether the class gains most from it
     "no_healthy_backend",
 ]
 REASONS: tuple[Reason, ...] = (
@@ -103,6 +112,7 @@ REASONS: tuple[Reason, ...] = (
     "stored_response",
     "batch",
     "affinity",
+    "class",
     "no_healthy_backend",
 )
 
@@ -338,6 +348,20 @@ def affinity_choice(decision: Decision, held: Role, cfg: PolicyConfig, healthy: 
     if cfg.low_watermark < decision.load < cfg.high_watermark:
         return Decision(held, "affinity", decision.state, decision.load)
     return decision
+
+
+def class_choice(
+    decision: Decision, gains: bool, cfg: PolicyConfig, healthy: Mapping[Role, bool], pooled: bool
+) -> Decision:
+    """The decision for a request of a class that gains most from speculation (`gains`) or not."""
+    if decision.backend is None or decision.reason not in _MODE_REASONS or cfg.policy == "spillover":
+        return decision
+    if not (cfg.low_watermark < decision.load or pooled) or decision.load >= cfg.high_watermark:
+        return decision
+    choice = Role.SPECULATIVE if gains else Role.BASELINE
+    if not healthy.get(choice, False):
+        return decision
+    return Decision(choice, "class", decision.state, decision.load)
 
 
 def decide_batch(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:

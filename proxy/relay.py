@@ -28,7 +28,7 @@ from .gate import Gate
 from .inflight import Lease
 from .kinds import GENERATIONS
 from .metrics import code_class
-from .observe import Generated, Learning, Liveness, StreamObserver, StreamTiming, TokenCounts
+from .observe import ClassLearning, Generated, Learning, Liveness, StreamObserver, StreamTiming, TokenCounts
 from .policy import Reason, Role, other
 from .routing import Router
 from .sse import DONE, generated_mark, reader_for
@@ -109,6 +109,8 @@ class _Relay:
         self.sending_since: float | None = None
         self._head: Message | None = None
         self._finished = False
+        # The class the request counts under (classes.ClassBook.tracked), if it has one.
+        self.traffic_class: str | None = None
 
     @property
     def role(self) -> Role | None:
@@ -120,8 +122,19 @@ class _Relay:
         call = self.call
         stored = gate.stored.server_of(call.previous) if call.previous is not None else None
         held = gate.affinity.get(call.affinity) if call.affinity is not None else None
+        gains = None
+        if call.traffic_class is not None:
+            now = asyncio.get_running_loop().time()
+            self.traffic_class = gate.classes.tracked(call.traffic_class, now)
+            for gone in gate.classes.take_forgotten():
+                gate.metrics.forget_class(gone)
+            gains = gate.classes.gains_most(self.traffic_class, now)
         placed = gate.fleet.decide(
-            can_probe=call.endpoint in GENERATIONS and not call.batch, server=stored, batch=call.batch, held=held
+            can_probe=call.endpoint in GENERATIONS and not call.batch,
+            server=stored,
+            batch=call.batch,
+            held=held,
+            gains=gains,
         )
         outcome: Outcome | None = None
         if call.affinity is not None and placed.decision.reason != "stored_response":
@@ -270,6 +283,13 @@ class _Relay:
         if up.status == 200:
             per_event = self.router.server_accept(lease.server) if backend == Role.SPECULATIVE else None
             out.append(Generated(lease, generated_mark(call.endpoint), per_event or 1.0))
+            if (
+                self.traffic_class is not None
+                and call.stream
+                and backend == Role.SPECULATIVE
+                and self.router.counts_steps()
+            ):
+                out.append(ClassLearning(gate.classes, self.traffic_class, generated_mark(call.endpoint), gate.metrics))
         out.append(Learning(self.router, backend, call.client, probe=probe, timed=timed, typed=typed))
         return tuple(out)
 
@@ -346,6 +366,8 @@ class _Relay:
         role = self.role
         status = self.status if self.complete else 499
         m.child(m.requests, role or "none", self.call.endpoint, code_class(status)).inc()
+        if self.traffic_class is not None:
+            m.child(m.class_requests, self.traffic_class, role or "none").inc()
         if role is not None:
             loop_time = asyncio.get_running_loop().time()
             m.child(m.duration, role, self.call.endpoint).observe(loop_time - self.call.started)

@@ -33,6 +33,7 @@ from .policy import (
     accept_fresh,
     affinity_choice,
     backend_load,
+    class_choice,
     decide,
     decide_batch,
     least_loaded,
@@ -63,9 +64,12 @@ class Router:
         calibration: Calibration | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        pooled: bool = False,
     ) -> None:
         self.cfg = cfg
         self.group = group
+        # A pool's roles run on disjoint GPUs (topology.py): its baseline is idle hardware otherwise.
+        self._pooled = pooled
         self._servers = servers
         self._metrics = metrics
         self._clock = clock
@@ -171,11 +175,16 @@ class Router:
             return self.role_count(backend)
         return backend_load(self.snapshot(), backend, self.cfg.load_signal)
 
-    def decide(self, can_probe: bool = True, batch: bool = False, held: Role | None = None) -> Decision:
+    def decide(
+        self, can_probe: bool = True, batch: bool = False, held: Role | None = None, gains: bool | None = None
+    ) -> Decision:
         """The backend for a new request. `can_probe` False: the request says nothing of acceptance
         (a model list, embeddings), so it is no probe, not even a shadow's original. `batch`: the
         request leaves speculation to interactive ones (policy.decide_batch). `held`: the role of
-        the server holding the request's conversation cache (policy.affinity_choice)."""
+        the server holding the request's conversation cache (policy.affinity_choice). `gains`:
+        whether the request's class gains most from speculation, when known (policy.class_choice,
+        which goes before affinity: a conversation's cache is worth one prefill, its class's gain
+        every token)."""
         snapshot = self.snapshot()
         if batch:
             decision = decide_batch(snapshot, self.state, self.cfg)
@@ -183,7 +192,9 @@ class Router:
             return decision
         cfg = self.cfg if can_probe or self.cfg.probe_s <= 0 else dataclasses.replace(self.cfg, probe_s=0.0)
         decision = decide(snapshot, self.state, cfg)
-        if held is not None:
+        if gains is not None:
+            decision = class_choice(decision, gains, cfg, snapshot.healthy, self._pooled)
+        if held is not None and decision.reason != "class":
             decision = affinity_choice(decision, held, cfg, snapshot.healthy)
         self._set_state(decision.state)
         self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
@@ -379,7 +390,18 @@ class Fleet:
         self._rng = rng or random.Random()
         self.tracker = InflightTracker(servers, self._changed, clock)
         self.routers = tuple(
-            Router(cfg, servers, metrics, self.tracker, g, adaptive, calibration, clock, self._rng)
+            Router(
+                cfg,
+                servers,
+                metrics,
+                self.tracker,
+                g,
+                adaptive,
+                calibration,
+                clock,
+                self._rng,
+                topology.kind == "pooled",
+            )
             for g in topology.groups
         )
         self._router_of = {s: r for r in self.routers for role in ROLES for s in r.group.of(role)}
@@ -396,7 +418,12 @@ class Fleet:
         return next((r for r in self.routers if r.group.name == name), self.routers[0])
 
     def decide(
-        self, can_probe: bool = True, server: str | None = None, batch: bool = False, held: Held | None = None
+        self,
+        can_probe: bool = True,
+        server: str | None = None,
+        batch: bool = False,
+        held: Held | None = None,
+        gains: bool | None = None,
     ) -> Placement:
         """Where a new request goes; `server`: where it must go if that server is up (it holds what
         the request continues); `batch`: a batch request (Router.decide); `held`: where its
@@ -407,18 +434,18 @@ class Fleet:
                 return Placement(router.pinned(server), router, server)
         if held is None:
             router = self.choose()
-            return Placement(router.decide(can_probe, batch), router)
+            return Placement(router.decide(can_probe, batch, None, gains), router)
         mine = self._router_of.get(held.server)
         if mine is None or not mine.server_healthy(held.server):
             router = self.choose()
-            return Placement(router.decide(can_probe, batch), router, affinity="break_down")
+            return Placement(router.decide(can_probe, batch, None, gains), router, affinity="break_down")
         if len(self.routers) > 1:
             loads = [r.group_placement_load() for r in self.routers if any(r.healthy_map().values())]
             if not keep(mine.group_placement_load(), min(loads), held.tokens, self.affinity_slack):
                 router = self.choose()
-                return Placement(router.decide(can_probe, batch), router, affinity="break_load")
+                return Placement(router.decide(can_probe, batch, None, gains), router, affinity="break_load")
         role = mine.server_role(held.server)
-        decision = mine.decide(can_probe, batch, role)
+        decision = mine.decide(can_probe, batch, role, gains)
         if decision.backend != role:
             return Placement(decision, mine, affinity="break_mode")
         best = min(mine.placement_load(s) for s in mine.group.of(role) if mine.server_healthy(s))

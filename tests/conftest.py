@@ -39,6 +39,7 @@ MODULE_TIERS = {
     "test_affinity": "inprocess",
     "test_calibrate": "inprocess",
     "test_calibration_file": "inprocess",
+    "test_classes": "inprocess",
     "test_config": "inprocess",
     # mkdocs builds the site in a process of its own.
     "test_docs": "loopback",

@@ -1,0 +1,164 @@
+"""Traffic classes: acceptance learnt per class of requests, so that when speculation has room for only
+part of the traffic, the classes that gain most from it get it first.
+
+A request's class is named by SPECGATE_CLASS_KEY: `header` (the client's `x-specgate-class`, the
+default: no header, no class), `api_key` (a hash of its bearer key, never the key), `user` (the
+body's `user`), `model` (the body's `model`), or `none`. At most SPECGATE_MAX_CLASSES classes are
+tracked; a request of any other class counts as `other`. Each tracked class keeps, decayed with a
+half-life of CLASS_HALF_LIFE_S:
+
+    traffic_c = sum of its requests' weights           (each 1 when it arrived, halving every half-life)
+    accept_c  = sum tokens / sum decode steps          (of its streams on a speculative server whose
+                                                        engine sends one content event a step)
+
+and a class whose traffic has faded below FORGET_WEIGHT is forgotten, making room for a new one.
+The classes that gain most from speculation are the top half of the traffic, ranked by acceptance:
+
+    gains_c  iff  traffic of the classes above c + traffic_c / 2  <=  total traffic / 2
+
+(of two classes with equal traffic, the better; a class of most of the traffic only if it is the
+best). policy.class_choice says where that decides. Pure but for the book.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+ClassKey = Literal["none", "header", "api_key", "user", "model"]
+CLASS_KEYS: tuple[ClassKey, ...] = ("none", "header", "api_key", "user", "model")
+OTHER = "other"
+# Characters of a class name kept (a metric label): longer names are cut, odd characters replaced.
+NAME_CHARS = 64
+CLASS_HALF_LIFE_S = 300.0
+FORGET_WEIGHT = 0.05
+# Decode steps a class needs before its acceptance counts (a few streams' worth).
+MIN_STEPS = 32
+
+
+def class_of(key: ClassKey, header: bytes | None, payload: dict[str, Any], authorization: bytes) -> str | None:
+    """A request's class name under SPECGATE_CLASS_KEY, or None (no class)."""
+    if key == "header":
+        return _name(header.decode("latin-1")) if header else None
+    if key == "api_key":
+        scheme, _, token = authorization.partition(b" ")
+        token = token.strip()
+        if token and scheme.lower() == b"bearer":
+            return "key-" + hashlib.blake2b(token, digest_size=4).hexdigest()
+        return None
+    if key in ("user", "model"):
+        value = payload.get(key)
+        return _name(value) if isinstance(value, str) and value else None
+    return None
+
+
+def _name(value: str) -> str | None:
+    cleaned = "".join(c if c.isprintable() and c not in '"\\' else "_" for c in value[:NAME_CHARS]).strip()
+    return cleaned or None
+
+
+@dataclass
+class ClassStats:
+    traffic: float = 0.0
+    tokens: float = 0.0
+    steps: float = 0.0
+    at: float = 0.0
+
+    def decay(self, now: float, half_life_s: float) -> None:
+        if now > self.at:
+            f = 0.5 ** ((now - self.at) / half_life_s)
+            self.traffic *= f
+            self.tokens *= f
+            self.steps *= f
+            self.at = now
+
+    @property
+    def accept(self) -> float | None:
+        return self.tokens / self.steps if self.steps >= MIN_STEPS else None
+
+
+class ClassBook:
+    """The tracked classes and what is known of each."""
+
+    def __init__(self, max_classes: int, half_life_s: float = CLASS_HALF_LIFE_S) -> None:
+        self.max_classes = max_classes
+        self.half_life_s = half_life_s
+        self.stats: dict[str, ClassStats] = {}
+        # Classes forgotten since the last `take_forgotten` (their metric series go with them).
+        self._forgotten: list[str] = []
+
+    def tracked(self, name: str, now: float) -> str:
+        """A request of class `name` arrived: the name it is counted under, itself while there is
+        room (a faded class is forgotten to make it), else `other`."""
+        if name not in self.stats and self._named() >= self.max_classes:
+            for n, old in list(self.stats.items()):
+                old.decay(now, self.half_life_s)
+                if n != OTHER and old.traffic < FORGET_WEIGHT:
+                    del self.stats[n]
+                    self._forgotten.append(n)
+            if self._named() >= self.max_classes:
+                name = OTHER
+        s = self.stats.get(name)
+        if s is None:
+            s = ClassStats(at=now)
+            self.stats[name] = s
+        s.decay(now, self.half_life_s)
+        s.traffic += 1.0
+        return name
+
+    def _named(self) -> int:
+        return len(self.stats) - (OTHER in self.stats)
+
+    def take_forgotten(self) -> list[str]:
+        out, self._forgotten = self._forgotten, []
+        return out
+
+    def accept(self, name: str) -> float | None:
+        s = self.stats.get(name)
+        return None if s is None else s.accept
+
+    def measured(self, name: str, tokens: int, steps: int, now: float) -> None:
+        """A stream of the class on a speculative server: `tokens` output in `steps` decode steps."""
+        s = self.stats.get(name)
+        if s is not None and steps > 0 and tokens >= steps:
+            s.decay(now, self.half_life_s)
+            s.tokens += tokens
+            s.steps += steps
+
+    def ranked(self, now: float) -> dict[str, bool]:
+        """Which tracked classes with a known acceptance gain most: ranked by acceptance, a class
+        whose share of the traffic has its middle in the top half (empty: fewer than two known)."""
+        known: list[tuple[float, float, str]] = []
+        for name, s in self.stats.items():
+            s.decay(now, self.half_life_s)
+            a = s.accept
+            if a is not None and s.traffic > 0:
+                known.append((a, s.traffic, name))
+        if len(known) < 2:
+            return {}
+        known.sort(reverse=True)
+        half = sum(w for _, w, _ in known) / 2
+        out, above = {}, 0.0
+        for _, w, name in known:
+            out[name] = above + w / 2 <= half
+            above += w
+        return out
+
+    def gains_most(self, name: str, now: float) -> bool | None:
+        """Whether class `name` is among those that gain most from speculation (None: not known)."""
+        return self.ranked(now).get(name)
+
+    def describe(self, now: float) -> dict[str, dict[str, Any]]:
+        ranks = self.ranked(now)
+        out = {}
+        for name, s in sorted(self.stats.items()):
+            s.decay(now, self.half_life_s)
+            a = s.accept
+            out[name] = {
+                "traffic": round(s.traffic, 3),
+                "accept_length": None if a is None else round(a, 3),
+                "decode_steps": round(s.steps, 1),
+                "gains_most": ranks.get(name),
+            }
+        return out
