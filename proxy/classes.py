@@ -23,6 +23,7 @@ best). policy.class_choice says where that decides. Pure but for the book.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,6 +36,9 @@ CLASS_HALF_LIFE_S = 300.0
 FORGET_WEIGHT = 0.05
 # Decode steps a class needs before its acceptance counts (a few streams' worth).
 MIN_STEPS = 32
+# The ranking is recomputed at most this often: it changes as slowly as traffic does, and walking
+# every class on every request would cost more than the rest of the decision.
+RANK_EVERY_S = 0.5
 
 
 def class_of(key: ClassKey, header: bytes | None, payload: dict[str, Any], authorization: bytes) -> str | None:
@@ -54,8 +58,10 @@ def class_of(key: ClassKey, header: bytes | None, payload: dict[str, Any], autho
 
 
 def _name(value: str) -> str | None:
-    cleaned = "".join(c if c.isprintable() and c not in '"\\' else "_" for c in value[:NAME_CHARS]).strip()
-    return cleaned or None
+    value = value[:NAME_CHARS]
+    if not (value.isprintable() and '"' not in value and "\\" not in value):  # the usual names skip this
+        value = "".join(c if c.isprintable() and c not in '"\\' else "_" for c in value)
+    return value.strip() or None
 
 
 @dataclass
@@ -87,6 +93,8 @@ class ClassBook:
         self.stats: dict[str, ClassStats] = {}
         # Classes forgotten since the last `take_forgotten` (their metric series go with them).
         self._forgotten: list[str] = []
+        self._ranked: dict[str, bool] = {}
+        self._ranked_at = -math.inf
 
     def tracked(self, name: str, now: float) -> str:
         """A request of class `name` arrived: the name it is counted under, itself while there is
@@ -146,8 +154,11 @@ class ClassBook:
         return out
 
     def gains_most(self, name: str, now: float) -> bool | None:
-        """Whether class `name` is among those that gain most from speculation (None: not known)."""
-        return self.ranked(now).get(name)
+        """Whether class `name` is among those that gain most from speculation (None: not known),
+        as ranked at most RANK_EVERY_S ago."""
+        if now - self._ranked_at >= RANK_EVERY_S:
+            self._ranked, self._ranked_at = self.ranked(now), now
+        return self._ranked.get(name)
 
     def describe(self, now: float) -> dict[str, dict[str, Any]]:
         ranks = self.ranked(now)

@@ -1,0 +1,132 @@
+"""What specgate's per-request decision costs, in-process: from a request's parsed body to its lease,
+for each policy, with and without traffic classes and cache affinity. `python -m loadtest overhead`
+prints it beside the hop's cost; `python -m loadtest.decisions` alone.
+
+One decision is what ingress and the relay do for every request before anything is sent upstream:
+the prompt's token estimate, the conversation key and the class name (when on), the class book's
+and the affinity table's lookups, the routing decision, and the lease taken and released. The
+requests are a 10-message chat of a few hundred tokens, 1,000 conversations in 4 classes, against a
+pair of healthy servers with a few requests in flight; each figure is the median of `reps` runs of
+`n` decisions, timed by the process's CPU clock (what the decision takes from the event loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.affinity import AffinityTable, conversation_key
+from proxy.classes import ClassBook, class_of
+from proxy.config import Settings
+from proxy.metrics import Metrics
+from proxy.routing import Fleet
+from proxy.servers import servers_of
+from proxy.tokens import TokenRatio, prompt_estimate
+
+POLICIES: tuple[str, ...] = ("threshold", "adaptive")
+CONVERSATIONS = 1000
+CLASSES = ("code", "chat", "agent", "batch-eval")
+
+
+@dataclass(frozen=True)
+class DecisionCost:
+    policy: str
+    classes: bool
+    affinity: bool
+    us: float  # mean microseconds of CPU per decision (median over repetitions)
+
+
+def _bodies() -> list[dict[str, Any]]:
+    system = {"role": "system", "content": "You are a careful assistant for a software team. " * 8}
+    out = []
+    for c in range(CONVERSATIONS):
+        messages: list[dict[str, str]] = [system]
+        for turn in range(5):
+            messages.append({"role": "user", "content": f"conversation {c} question {turn}: " + "why " * 30})
+            messages.append({"role": "assistant", "content": "because " * 40})
+        out.append({"model": "m", "messages": messages, "max_tokens": 128, "user": f"user-{c % 50}"})
+    return out
+
+
+def measure(policy: str, classes: bool, affinity: bool, n: int = 20_000, reps: int = 5) -> DecisionCost:
+    settings = Settings(
+        _env_file=None,
+        speculative_url="http://127.0.0.1:1",
+        baseline_url="http://127.0.0.1:2",
+        policy=policy,  # type: ignore[arg-type]
+        high_watermark=16,
+        low_watermark=8,
+    )
+    topology = settings.routing_topology()
+    servers = servers_of(topology)
+    for s in servers.values():
+        s.health.healthy = True
+    fleet = Fleet(
+        topology, servers, settings.policy_config(None), Metrics(topology.names(), []), settings.adaptive_config()
+    )
+    book = ClassBook(settings.max_classes)
+    table = AffinityTable(settings.affinity_entries if affinity else 0)
+    ratio = TokenRatio()
+    bodies = _bodies()
+    headers = [name.encode() for name in CLASSES]
+    held_open = [fleet.routers[0].admit(fleet.routers[0].decide().backend or "baseline") for _ in range(10)]  # type: ignore[arg-type]
+    results: list[float] = []
+    for _ in range(reps):
+        started = time.process_time_ns()
+        for i in range(n):
+            body = bodies[i % CONVERSATIONS]
+            tokens = ratio.scaled(prompt_estimate(body, "chat"))
+            key = conversation_key(None, body, "chat") if affinity else None
+            gains = None
+            if classes:
+                name = class_of("header", headers[i % len(headers)], body, b"")
+                if name is not None:
+                    now = time.monotonic()
+                    gains = book.gains_most(book.tracked(name, now), now)
+            held = table.get(key) if key is not None else None
+            placed = fleet.decide(can_probe=True, held=held, gains=gains)
+            backend = placed.decision.backend
+            assert backend is not None
+            lease = placed.router.admit(backend, placed.server, tokens)
+            lease.release()
+            if key is not None:
+                table.remember(key, lease.server, lease.tokens)
+        results.append((time.process_time_ns() - started) / n / 1000)
+    for lease in held_open:
+        lease.release()
+    return DecisionCost(policy, classes, affinity, statistics.median(results))
+
+
+def run(policies: Sequence[str] = POLICIES, n: int = 20_000, reps: int = 5) -> list[DecisionCost]:
+    out = []
+    for policy in policies:
+        out.append(measure(policy, classes=False, affinity=False, n=n, reps=reps))
+        out.append(measure(policy, classes=True, affinity=True, n=n, reps=reps))
+    return out
+
+
+def report(costs: Sequence[DecisionCost]) -> str:
+    lines = ["per-request decision (CPU us, median of repetitions):", "  policy      plain   +classes+affinity"]
+    by_policy: dict[str, dict[bool, float]] = {}
+    for c in costs:
+        by_policy.setdefault(c.policy, {})[c.classes or c.affinity] = c.us
+    for policy, v in by_policy.items():
+        lines.append(f"  {policy:<10} {v.get(False, float('nan')):6.1f}   {v.get(True, float('nan')):6.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.decisions", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=20_000, help="decisions per repetition")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    args = parser.parse_args(argv)
+    print(report(run(args.policies.split(","), args.n, args.reps)))
+
+
+if __name__ == "__main__":
+    main()
