@@ -10,8 +10,8 @@ nginx-light, configured here on loopback, one process, round robin), and each pe
 robin, or LiteLLM's default shuffle over two deployments). The direct path is the first server.
 Load comes from this process (a bare HTTP/1.1 client, see rawclient.py); backend and proxies are
 separate processes. Targets alternate within each repetition so machine drift hits all alike; each
-figure is the median over repetitions. A target that does not start is reported as not measured,
-with the reason, and the others are measured without it.
+figure is the median over repetitions. A target that does not start, or exits, is reported as not
+measured, with the reason, and the others are measured without it.
 
 Scenarios: non-streaming small responses at concurrency 1 and 50 (req/s, p50/p99 latency, added
 latency = through a target minus direct); streaming 64-token responses at concurrency 1, 50 and
@@ -257,7 +257,7 @@ def _free_ports(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Launch:
-    """How a proxy other than specgate is started, and the URL that answers 200 once it is ready."""
+    """How a proxy is started, and the path that answers 200 on its port once it is ready."""
 
     name: str
     argv: list[str]
