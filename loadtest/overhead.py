@@ -1,13 +1,17 @@
 """What one hop through specgate costs, beside the practical limit of a proxy hop (nginx) and the
-peers users would deploy instead (LiteLLM's proxy, SGLang's Rust router) when they are installed.
+peers users would deploy instead (LiteLLM's proxy, SGLang's Rust gateway smg, vLLM's Rust router
+vllm-router) when they are installed (scripts/install-peers puts them in .venv-peers).
 
     python -m loadtest overhead [--reps 3] [--no-nginx] [--no-otel] [--peers-venv .venv-peers]
 
-Starts a backend (the simulator with its delays off), specgate in front of it (both backend URLs
-point at it), nginx as a plain reverse proxy (Debian's nginx-light, configured here on loopback,
-one process), and each peer found. Load comes from this process (a bare HTTP/1.1 client, see
-rawclient.py); backend and proxies are separate processes. Targets alternate within each
-repetition so machine drift hits all alike; each figure is the median over repetitions.
+Starts two backend servers (a simulated pair in one process, delays off), then every proxy in front
+of both: specgate (one as speculative, one as baseline), nginx as a plain reverse proxy (Debian's
+nginx-light, configured here on loopback, one process, round robin), and each peer found (round
+robin, or LiteLLM's default shuffle over two deployments). The direct path is the first server.
+Load comes from this process (a bare HTTP/1.1 client, see rawclient.py); backend and proxies are
+separate processes. Targets alternate within each repetition so machine drift hits all alike; each
+figure is the median over repetitions. A target that does not start, or exits, is reported as not
+measured, with the reason, and the others are measured without it.
 
 Scenarios: non-streaming small responses at concurrency 1 and 50 (req/s, p50/p99 latency, added
 latency = through a target minus direct); streaming 64-token responses at concurrency 1, 50 and
@@ -31,22 +35,24 @@ import asyncio
 import importlib.util
 import itertools
 import os
+import re
 import resource
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 import uvloop
 
-from .procs import Proc, free_port, http_status, simulator_args, start
+from .procs import Proc, free_port, http_status, start
 from .rawclient import Exchange, RawClient, post
 from .report import write_json
 from .stats import percentile
@@ -54,18 +60,8 @@ from .stats import percentile
 MODEL = "sim"
 # LiteLLM's proxy refuses to start without a master key; clients then send it.
 _LITELLM_KEY = "sk-overhead-benchmark"
-# A one-word tokenizer in Hugging Face's format, for sglang-router.
-_TOKENIZER: dict[str, object] = {
-    "version": "1.0",
-    "truncation": None,
-    "padding": None,
-    "added_tokens": [],
-    "normalizer": None,
-    "pre_tokenizer": {"type": "Whitespace"},
-    "post_processor": None,
-    "decoder": None,
-    "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "p": 1}, "unk_token": "[UNK]"},
-}
+# The peers, by the name their results carry, and the executable scripts/install-peers gives each.
+PEERS = {"litellm": "litellm", "smg": "smg", "vllm-router": "vllm-router"}
 
 
 @dataclass(frozen=True)
@@ -211,21 +207,22 @@ async def _run(target: Target, sc: Scenario) -> Sample:
     )  # fmt: skip
 
 
-def _nginx_conf(port: int, backend_port: int, workdir: Path) -> Path:
+def _nginx_conf(port: int, backend_ports: Sequence[int], workdir: Path) -> Path:
     # One process (no master) so that its CPU can be read like the others'.
     conf = workdir / "nginx.conf"
+    servers = " ".join(f"server 127.0.0.1:{p};" for p in backend_ports)
     conf.write_text(f"""
 master_process off;
 worker_processes 1;
 pid {workdir}/nginx.pid;
-error_log {workdir}/error.log warn;
+error_log stderr warn;
 daemon off;
 events {{ worker_connections 4096; }}
 http {{
   access_log off;
   client_body_temp_path {workdir}/body;
   proxy_temp_path {workdir}/proxy;
-  upstream backend {{ server 127.0.0.1:{backend_port}; keepalive 512; }}
+  upstream backend {{ {servers} keepalive 512; }}
   server {{
     listen 127.0.0.1:{port} backlog=4096;
     location / {{
@@ -241,20 +238,101 @@ http {{
     return conf
 
 
-def _litellm_conf(backend_port: int, workdir: Path) -> Path:
+def _litellm_conf(backend_ports: Sequence[int], workdir: Path) -> Path:
+    # One deployment per server under one model name: LiteLLM's router spreads requests over them.
     conf = workdir / "litellm.yaml"
-    conf.write_text(f"""
-model_list:
+    deployments = "".join(f"""
   - model_name: {MODEL}
     litellm_params:
       model: openai/{MODEL}
-      api_base: http://127.0.0.1:{backend_port}/v1
-      api_key: none
-litellm_settings:
-  telemetry: false
-  drop_params: true
-""")
+      api_base: http://127.0.0.1:{p}/v1
+      api_key: none""" for p in backend_ports)  # fmt: skip
+    conf.write_text(f"model_list:{deployments}\nlitellm_settings:\n  telemetry: false\n  drop_params: true\n")
     return conf
+
+
+def _free_ports(n: int) -> list[int]:
+    """n ports free now and distinct: each socket stays bound until all are chosen."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a proxy is started, and the path that answers 200 on its port once it is ready."""
+
+    name: str
+    argv: list[str]
+    port: int
+    ready_path: str
+    ready_timeout_s: float
+    env: dict[str, str] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def smg_argv(binary: str, port: int, metrics_port: int, workers: Sequence[str]) -> list[str]:
+    """SGLang's gateway as a plain router over HTTP workers."""
+    # round_robin: the hop is measured, not the default cache_aware policy's prefix tree. Metrics
+    # default to port 29000, where a second router or anything else would stop it from starting.
+    # A router over HTTP workers needs no tokenizer; without the flag it would look for the one of
+    # the model the workers name.
+    return [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+            "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--disable-tokenizer-autoload", "--worker-startup-check-interval", "1",
+            "--log-level", "warn"]  # fmt: skip
+
+
+def vllm_router_argv(binary: str, port: int, metrics_port: int, workers: Sequence[str]) -> list[str]:
+    """vLLM's router over HTTP workers."""
+    # As for smg: round_robin rather than cache_aware, and a metrics port of its own instead of 29000.
+    # The startup check interval (30 s by default) bounds how long a worker that is slow to answer
+    # its first health check delays readiness.
+    return [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+            "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--worker-startup-check-interval", "1", "--log-level", "warning"]  # fmt: skip
+
+
+def litellm_argv(binary: str, port: int, config: Path) -> list[str]:
+    return [binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
+
+
+def peer_launches(peers_venv: Path, backend_ports: Sequence[int], workdir: Path) -> tuple[list[Launch], dict[str, str]]:
+    """How to start each peer installed in peers_venv in front of the backends, and why each of the
+    others is not measured."""
+    missing: dict[str, str] = {}
+    binaries: dict[str, str] = {}
+    for name, executable in PEERS.items():
+        path = peers_venv / "bin" / executable
+        if path.exists():
+            binaries[name] = str(path)
+        else:
+            missing[name] = f"not installed ({path} is missing; scripts/install-peers installs it)"
+    workers = [f"http://127.0.0.1:{p}" for p in backend_ports]
+    ports = iter(_free_ports(5))
+    launches = []
+    if "litellm" in binaries:
+        port = next(ports)
+        # LOCAL_MODEL_COST_MAP: LiteLLM would otherwise fetch its price list from the internet.
+        env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": _LITELLM_KEY,
+               "DISABLE_SCHEMA_UPDATE": "true"}  # fmt: skip
+        argv = litellm_argv(binaries["litellm"], port, _litellm_conf(backend_ports, workdir))
+        launches.append(Launch("litellm", argv, port, "/health/liveliness", 120.0, env,
+                               {"Authorization": f"Bearer {_LITELLM_KEY}"}))  # fmt: skip
+    # /readiness answers 200 once the workers are registered and healthy (/health already before).
+    if "smg" in binaries:
+        port, metrics = next(ports), next(ports)
+        launches.append(Launch("smg", smg_argv(binaries["smg"], port, metrics, workers), port, "/readiness", 60.0))
+    if "vllm-router" in binaries:
+        port, metrics = next(ports), next(ports)
+        argv = vllm_router_argv(binaries["vllm-router"], port, metrics, workers)
+        launches.append(Launch("vllm-router", argv, port, "/readiness", 60.0))
+    return launches, missing
 
 
 def _wait_ready(proc: Proc, url: str, timeout_s: float) -> bool:
@@ -268,23 +346,45 @@ def _wait_ready(proc: Proc, url: str, timeout_s: float) -> bool:
     return False
 
 
-def _spawn(name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
-    popen = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env={**os.environ, **(env or {})})  # fmt: skip
-    return Proc(name, popen)
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-def _find(binary: str, peers_venv: Path | None) -> str | None:
-    if peers_venv is not None and (peers_venv / "bin" / binary).exists():
-        return str(peers_venv / "bin" / binary)
-    return shutil.which(binary)
+def _last_line(log: Path) -> str:
+    lines = [_ANSI.sub("", line).strip() for line in log.read_text(errors="replace").splitlines()]
+    lines = [line for line in lines if line]
+    return lines[-1][:300] if lines else ""
 
 
-def _pace_profile(pace_ms: float, workdir: Path) -> Path:
-    # Total tok/s proportional to streams: every decode step lasts pace_ms whatever the batch.
-    path = workdir / f"paced-{pace_ms:g}.csv"
-    rows = [f"{c},{c * 1000 / pace_ms:g},{c * 1000 / pace_ms:g}" for c in (1, 10000)]
-    path.write_text("concurrency,speculative_tok_s,baseline_tok_s\n" + "\n".join(rows) + "\n")
+def start_launch(launch: Launch, workdir: Path) -> tuple[Proc, str | None]:
+    """Start a proxy and wait, at most its timeout, until it is ready: the process, and why it is not
+    measured (None when it is ready)."""
+    log = workdir / f"{launch.name}.log"
+    with log.open("wb") as out:
+        popen = subprocess.Popen(launch.argv, stdout=out, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **launch.env})  # fmt: skip
+    proc = Proc(launch.name, popen)
+    url = f"http://127.0.0.1:{launch.port}{launch.ready_path}"
+    if _wait_ready(proc, url, launch.ready_timeout_s):
+        return proc, None
+    if proc.alive():
+        reason = f"not ready at {url} within {launch.ready_timeout_s:g} s"
+    else:
+        reason = f"exited with code {popen.returncode}"
+    last = _last_line(log)
+    return proc, f"{reason}: {last}" if last else reason
+
+
+def _nginx_binary() -> str | None:
+    return shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+
+
+def _step_profile(step_ms: float, workdir: Path) -> Path:
+    """Both servers alike: one token per stream per decode step of step_ms, whatever the batch."""
+    # accept_length 1: the speculative server of the pair then sends one token per event, as the
+    # baseline does, so every target relays the same events whichever server it picks.
+    path = workdir / f"step-{step_ms:g}.csv"
+    rows = [f"{c},{c * 1000 / step_ms:g},{c * 1000 / step_ms:g}" for c in (1, 10000)]
+    path.write_text("# accept_length: 1\nconcurrency,speculative_tok_s,baseline_tok_s\n" + "\n".join(rows) + "\n")
     return path
 
 
@@ -308,76 +408,75 @@ def _start_targets(
     workdir: Path,
     nginx: bool,
     peers_venv: Path | None,
+    procs: list[Proc],
     say: Callable[[str], None],
     otel: bool = False,
-) -> tuple[list[Proc], list[Target]]:
-    procs: list[Proc] = []
+) -> tuple[list[Target], dict[str, str]]:
+    """Start the backend and every target, each process appended to procs as it starts (the caller
+    stops them, also when this raises); the targets ready, and why each other is not measured.
+    `otel`: specgate with tracing on too (specgate+otel), beside it."""
     targets: list[Target] = []
-    backend_port = free_port()
-    if pace_ms:
-        speed = ["--profile", str(_pace_profile(pace_ms, workdir)), "--ttft-base-ms", "0", "--prefill-tok-s", "1e9"]
-    else:
-        speed = ["--ttft-base-ms", "0", "--time-scale", "1000"]
-    # sglang-router loads the tokenizer of the model_path the backend reports: a local one here,
-    # or it would reach for a model hub.
-    tokenizer = workdir / "tokenizer"
-    tokenizer.mkdir(exist_ok=True)
-    (tokenizer / "tokenizer.json").write_bytes(orjson.dumps(_TOKENIZER))
-    backend = start("backend", simulator_args("baseline", backend_port, *speed, "--served-model-name", MODEL,
-                                              "--model-path", str(tokenizer), "--max-running-requests", "4096"),
-                    ready_url=f"http://127.0.0.1:{backend_port}/health")  # fmt: skip
+    not_measured: dict[str, str] = {}
+    backend_ports = _free_ports(2)
+    # Zero delay: a decode step of 1 us, far below what a hop costs.
+    profile = _step_profile(pace_ms or 0.001, workdir)
+    speed = ["--profile", str(profile), "--ttft-base-ms", "0", "--prefill-tok-s", "1e9"]
+    # Two servers in one process, each with an engine of its own (no shared compute budget): every
+    # proxy has two to route over, and the backend's CPU is one process's whichever gets the request.
+    backend = start("backend", ["-m", "loadtest.simulator", "pair", "--speculative-port", str(backend_ports[0]),
+                                "--baseline-port", str(backend_ports[1]), "--log-level", "warning", *speed,
+                                "--served-model-name", MODEL, "--max-running-requests", "4096"],
+                    ready_url=f"http://127.0.0.1:{backend_ports[0]}/health")  # fmt: skip
     procs.append(backend)
-    targets.append(Target("direct", backend_port, None))
+    if not _wait_ready(backend, f"http://127.0.0.1:{backend_ports[1]}/health", 30):
+        raise RuntimeError("the backend's second server did not start")
+    targets.append(Target("direct", backend_ports[0], None))
     port = free_port()
+    # Watermarks no load reaches: every request goes to the first server, as the direct path does.
     env = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(port), "SPECGATE_LOG_LEVEL": "warning",
-           "SPECGATE_SPECULATIVE_URL": f"http://127.0.0.1:{backend_port}",
-           "SPECGATE_BASELINE_URL": f"http://127.0.0.1:{backend_port}",
+           "SPECGATE_SPECULATIVE_URL": f"http://127.0.0.1:{backend_ports[0]}",
+           "SPECGATE_BASELINE_URL": f"http://127.0.0.1:{backend_ports[1]}",
            "SPECGATE_HIGH_WATERMARK": "100000", "SPECGATE_LOW_WATERMARK": "1"}  # fmt: skip
     env["OTEL_SDK_DISABLED"] = "true"  # untraced, whatever OTEL_* this shell has
-    procs.append(start("specgate", ["-m", "proxy"], ready_url=f"http://127.0.0.1:{port}/ready", env=env))
-    targets.append(Target("specgate", port, procs[-1]))
+    # Started like the others, so that a specgate that exits says why in its log's last line.
+    proc, reason = start_launch(Launch("specgate", [sys.executable, "-m", "proxy"], port, "/ready", 30.0, env), workdir)
+    procs.append(proc)
+    if reason is not None:
+        raise RuntimeError(f"specgate did not start: {reason}")
+    targets.append(Target("specgate", port, proc))
     if otel and (traced := _start_traced(env, procs, say)) is not None:
         targets.append(traced)
-    binary = _find("nginx", None) or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    launches: list[Launch] = []
+    binary = _nginx_binary()
     if nginx and binary:
         port = free_port()
-        conf = _nginx_conf(port, backend_port, workdir)
-        proc = _spawn("nginx", [binary, "-c", str(conf), "-e", f"{workdir}/error.log"])
-        procs.append(proc)
-        if _wait_ready(proc, f"http://127.0.0.1:{port}/health", 10):
-            targets.append(Target("nginx", port, proc))
-        else:
-            say(f"nginx did not start (see {workdir}/error.log); measuring without it")
+        conf = _nginx_conf(port, backend_ports, workdir)
+        launches.append(Launch("nginx", [binary, "-c", str(conf), "-e", "stderr"], port, "/health", 10.0))
     elif nginx:
-        say("nginx not found (Debian: apt-get install nginx-light); measuring without it")
-    if peers_venv is None:
-        return procs, targets
-    litellm = _find("litellm", peers_venv)
-    if litellm:
-        port = free_port()
-        # LOCAL_MODEL_COST_MAP: LiteLLM would otherwise fetch its price list from the internet.
-        proc = _spawn("litellm", [litellm, "--config", str(_litellm_conf(backend_port, workdir)), "--host",
-                                  "127.0.0.1", "--port", str(port), "--num_workers", "1"],
-                      env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
-                           "LITELLM_MASTER_KEY": _LITELLM_KEY,
-                           "DISABLE_SCHEMA_UPDATE": "true"})  # fmt: skip
+        not_measured["nginx"] = "not found (Debian: apt-get install nginx-light)"
+    if peers_venv is not None:
+        peers, missing = peer_launches(peers_venv, backend_ports, workdir)
+        launches += peers
+        not_measured.update(missing)
+    for launch in launches:
+        proc, reason = start_launch(launch, workdir)
         procs.append(proc)
-        if _wait_ready(proc, f"http://127.0.0.1:{port}/health/liveliness", 120):
-            targets.append(Target("litellm", port, proc, {"Authorization": f"Bearer {_LITELLM_KEY}"}))
+        if reason is None:
+            targets.append(Target(launch.name, launch.port, proc, launch.headers))
         else:
-            say("LiteLLM's proxy did not start; measuring without it")
-    router = _find("python", peers_venv) if (peers_venv / "bin" / "sglang-router").exists() else None
-    if router:
-        port = free_port()
-        proc = _spawn("sglang-router", [router, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                        "--port", str(port), "--worker-urls", f"http://127.0.0.1:{backend_port}",
-                                        "--log-level", "warn"])  # fmt: skip
-        procs.append(proc)
-        if _wait_ready(proc, f"http://127.0.0.1:{port}/health", 60):
-            targets.append(Target("sglang-router", port, proc))
-        else:
-            say("sglang-router did not start; measuring without it")
-    return procs, targets
+            # Stopped at once, so that a process still starting takes no CPU from the measurement.
+            proc.stop()
+            not_measured[launch.name] = reason
+    for name, reason in not_measured.items():
+        say(f"{name}: not measured ({reason})")
+    return targets, not_measured
+
+
+@dataclass
+class Measured:
+    results: list[Result]
+    # Targets that were not measured, and why (not installed, did not start): never a slow figure.
+    not_measured: dict[str, str] = field(default_factory=dict)
 
 
 def run_overhead(
@@ -387,22 +486,38 @@ def run_overhead(
     peers_venv: Path | None = None,
     say: Callable[[str], None] = print,
     otel: bool = False,
-) -> list[Result]:
+) -> Measured:
     results: dict[tuple[str, str], Result] = {}
+    not_measured: dict[str, str] = {}
     for pace in sorted({sc.pace_ms for sc in scenarios}):
         group = [sc for sc in scenarios if sc.pace_ms == pace]
+        backend = "paced" if pace else "zero-delay"
         procs: list[Proc] = []
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                procs, targets = _start_targets(pace, Path(tmp), nginx, peers_venv, say, otel)
+                targets, missing = _start_targets(pace, Path(tmp), nginx, peers_venv, procs, say, otel)
+                for name, reason in missing.items():
+                    not_measured.setdefault(name, f"{reason} (paced backend)" if pace else reason)
+                gone: set[str] = set()
                 for rep in range(reps):
                     for sc in group:
                         for t in targets if rep % 2 == 0 else targets[::-1]:
+                            if t.name in gone:
+                                continue
                             sample = uvloop.run(_run(t, sc))
+                            if t.proc is not None and not t.proc.alive():
+                                # Its errors would read as a slow proxy: the sample is dropped, the
+                                # target measured no further.
+                                gone.add(t.name)
+                                reason = f"exited with code {t.proc.popen.returncode} during {sc.name}, "
+                                reason += f"repetition {rep + 1}: {_last_line(Path(tmp) / f'{t.name}.log')}"
+                                not_measured.setdefault(t.name, reason)
+                                say(f"{t.name}: not measured from here on ({reason})")
+                                continue
                             results.setdefault((sc.name, t.name), Result(sc.name, t.name)).samples.append(sample)
-                    say(f"{'paced' if pace else 'zero-delay'} backend: repetition {rep + 1}/{reps} done")
+                    say(f"{backend} backend: repetition {rep + 1}/{reps} done")
                 for t in targets:
-                    if t.sink is not None and t.proc is not None:
+                    if t.sink is not None and t.proc is not None and t.name not in gone:
                         t.proc.stop()  # its last batch goes out as it stops
                         count = orjson.loads(urllib.request.urlopen(t.sink + "/count", timeout=5).read())
                         say(f"{t.name}: otlpsink received {count['spans']} spans in {count['exports']} exports")
@@ -410,10 +525,11 @@ def run_overhead(
                 for proc in reversed(procs):
                     proc.stop()
     rank = {sc.name: i for i, sc in enumerate(scenarios)}
-    return sorted(results.values(), key=lambda r: rank[r.scenario])
+    return Measured(sorted(results.values(), key=lambda r: rank[r.scenario]), not_measured)
 
 
-def format_results(results: list[Result]) -> str:
+def format_results(measured: Measured) -> str:
+    results = measured.results
     by = {(r.scenario, r.target): r for r in results}
     lines = []
     head = (f"{'scenario':15} {'target':13} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'added p50':>9} "
@@ -441,6 +557,7 @@ def format_results(results: list[Result]) -> str:
     lines += _tracing_cost(by)
     lines.append("(medians over repetitions; added = target minus direct; chunk = gap between SSE events of one")
     lines.append(" stream; client = the load generator's CPU, near 100% it measures itself, not the target)")
+    lines += [f"not measured: {name}: {reason}" for name, reason in measured.not_measured.items()]
     return "\n".join(lines)
 
 
@@ -468,9 +585,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     overhead.add_argument("--reps", type=int, default=3)
     overhead.add_argument("--no-nginx", action="store_true")
     overhead.add_argument("--peers-venv", default=None,
-                          help="a venv with litellm[proxy] and sglang-router (scripts/install-peers); "
+                          help="a venv with litellm[proxy], smg and vllm-router (scripts/install-peers); "
                                "default: .venv-peers beside this venv, when it exists")  # fmt: skip
-    overhead.add_argument("--no-peers", action="store_true", help="measure neither LiteLLM nor sglang-router")
+    overhead.add_argument("--no-peers", action="store_true", help="measure none of LiteLLM, smg and vllm-router")
     overhead.add_argument("--no-otel", action="store_true",
                           help="leave out specgate+otel (specgate tracing to a receiver on loopback)")  # fmt: skip
     overhead.add_argument("--only", action="append", default=None, metavar="TEXT",
@@ -485,10 +602,13 @@ def cmd_overhead(args: argparse.Namespace) -> int:
         print(f"loadtest: no scenario matches {args.only}; there are: {', '.join(sc.name for sc in SCENARIOS)}",
               file=sys.stderr)  # fmt: skip
         return 2
-    results = run_overhead(
+    if peers is None and not args.no_peers:
+        print(f"no .venv-peers beside {sys.prefix}: {', '.join(PEERS)} not measured (scripts/install-peers)")
+    measured = run_overhead(
         args.reps, nginx=not args.no_nginx, peers_venv=peers, scenarios=scenarios, otel=not args.no_otel
     )
-    print(format_results(results))
+    print(format_results(measured))
     if args.out:
-        write_json(args.out, {"settings": vars(args), "results": results})
+        write_json(args.out, {"settings": vars(args), "results": measured.results,
+                              "not_measured": measured.not_measured})  # fmt: skip
     return 0

@@ -504,11 +504,11 @@ def test_spans_reach_an_otlp_receiver_and_the_last_at_exit(stack: StartStack, ot
 def test_the_overhead_benchmark_measures_specgate_traced_beside_untraced() -> None:
     said: list[str] = []
     scenarios = (Scenario("tiny", 2, False, 1, 200),)
-    results = run_overhead(reps=1, nginx=False, scenarios=scenarios, say=said.append, otel=True)
-    assert {r.target for r in results} == {"direct", "specgate", "specgate+otel"}
-    for r in results:
+    measured = run_overhead(reps=1, nginx=False, scenarios=scenarios, say=said.append, otel=True, peers_venv=None)
+    assert {r.target for r in measured.results} == {"direct", "specgate", "specgate+otel"}
+    for r in measured.results:
         assert r.samples[0].errors == 0 and r.samples[0].req_s > 0
     # Three spans a request (the request, its connect, its first byte), the warm-up's included.
     (count,) = [int(line.split()[3]) for line in said if "otlpsink received" in line]
     assert count >= 3 * 200
-    assert "tracing on/off, tiny: req/s x" in format_results(results)
+    assert "tracing on/off, tiny: req/s x" in format_results(measured)
