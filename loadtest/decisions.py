@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from proxy.affinity import AffinityTable, conversation_key
 from proxy.classes import ClassBook, class_of
 from proxy.config import Settings
 from proxy.metrics import Metrics
+from proxy.policy import Role
 from proxy.routing import Fleet
 from proxy.servers import servers_of
 from proxy.tokens import TokenRatio, prompt_estimate
@@ -37,7 +38,11 @@ class DecisionCost:
     policy: str
     classes: bool
     affinity: bool
-    us: float  # mean microseconds of CPU per decision (median over repetitions)
+    # Mean microseconds of CPU (median over repetitions): the decision alone (conversation key,
+    # class, lookups, the routing decision) and the whole per-request path (with the prompt's
+    # estimate and the lease taken and released).
+    decision_us: float
+    request_us: float
 
 
 def _bodies() -> list[dict[str, Any]]:
@@ -48,7 +53,7 @@ def _bodies() -> list[dict[str, Any]]:
         for turn in range(5):
             messages.append({"role": "user", "content": f"conversation {c} question {turn}: " + "why " * 30})
             messages.append({"role": "assistant", "content": "because " * 40})
-        out.append({"model": "m", "messages": messages, "max_tokens": 128, "user": f"user-{c % 50}"})
+        out.append({"model": "m", "messages": messages, "max_tokens": 128})
     return out
 
 
@@ -57,7 +62,7 @@ def measure(policy: str, classes: bool, affinity: bool, n: int = 20_000, reps: i
         _env_file=None,
         speculative_url="http://127.0.0.1:1",
         baseline_url="http://127.0.0.1:2",
-        policy=policy,  # type: ignore[arg-type]
+        policy=policy,
         high_watermark=16,
         low_watermark=8,
     )
@@ -73,32 +78,44 @@ def measure(policy: str, classes: bool, affinity: bool, n: int = 20_000, reps: i
     ratio = TokenRatio()
     bodies = _bodies()
     headers = [name.encode() for name in CLASSES]
-    held_open = [fleet.routers[0].admit(fleet.routers[0].decide().backend or "baseline") for _ in range(10)]  # type: ignore[arg-type]
-    results: list[float] = []
-    for _ in range(reps):
-        started = time.process_time_ns()
-        for i in range(n):
-            body = bodies[i % CONVERSATIONS]
-            tokens = ratio.scaled(prompt_estimate(body, "chat"))
-            key = conversation_key(None, body, "chat") if affinity else None
-            gains = None
-            if classes:
-                name = class_of("header", headers[i % len(headers)], body, b"")
-                if name is not None:
-                    now = time.monotonic()
-                    gains = book.gains_most(book.tracked(name, now), now)
-            held = table.get(key) if key is not None else None
-            placed = fleet.decide(can_probe=True, held=held, gains=gains)
-            backend = placed.decision.backend
-            assert backend is not None
-            lease = placed.router.admit(backend, placed.server, tokens)
-            lease.release()
-            if key is not None:
-                table.remember(key, lease.server, lease.tokens)
-        results.append((time.process_time_ns() - started) / n / 1000)
+    held_open = [fleet.routers[0].admit(Role.BASELINE) for _ in range(10)]
+
+    def decide(i: int) -> tuple[Any, bytes | None]:
+        body = bodies[i % CONVERSATIONS]
+        key = conversation_key(None, body, "chat") if affinity else None
+        gains = None
+        if classes:
+            name = class_of("header", headers[i % len(headers)], body, b"")
+            if name is not None:
+                now = time.monotonic()
+                gains = book.gains_most(book.tracked(name, now), now)
+        held = table.get(key) if key is not None else None
+        return fleet.decide(can_probe=True, held=held, gains=gains), key
+
+    def request(i: int) -> None:
+        tokens = ratio.scaled(prompt_estimate(bodies[i % CONVERSATIONS], "chat"))
+        placed, key = decide(i)
+        backend = placed.decision.backend
+        assert backend is not None
+        lease = placed.router.admit(backend, placed.server, tokens)
+        lease.release()
+        if key is not None:
+            table.remember(key, lease.server, lease.tokens)
+
+    def timed(step: Callable[[int], object]) -> float:
+        runs = []
+        for _ in range(reps):
+            started = time.process_time_ns()
+            for i in range(n):
+                step(i)
+            runs.append((time.process_time_ns() - started) / n / 1000)
+        return statistics.median(runs)
+
+    request_us = timed(request)  # first: it fills the affinity table the decisions then find
+    decision_us = timed(decide)
     for lease in held_open:
         lease.release()
-    return DecisionCost(policy, classes, affinity, statistics.median(results))
+    return DecisionCost(policy, classes, affinity, decision_us, request_us)
 
 
 def run(policies: Sequence[str] = POLICIES, n: int = 20_000, reps: int = 5) -> list[DecisionCost]:
@@ -110,12 +127,19 @@ def run(policies: Sequence[str] = POLICIES, n: int = 20_000, reps: int = 5) -> l
 
 
 def report(costs: Sequence[DecisionCost]) -> str:
-    lines = ["per-request decision (CPU us, median of repetitions):", "  policy      plain   +classes+affinity"]
-    by_policy: dict[str, dict[bool, float]] = {}
+    lines = [
+        "per-request decision, CPU us (median of repetitions): the decision alone / with estimate and lease",
+        f"  {'policy':<10} {'plain':>15} {'+classes+affinity':>19}",
+    ]
+    by_policy: dict[str, dict[bool, DecisionCost]] = {}
     for c in costs:
-        by_policy.setdefault(c.policy, {})[c.classes or c.affinity] = c.us
+        by_policy.setdefault(c.policy, {})[c.classes or c.affinity] = c
     for policy, v in by_policy.items():
-        lines.append(f"  {policy:<10} {v.get(False, float('nan')):6.1f}   {v.get(True, float('nan')):6.1f}")
+        cells = []
+        for on in (False, True):
+            found = v.get(on)
+            cells.append("-" if found is None else f"{found.decision_us:6.1f} / {found.request_us:5.1f}")
+        lines.append(f"  {policy:<10} {cells[0]:>15} {cells[1]:>19}")
     return "\n".join(lines)
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 import orjson
 import uvloop
 
+from . import decisions
 from .procs import Proc, free_port, http_status, start
 from .rawclient import Exchange, RawClient, post
 from .report import write_json
@@ -588,6 +589,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                           help="a venv with litellm[proxy], smg and vllm-router (scripts/install-peers); "
                                "default: .venv-peers beside this venv, when it exists")  # fmt: skip
     overhead.add_argument("--no-peers", action="store_true", help="measure none of LiteLLM, smg and vllm-router")
+    overhead.add_argument("--no-decisions", action="store_true",
+                          help="leave out the per-request decision's cost (loadtest/decisions.py)")  # fmt: skip
     overhead.add_argument("--no-otel", action="store_true",
                           help="leave out specgate+otel (specgate tracing to a receiver on loopback)")  # fmt: skip
     overhead.add_argument("--only", action="append", default=None, metavar="TEXT",
@@ -608,6 +611,8 @@ def cmd_overhead(args: argparse.Namespace) -> int:
         args.reps, nginx=not args.no_nginx, peers_venv=peers, scenarios=scenarios, otel=not args.no_otel
     )
     print(format_results(measured))
+    if not args.no_decisions:
+        print(decisions.report(decisions.run()))
     if args.out:
         write_json(args.out, {"settings": vars(args), "results": measured.results,
                               "not_measured": measured.not_measured})  # fmt: skip

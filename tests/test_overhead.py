@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtest import decisions
 from loadtest.bench_upstream import CLIENTS, Case, format_table
 from loadtest.bench_upstream import run as run_upstream
 from loadtest.overhead import (
@@ -194,3 +195,17 @@ def test_upstream_client_benchmark_runs_every_client() -> None:
             ((cpu_ms, req_s),) = samples
             assert cpu_ms > 0 and req_s > 0
     assert "httpx+aiohttp" in format_table(results)
+
+
+@pytest.mark.inprocess
+def test_the_decision_benchmark_times_each_policy_plain_and_with_classes_and_affinity() -> None:
+    costs = decisions.run(("threshold", "adaptive"), n=200, reps=1)
+    assert [(c.policy, c.classes, c.affinity) for c in costs] == [
+        ("threshold", False, False),
+        ("threshold", True, True),
+        ("adaptive", False, False),
+        ("adaptive", True, True),
+    ]
+    assert all(0 < c.decision_us < c.request_us for c in costs)
+    text = decisions.report(costs)
+    assert "threshold" in text and "adaptive" in text and "+classes+affinity" in text
