@@ -119,7 +119,10 @@ class _Relay:
         call = self.call
         held = gate.stored.server_of(call.previous) if call.previous is not None else None
         placed = gate.fleet.decide(
-            can_probe=call.endpoint in GENERATIONS and not call.batch, server=held, batch=call.batch
+            can_probe=call.endpoint in GENERATIONS and not call.batch,
+            server=held,
+            batch=call.batch,
+            prompt_tokens=call.prompt_tokens,
         )
         decision, self.router = placed.decision, placed.router
         if call.trace is not None:

@@ -3,7 +3,9 @@ policy, admits the request (a lease), and records every decision and mode switch
 
 Under the adaptive policy it also owns what the policy believes: the speed model (adaptive.py)
 fed by relayed streams and the speculative server's live acceptance, and the live watermarks,
-re-estimated at most every UPDATE_EVERY_S and moved at a bounded rate.
+re-estimated at most every UPDATE_EVERY_S and moved at a bounded rate. Under the model policy, with
+a fit in the calibration file, the watermarks come from the step-time model (speedmodel.py) instead,
+solved for each new request at the group's load, context and acceptance.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .evidence import AcceptanceEvidence
 from .inflight import InflightTracker, Lease
 from .metrics import Metrics
 from .policy import (
+    LEARNING,
     ROLES,
     Decision,
     LoadSnapshot,
@@ -41,6 +44,7 @@ from .policy import (
     total_load,
 )
 from .servers import Server, ServerView
+from .speedmodel import ModelLimits, StepModel
 from .topology import Group, Topology
 
 log = logging.getLogger("specgate.routing")
@@ -78,13 +82,22 @@ class Router:
         self.evidence = AcceptanceEvidence(cfg.accept_fresh_s)
         self._accept_seen: float | None = None
         self.adaptive: Adaptive | None = None
-        if cfg.policy == "adaptive":
+        # The model policy's step-time model: None without a fit (the adaptive rule then, as it is).
+        self.speed: StepModel | None = None
+        if cfg.policy in LEARNING:
             if adaptive is None:
                 raise ValueError("the adaptive policy needs its AdaptiveConfig")
             static = (cfg.high_watermark, cfg.low_watermark)
             self.adaptive = Adaptive(adaptive, calibration, static, clock())
             high, low = self.adaptive.watermarks()
             self.cfg = dataclasses.replace(cfg, high_watermark=high, low_watermark=low)
+            if cfg.policy == "model" and calibration is not None and calibration.model is not None:
+                limits = ModelLimits(
+                    min_watermark=adaptive.min_watermark, max_watermark=adaptive.max_watermark, margin=adaptive.margin
+                )
+                counts = {role: len(group.of(role)) for role in ROLES}
+                self.speed = StepModel(calibration.model, limits, counts)
+                self._model_watermarks()
         self._publish_watermarks()
         self._publish_mode()
         self.refresh()
@@ -166,10 +179,13 @@ class Router:
             return self.role_count(backend)
         return backend_load(self.snapshot(), backend, self.cfg.load_signal)
 
-    def decide(self, can_probe: bool = True, batch: bool = False) -> Decision:
+    def decide(self, can_probe: bool = True, batch: bool = False, prompt_tokens: int = 0) -> Decision:
         """The backend for a new request. `can_probe` False: the request says nothing of acceptance
         (a model list, embeddings), so it is no probe, not even a shadow's original. `batch`: the
-        request leaves speculation to interactive ones (policy.decide_batch)."""
+        request leaves speculation to interactive ones (policy.decide_batch). `prompt_tokens`: its
+        prompt's, which the model policy counts in the context the group would hold."""
+        if self.speed is not None and not batch:
+            self._model_watermarks(prompt_tokens, new=True)
         if batch:
             decision = decide_batch(self.snapshot(), self.state, self.cfg)
             self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
@@ -210,15 +226,35 @@ class Router:
         lease.release()
         return new
 
-    def observe(self, backend: Role, load: float, tok_s: float) -> None:
-        """A finished stream's decode speed (tokens/s per stream) at `load` streams on its server."""
+    def observe(self, backend: Role, load: float, tok_s: float, tokens: float = 0.0) -> None:
+        """A finished stream's decode speed (tokens/s per stream) at `load` streams on its server,
+        which held `tokens` tokens of context meanwhile."""
         a = self.adaptive
         if a is None:
             return
         now = self._clock()
         accept = self.accept_live(now)[0] if backend == Role.SPECULATIVE else None
         a.model.observe(backend, load, tok_s, accept, now)
+        if self.speed is not None:
+            self.speed.observe(backend, load, tokens, tok_s, accept)
         self._update(now)
+
+    def role_tokens(self, role: Role) -> int:
+        """Tokens this gateway's requests hold on the group's servers of `role`."""
+        return sum(self.tracker.tokens(s) for s in self.group.of(role))
+
+    def _model_watermarks(self, prompt_tokens: int = 0, new: bool = False) -> None:
+        """The model policy's watermarks for the group as it is, or with a new request of
+        `prompt_tokens` (`new`): its context is the mean over this gateway's streams in the group."""
+        speed = self.speed
+        assert speed is not None
+        streams = sum(self.tracker.count(s) for role in ROLES for s in self.group.of(role)) + new
+        tokens = sum(self.role_tokens(role) for role in ROLES) + max(0, prompt_tokens)
+        accept, source = self.accept_live(self._clock())
+        high, low = speed.watermarks(self.last_load, tokens, streams, accept, source)
+        if (high, low) != (self.cfg.high_watermark, self.cfg.low_watermark):
+            self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)
+            self._publish_watermarks()
 
     def counts_steps(self) -> bool:
         """Whether the speculative servers' streams send one content event per decode step."""
@@ -289,6 +325,8 @@ class Router:
         self.last_load = load
         now = self._clock()
         self._update(now)
+        if self.speed is not None:
+            self._model_watermarks()
         fresh = accept_fresh(self._spec_idle_since, now, self.cfg)
         self._set_state(settle(load, spec_load, self.state, self.cfg, now, fresh))
 
@@ -300,10 +338,12 @@ class Router:
         seen, self._accept_seen = self._accept_seen, accept
         if accept is not None and seen is not None and abs(accept - seen) > ACCEPT_CHANGE * seen:
             self.state = probes_restarted(self.state)
-        if a.update(accept, now, source):
+        if a.update(accept, now, source) and self.speed is None:
             high, low = a.watermarks()
             log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
             self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)
+        if self.speed is not None:
+            self._model_watermarks()
         self._publish_watermarks()
 
     def _publish_watermarks(self) -> None:
@@ -380,15 +420,18 @@ class Fleet:
         name = least_loaded(up, self._rng.random())
         return next((r for r in self.routers if r.group.name == name), self.routers[0])
 
-    def decide(self, can_probe: bool = True, server: str | None = None, batch: bool = False) -> Placement:
+    def decide(
+        self, can_probe: bool = True, server: str | None = None, batch: bool = False, prompt_tokens: int = 0
+    ) -> Placement:
         """Where a new request goes; `server`: where it should go if that server is up (it holds
-        what the request continues); `batch`: a batch request (Router.decide)."""
+        what the request continues); `batch`: a batch request; `prompt_tokens`: its prompt's
+        (Router.decide)."""
         if server is not None:
             router = self._router_of.get(server)
             if router is not None and router.server_healthy(server):
                 return Placement(router.pinned(server), router, server)
         router = self.choose()
-        return Placement(router.decide(can_probe, batch), router)
+        return Placement(router.decide(can_probe, batch, prompt_tokens), router)
 
     def refresh(self) -> None:
         for r in self.routers:
