@@ -76,6 +76,7 @@ def describe(gate: Gate) -> dict[str, Any]:
             "tokens": tracker.tokens(name),
             "engine_tokens": h.engine_tokens,
             "engine_kv_usage": h.engine_kv_usage,
+            "engine_cache_hit_rate": h.engine_cache_hit_rate,
             # Requests not this gateway's, as last read (the engine's count minus ours then).
             "others": tracker.others(name),
             "others_smoothed": round(tracker.others_smooth(name), 2),
@@ -131,6 +132,8 @@ def describe(gate: Gate) -> dict[str, Any]:
         "inflight": tracker.total,
         # Prompt tokens the servers reported over those estimated from request bodies (tokens.py).
         "prompt_token_ratio": round(gate.token_ratio.value, 3),
+        # Conversations whose server is remembered (cache affinity), and the slack of its rule.
+        "affinity": {"entries": len(gate.affinity), "slack": s.affinity_slack},
         "watermarks": {"high": first.cfg.high_watermark, "low": first.cfg.low_watermark},
         "calibration": s.calibration,
         "spillover_limit": s.spillover_limit,

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import access, admin, ingress
+from .affinity import AffinityTable
 from .config import Settings, redact_url
 from .edge import METRICS_KEY
 from .engines import POOL_KEEPALIVE_S
@@ -49,7 +50,13 @@ async def running(settings: Settings, tracer_provider: TracerProvider | None = N
     metrics = Metrics(topology.names(), [g.name for g in topology.groups])
     calibration = settings.load_calibration()
     fleet = Fleet(
-        topology, servers, settings.policy_config(calibration), metrics, settings.adaptive_config(), calibration
+        topology,
+        servers,
+        settings.policy_config(calibration),
+        metrics,
+        settings.adaptive_config(),
+        calibration,
+        affinity_slack=settings.affinity_slack,
     )
     tracing = Tracing.of(topology, settings.allowed_paths, tracer_provider)
     # Connections open on first use.
@@ -69,7 +76,9 @@ async def running(settings: Settings, tracer_provider: TracerProvider | None = N
         prober = Prober(upstream, metrics, settings.adaptive_shadow_tokens)
     stored = StoredResponses(settings.responses_entries)
     metrics.stored_responses.set_function(stored.__len__)
-    gate = Gate(settings, metrics, upstream, health, fleet, prober, stored, tracing)
+    affinity = AffinityTable(settings.affinity_entries)
+    metrics.affinity_entries.set_function(affinity.__len__)
+    gate = Gate(settings, metrics, upstream, health, fleet, prober, stored, tracing, affinity=affinity)
     await health.poll_once()  # so /ready and routing are right from the first request
     poller = asyncio.get_running_loop().create_task(health.run(), name="specgate-health")
     # Everything made so far (modules, app, metrics) lives as long as the process. Out of the

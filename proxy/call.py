@@ -39,3 +39,5 @@ class ProxyCall:
     prompt_tokens: int = 0
     # x-specgate-priority: batch (the default is interactive).
     batch: bool = False
+    # The key its conversation is remembered by (affinity.conversation_key); None: none.
+    affinity: bytes | None = None

@@ -112,6 +112,10 @@ class Settings(BaseSettings):
     # `previous_response_id` fails anywhere else: where each was made is remembered (proxy/stored.py),
     # for this many of the newest; 0 remembers none.
     responses_entries: int = Field(100_000, ge=0, le=10_000_000)
+    # Cache affinity (proxy/affinity.py): conversations whose server is remembered (0: none), and the
+    # requests of load a turn's server may have beyond the best, per thousand tokens it has cached.
+    affinity_entries: int = Field(100_000, ge=0, le=10_000_000)
+    affinity_slack: float = Field(1.0, ge=0, le=1_000_000)
     max_connections_per_backend: int = Field(1024, ge=1)
     shutdown_grace_s: float = Field(30.0, ge=0)
 

@@ -17,6 +17,10 @@ KV cache in use, the engine's own count of the work it holds in tokens: SGLang's
 `vllm:kv_cache_usage_perc` (a fraction, despite its name; no token count); llama-server exports none
 now (its `kv_cache_tokens` and `kv_cache_usage_ratio` were removed upstream in 2025).
 
+Prefix cache hit rate, the share of prompt tokens found cached: SGLang's gauge `sglang:cache_hit_rate`;
+vLLM's counters `vllm:prefix_cache_hits_total` over `vllm:prefix_cache_queries_total` (tokens), taken
+between scrapes; none from llama-server.
+
 Streams: SGLang (with its default `--stream-interval 1`) and vLLM send one SSE content event per
 decode step, so a single stream's tokens over its content events is its acceptance length, with no
 wait for a gauge's refresh (`stream_steps`); llama-server sends one event per token. Asked for
@@ -110,6 +114,8 @@ class Reading:
     accept_counters: tuple[float, float] | None  # (accepted tokens, drafts) so far
     kv_tokens: int | None = None  # tokens in the KV cache; None when the engine does not say
     kv_usage: float | None = None  # the KV pool's fraction in use (summed over ranks); None: not said
+    cache_hit_rate: float | None = None  # from a gauge; None without one
+    cache_counters: tuple[float, float] | None = None  # (prompt tokens found cached, looked up) so far
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,10 @@ class Engine:
     # The KV cache in use: in tokens, and as the pool's fraction.
     kv_tokens: str | None = None
     kv_usage: str | None = None
+    # The prefix cache's hit rate: a gauge (SGLang), or counters of hits and queries to take a rate of.
+    cache_hit_gauge: str | None = None
+    cache_hits_counter: str | None = None
+    cache_queries_counter: str | None = None
     # SGLang refreshes its gauges every `gauge_refresh_steps` decode steps (and at prefill) and keeps
     # them when idle: values that stop moving mean an idle server. vLLM's and llama.cpp's gauges are
     # live, so a standing value is real.
@@ -152,6 +162,9 @@ class Engine:
             self.drafts_counter,
             self.kv_tokens,
             self.kv_usage,
+            self.cache_hit_gauge,
+            self.cache_hits_counter,
+            self.cache_queries_counter,
         )
         return frozenset(p + n for p in self.prefixes for n in (*read, *self.activity) if n is not None)
 
@@ -165,6 +178,8 @@ class Engine:
             self._counters(values),
             self._kv_tokens(values),
             self._kv_usage(values),
+            self._hit_gauge(values),
+            self._hit_counters(values),
         )
 
     def load(self, values: Mapping[str, float]) -> int | None:
@@ -247,6 +262,19 @@ class Engine:
             return None
         return self._checked(values, self.kv_usage, 0.0, float(MAX_KV_RANKS))
 
+    def _hit_gauge(self, values: Mapping[str, float]) -> float | None:
+        if self.cache_hit_gauge is None:
+            return None
+        # Summed over data-parallel ranks, as every value here: at most one a rank.
+        return self._checked(values, self.cache_hit_gauge, 0.0, float(MAX_KV_RANKS))
+
+    def _hit_counters(self, values: Mapping[str, float]) -> tuple[float, float] | None:
+        if self.cache_hits_counter is None or self.cache_queries_counter is None:
+            return None
+        hits = self._checked(values, self.cache_hits_counter, 0.0, MAX_COUNTER)
+        queries = self._checked(values, self.cache_queries_counter, 0.0, MAX_COUNTER)
+        return None if hits is None or queries is None else (hits, queries)
+
     def _get(self, values: Mapping[str, float], name: str) -> float | None:
         for prefix in self.prefixes:
             value = values.get(prefix + name)
@@ -275,6 +303,7 @@ SGLANG = Engine(
     accept_gauge="spec_accept_length",
     kv_tokens="num_used_tokens",
     kv_usage="token_usage",
+    cache_hit_gauge="cache_hit_rate",
     freezes_when_idle=True,
     gauge_refresh_steps=40,
     keepalive_s=5.0,  # uvicorn's default
@@ -296,6 +325,8 @@ VLLM = Engine(
     accepted_counter="spec_decode_num_accepted_tokens_total",
     drafts_counter="spec_decode_num_drafts_total",
     kv_usage="kv_cache_usage_perc",
+    cache_hits_counter="prefix_cache_hits_total",
+    cache_queries_counter="prefix_cache_queries_total",
     stream_steps=True,
 )
 LLAMACPP = Engine(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .affinity import AffinityTable
 from .config import Settings
 from .health import HealthMonitor
 from .metrics import Metrics
@@ -34,3 +35,5 @@ class Gate:
     tracing: Tracing | None = None
     # Prompt tokens the servers report over those estimated from bodies (proxy/tokens.py).
     token_ratio: TokenRatio = field(default_factory=TokenRatio)
+    # Where each conversation's last turn went (proxy/affinity.py).
+    affinity: AffinityTable = field(default_factory=lambda: AffinityTable(0))

@@ -16,6 +16,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from .access import authorize, client_key, request_id_of
+from .affinity import conversation_key
 from .call import ProxyCall
 from .config import Settings
 from .engines import GENERATE_PATH
@@ -146,6 +147,9 @@ async def _accept(
         prompt_estimate=estimate,
         prompt_tokens=gate.token_ratio.scaled(estimate),
         batch=_batch(headers.get(b"x-specgate-priority")),
+        affinity=(
+            conversation_key(headers.get(b"x-session-id"), payload, endpoint) if settings.affinity_entries else None
+        ),
     )
 
 

@@ -29,6 +29,8 @@ CHUNK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25,
 
 # ok: measured; no_usage: answered without a usage chunk; error: failed or refused.
 SHADOW_OUTCOMES = ("ok", "no_usage", "error")
+# Why a remembered conversation's turn went elsewhere (affinity.Outcome's breaks, without the prefix).
+AFFINITY_BREAKS = ("load", "mode", "down")
 
 
 def code_class(status: int) -> str:
@@ -157,6 +159,33 @@ class Metrics:
             "Stored Responses API responses whose server specgate remembers (SPECGATE_RESPONSES_ENTRIES caps them).",
             registry=r,
         )
+        self.affinity_hits = Counter(
+            "specgate_affinity_hits",
+            "Turns of a remembered conversation sent to the server that holds its prefix cache.",
+            registry=r,
+        )
+        self.affinity_misses = Counter(
+            "specgate_affinity_misses", "Turns of a conversation with no server remembered.", registry=r
+        )
+        self.affinity_breaks = Counter(
+            "specgate_affinity_breaks",
+            "Turns of a remembered conversation sent elsewhere, by reason: load (its server held more than "
+            "the re-prefill saved was worth), mode (the policy chose the other role), down (its server was).",
+            ["reason"],
+            registry=r,
+        )
+        self.affinity_entries = Gauge(
+            "specgate_affinity_entries",
+            "Conversations whose server specgate remembers (SPECGATE_AFFINITY_ENTRIES caps them).",
+            registry=r,
+        )
+        self.server_cache_hit_rate = Gauge(
+            "specgate_server_cache_hit_rate",
+            "The share of prompt tokens the server's engine found in its prefix cache, as it last reported it "
+            "(SGLang's cache_hit_rate; vLLM's prefix cache hits over queries between scrapes; NaN: unknown).",
+            ["server"],
+            registry=r,
+        )
         self.failovers = Counter(
             "specgate_failovers", "Requests retried on the other backend.", ["from", "to"], registry=r
         )
@@ -257,6 +286,7 @@ class Metrics:
             self.server_tokens.labels(server).set(0)
             self.server_engine_tokens.labels(server).set(-1)
             self.server_kv_usage.labels(server).set(math.nan)
+            self.server_cache_hit_rate.labels(server).set(math.nan)
         for group in self.groups:
             self.group_mode.labels(group).set(1)
             self.group_load.labels(group).set(0)
@@ -264,6 +294,8 @@ class Metrics:
                 self.group_mode_switches.labels(group, mode)
         for outcome in SHADOW_OUTCOMES:
             self.shadow_probes.labels(outcome)
+        for cause in AFFINITY_BREAKS:
+            self.affinity_breaks.labels(cause)
         self.mode.set(1)
         self.crossover_estimate.set(math.nan)
 
@@ -275,6 +307,8 @@ class Metrics:
         h = server.health
         self.server_engine_tokens.labels(server.name).set(-1 if h.engine_tokens is None else h.engine_tokens)
         self.server_kv_usage.labels(server.name).set(math.nan if h.engine_kv_usage is None else h.engine_kv_usage)
+        hit_rate = h.engine_cache_hit_rate
+        self.server_cache_hit_rate.labels(server.name).set(math.nan if hit_rate is None else hit_rate)
         loads = [p.engine_load for p in peers]
         self.engine_load.labels(server.role).set(-1 if None in loads else sum(v or 0 for v in loads))
         accepts = [p.spec_accept_length for p in peers if p.spec_accept_length is not None]

@@ -40,6 +40,12 @@ batch requests (x-specgate-priority: batch), whatever the policy:
 and they are left out of L and S: a batch job of any size never moves interactive requests off
 speculation, nor takes its room.
 
+a turn of a conversation whose cache one server holds (affinity.py), whatever the policy but spillover:
+
+    backend = the held server's role   if low < L < high and that role is up      (reason affinity)
+
+since between the watermarks either role pays, and moving costs the conversation's re-prefill.
+
 where L is the load (in-flight interactive requests over both servers, by the configured signal) and
 S the speculative server's own load, both measured before the new request is admitted. A backend that is
 down is never chosen: its share goes to the other (`only_healthy`); with both down there is no
@@ -87,6 +93,7 @@ Reason = Literal[
     "failover",  # a retry on the other server after the first failed before any byte
     "stored_response",  # the request continues a response stored on one server (previous_response_id)
     "batch",  # baseline: a batch request (x-specgate-priority: batch) leaves speculation to interactive ones
+    "affinity",  # between the watermarks: the role of the server that holds the conversation's cache
     "no_healthy_backend",
 ]
 REASONS: tuple[Reason, ...] = (
@@ -101,6 +108,7 @@ REASONS: tuple[Reason, ...] = (
     "failover",
     "stored_response",
     "batch",
+    "affinity",
     "no_healthy_backend",
 )
 
@@ -321,6 +329,21 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
         state = _probe_sent(dataclasses.replace(state, probes=probes, probing=True), was_probing)
         return Decision(Role.SPECULATIVE, "probe", state, load)
     return _checked(choice, reason, state, snapshot, load)
+
+
+# The reasons a decision is the mode's own choice (not a probe, a batch request, a failover...).
+_MODE_REASONS = frozenset({"light_load", "heavy_load", "hysteresis_hold", "return_hold", "dwell_hold"})
+
+
+def affinity_choice(decision: Decision, held: Role, cfg: PolicyConfig, healthy: Mapping[Role, bool]) -> Decision:
+    """The decision for a turn whose cache a server of role `held` holds (the module's rule)."""
+    if decision.backend is None or decision.backend == held or decision.reason not in _MODE_REASONS:
+        return decision
+    if cfg.policy == "spillover" or not healthy.get(held, False):
+        return decision
+    if cfg.low_watermark < decision.load < cfg.high_watermark:
+        return Decision(held, "affinity", decision.state, decision.load)
+    return decision
 
 
 def decide_batch(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:

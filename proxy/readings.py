@@ -36,6 +36,7 @@ class Found:
     accept_length: float | None
     kv_tokens: int | None = None
     kv_usage: float | None = None
+    cache_hit_rate: float | None = None
 
 
 def read(
@@ -59,6 +60,9 @@ def read(
         accept = reading.accept_length
         if accept is None and reading.accept_counters is not None:
             accept = h.acceptance.update(now, *reading.accept_counters)
+        hit_rate = reading.cache_hit_rate
+        if hit_rate is None and reading.cache_counters is not None:
+            hit_rate = _hit_rate(h, reading.cache_counters)
     except BadReading as bad:
         return str(bad)
     except ValueError:
@@ -69,7 +73,19 @@ def read(
         load = 0
         kv_tokens = None if kv_tokens is None else 0
         kv_usage = None if kv_usage is None else 0.0
-    return Found(found, load, accept, kv_tokens, kv_usage)
+    return Found(found, load, accept, kv_tokens, kv_usage, hit_rate)
+
+
+def _hit_rate(h: Health, counters: tuple[float, float]) -> float | None:
+    """Hits over queries since the last scrape; the last value stands while no prompt came (as a
+    gauge's does), and a counter that went back (a restart) starts afresh."""
+    last, h.cache_counters = h.cache_counters, counters
+    if last is None or counters[0] < last[0] or counters[1] < last[1]:
+        return h.engine_cache_hit_rate
+    queries = counters[1] - last[1]
+    if queries <= 0:
+        return h.engine_cache_hit_rate
+    return min(1.0, (counters[0] - last[0]) / queries)
 
 
 def _reads_idle(h: Health, activity: tuple[float, ...], now: float, stale_s: float, ours: int) -> bool:

@@ -20,6 +20,7 @@ import logging
 
 from starlette.types import Message, Receive, Scope, Send
 
+from .affinity import Outcome
 from .call import ProxyCall
 from .engines import DONE_GRACE_S
 from .errors import ApiError
@@ -117,16 +118,22 @@ class _Relay:
     async def run(self) -> None:
         gate = self.gate
         call = self.call
-        held = gate.stored.server_of(call.previous) if call.previous is not None else None
+        stored = gate.stored.server_of(call.previous) if call.previous is not None else None
+        held = gate.affinity.get(call.affinity) if call.affinity is not None else None
         placed = gate.fleet.decide(
             can_probe=call.endpoint in GENERATIONS and not call.batch,
-            server=held,
+            server=stored,
             batch=call.batch,
+            held=held,
             prompt_tokens=call.prompt_tokens,
         )
+        outcome: Outcome | None = None
+        if call.affinity is not None and placed.decision.reason != "stored_response":
+            outcome = placed.affinity or "miss"
+            self._count_affinity(outcome)
         decision, self.router = placed.decision, placed.router
         if call.trace is not None:
-            call.trace.decided(decision, placed.router.group.name, call.previous is not None, held)
+            call.trace.decided(decision, placed.router.group.name, call.previous is not None, stored, outcome)
         if decision.shadow and gate.prober is not None and not gate.prober.start(call, placed.router):
             # No copy was sent (this request cannot be copied, or its client counts fully): the
             # next request may be the probe, as if this one had not been due.
@@ -303,6 +310,15 @@ class _Relay:
         }
         await self._last(body)
 
+    def _count_affinity(self, outcome: Outcome) -> None:
+        m = self.gate.metrics
+        if outcome == "hit":
+            m.affinity_hits.inc()
+        elif outcome == "miss":
+            m.affinity_misses.inc()
+        else:
+            m.child(m.affinity_breaks, outcome.removeprefix("break_")).inc()
+
     def client_gone(self) -> None:
         if self.role is not None:
             self.gate.metrics.client_disconnects.labels(self.role).inc()
@@ -327,6 +343,9 @@ class _Relay:
             self.upstream = None
         if self.lease is not None:
             self.lease.release()
+            if self.call.affinity is not None and self.complete and self.status == 200:
+                # The turn's prompt and reply are cached where it ran: the next turn's place.
+                self.gate.affinity.remember(self.call.affinity, self.lease.server, self.lease.tokens)
         m = self.gate.metrics
         role = self.role
         status = self.status if self.complete else 499

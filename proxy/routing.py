@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .adaptive import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig, stream_accept
+from .affinity import Held, Outcome, keep
 from .calibration import Calibration
 from .engines import ENGINES
 from .evidence import AcceptanceEvidence
@@ -33,6 +34,7 @@ from .policy import (
     PolicyState,
     Role,
     accept_fresh,
+    affinity_choice,
     backend_load,
     decide,
     decide_batch,
@@ -116,6 +118,9 @@ class Router:
     def server_healthy(self, server: str) -> bool:
         return self._servers[server].healthy
 
+    def server_role(self, server: str) -> Role:
+        return self._servers[server].role
+
     def server_accept(self, server: str) -> float | None:
         """The server's acceptance length as its engine last reported it (None: none)."""
         return self._servers[server].spec_accept_length
@@ -179,19 +184,25 @@ class Router:
             return self.role_count(backend)
         return backend_load(self.snapshot(), backend, self.cfg.load_signal)
 
-    def decide(self, can_probe: bool = True, batch: bool = False, prompt_tokens: int = 0) -> Decision:
+    def decide(
+        self, can_probe: bool = True, batch: bool = False, held: Role | None = None, prompt_tokens: int = 0
+    ) -> Decision:
         """The backend for a new request. `can_probe` False: the request says nothing of acceptance
         (a model list, embeddings), so it is no probe, not even a shadow's original. `batch`: the
-        request leaves speculation to interactive ones (policy.decide_batch). `prompt_tokens`: its
-        prompt's, which the model policy counts in the context the group would hold."""
+        request leaves speculation to interactive ones (policy.decide_batch). `held`: the role of
+        the server holding the request's conversation cache (policy.affinity_choice). `prompt_tokens`:
+        its prompt's, which the model policy counts in the context the group would hold."""
         if self.speed is not None and not batch:
             self._model_watermarks(prompt_tokens, new=True)
+        snapshot = self.snapshot()
         if batch:
-            decision = decide_batch(self.snapshot(), self.state, self.cfg)
+            decision = decide_batch(snapshot, self.state, self.cfg)
             self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
             return decision
         cfg = self.cfg if can_probe or self.cfg.probe_s <= 0 else dataclasses.replace(self.cfg, probe_s=0.0)
-        decision = decide(self.snapshot(), self.state, cfg)
+        decision = decide(snapshot, self.state, cfg)
+        if held is not None:
+            decision = affinity_choice(decision, held, cfg, snapshot.healthy)
         self._set_state(decision.state)
         self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
         return decision
@@ -379,8 +390,11 @@ class Placement:
 
     decision: Decision
     router: Router
-    # The server the request must go to (Router.pinned); None: the router picks one at admission.
+    # The server the request goes to (Router.pinned, or its conversation's: affinity); None: the
+    # router picks one at admission.
     server: str | None = None
+    # How a turn whose conversation has a remembered server went (affinity.Outcome); None: no such turn.
+    affinity: Outcome | None = None
 
 
 class Fleet:
@@ -398,8 +412,11 @@ class Fleet:
         calibration: Calibration | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        affinity_slack: float = 1.0,
     ) -> None:
         self.topology = topology
+        # Requests of load a turn's server may have beyond the best, per thousand tokens it has cached.
+        self.affinity_slack = affinity_slack
         self._metrics = metrics
         self._rng = rng or random.Random()
         self.tracker = InflightTracker(servers, self._changed, clock)
@@ -421,17 +438,43 @@ class Fleet:
         return next((r for r in self.routers if r.group.name == name), self.routers[0])
 
     def decide(
-        self, can_probe: bool = True, server: str | None = None, batch: bool = False, prompt_tokens: int = 0
+        self,
+        can_probe: bool = True,
+        server: str | None = None,
+        batch: bool = False,
+        held: Held | None = None,
+        prompt_tokens: int = 0,
     ) -> Placement:
-        """Where a new request goes; `server`: where it should go if that server is up (it holds
-        what the request continues); `batch`: a batch request; `prompt_tokens`: its prompt's
-        (Router.decide)."""
+        """Where a new request goes; `server`: where it must go if that server is up (it holds what
+        the request continues); `batch`: a batch request (Router.decide); `held`: where its
+        conversation's last turn went (affinity.py's rule, group first, then role, then server);
+        `prompt_tokens`: its prompt's (the model policy's context)."""
         if server is not None:
             router = self._router_of.get(server)
             if router is not None and router.server_healthy(server):
                 return Placement(router.pinned(server), router, server)
-        router = self.choose()
-        return Placement(router.decide(can_probe, batch, prompt_tokens), router)
+        if held is None:
+            router = self.choose()
+            return Placement(router.decide(can_probe, batch, prompt_tokens=prompt_tokens), router)
+        mine = self._router_of.get(held.server)
+        if mine is None or not mine.server_healthy(held.server):
+            router = self.choose()
+            decision = router.decide(can_probe, batch, prompt_tokens=prompt_tokens)
+            return Placement(decision, router, affinity="break_down")
+        if len(self.routers) > 1:
+            loads = [r.group_placement_load() for r in self.routers if any(r.healthy_map().values())]
+            if not keep(mine.group_placement_load(), min(loads), held.tokens, self.affinity_slack):
+                router = self.choose()
+                decision = router.decide(can_probe, batch, prompt_tokens=prompt_tokens)
+                return Placement(decision, router, affinity="break_load")
+        role = mine.server_role(held.server)
+        decision = mine.decide(can_probe, batch, role, prompt_tokens)
+        if decision.backend != role:
+            return Placement(decision, mine, affinity="break_mode")
+        best = min(mine.placement_load(s) for s in mine.group.of(role) if mine.server_healthy(s))
+        if not keep(mine.placement_load(held.server), best, held.tokens, self.affinity_slack):
+            return Placement(decision, mine, affinity="break_load")
+        return Placement(decision, mine, held.server, "hit")
 
     def refresh(self) -> None:
         for r in self.routers:

@@ -37,6 +37,9 @@ class Health:
     # The engine's KV cache in use, in tokens and as the pool's fraction (None: not reported).
     engine_tokens: int | None = None
     engine_kv_usage: float | None = None
+    # The engine's prefix cache hit rate (None: not reported), and its counters as last read.
+    engine_cache_hit_rate: float | None = None
+    cache_counters: tuple[float, float] | None = field(default=None, repr=False)
     # None until the first scrape; then whether the engine load could be read, and if not, why.
     engine_signal_up: bool | None = None
     engine_signal_error: str | None = "not scraped yet"

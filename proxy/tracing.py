@@ -216,9 +216,17 @@ class RequestTrace:
         if isinstance(name, str):
             self._span.set_attribute("gen_ai.request.model", name[:_MODEL_CHARS])
 
-    def decided(self, decision: Decision, group: str, continues: bool = False, held: str | None = None) -> None:
+    def decided(
+        self,
+        decision: Decision,
+        group: str,
+        continues: bool = False,
+        held: str | None = None,
+        cache_affinity: str | None = None,
+    ) -> None:
         """The routing decision: where it went, why, in which mode, at what load (as the policy read
-        it). `continues`: the request continues a stored response, held on server `held` if known."""
+        it). `continues`: the request continues a stored response, held on server `held` if known.
+        `cache_affinity`: how its conversation's turn went (affinity.Outcome), if it has a key."""
         backend = decision.backend
         attrs: dict[str, Any] = {
             # str(): a Role is a StrEnum, and the exporter wants plain strings.
@@ -238,6 +246,8 @@ class RequestTrace:
             # known to (another replica's, or forgotten) or because that server is down.
             pinned = decision.reason == "stored_response"
             attrs["specgate.affinity"] = "held" if pinned else "unknown" if held is None else "down"
+        if cache_affinity is not None:
+            attrs["specgate.cache_affinity"] = cache_affinity
         self._span.set_attributes(attrs)
 
     def attempt(self, headers: bytes, server: str, backend: str) -> bytes:

@@ -1,0 +1,137 @@
+"""Cache affinity: a conversation's next turn goes where its prefix is cached.
+
+An engine keeps the KV of the prompts it served (SGLang's radix cache, vLLM's prefix caching): the
+next turn of a conversation, which resends everything so far plus a new message, skips the prefill
+of all that on the server that served the last turn, and pays it in full anywhere else. So each
+conversation is remembered by a key, with the server its last turn went to and the tokens that turn
+left cached there:
+
+    key = x-session-id if the client sent one,
+          else the body's `user` (OpenAI's end-user id),
+          else a hash of the prompt's leading part: the system prompt and first user message (chat,
+               Responses), the first CHARS characters (completions)
+
+in a bounded LRU table (SPECGATE_AFFINITY_ENTRIES). A turn stays with the server that holds its
+cache (or that server's group) unless that server's load exceeds the best alternative's by more
+than the re-prefill staying saves, in requests per thousand cached tokens:
+
+    stay  iff  load(held) - load(best) <= slack * cached_tokens / 1000      (SPECGATE_AFFINITY_SLACK)
+
+(the loads are what placement compares: requests in flight, see routing.Router.placement_load).
+Which role serves a turn is the policy's: only between the watermarks, where either role pays,
+does the held server's role win (policy.affinity_choice). Pure but for the table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .kinds import Endpoint
+
+# Characters of a prompt the key is made of: enough for any system prompt to set conversations
+# apart, few enough that the hash costs nothing.
+CHARS = 4096
+# A session id or user longer than this is hashed like a prompt: the table never holds megabytes.
+MAX_ID_BYTES = 256
+
+# How a turn with a remembered server went: to it, or not, and why not.
+Outcome = Literal["hit", "miss", "break_load", "break_mode", "break_down"]
+BREAKS: tuple[Outcome, ...] = ("break_load", "break_mode", "break_down")
+
+
+def conversation_key(session: bytes | None, payload: dict[str, Any], endpoint: Endpoint) -> bytes | None:
+    """The key a request's conversation is remembered by, or None when it has none (no text)."""
+    if session:
+        return b"s:" + _short(session)
+    user = payload.get("user")
+    if isinstance(user, str) and user:
+        return b"u:" + _short(user.encode("utf-8", "surrogatepass"))
+    lead = _leading_text(payload, endpoint)
+    if not lead:
+        return None
+    return b"p:" + hashlib.blake2b(lead.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def _short(value: bytes) -> bytes:
+    return value if len(value) <= MAX_ID_BYTES else hashlib.blake2b(value, digest_size=16).digest()
+
+
+def _leading_text(payload: dict[str, Any], endpoint: Endpoint) -> str:
+    """The part of a prompt every turn of its conversation starts with."""
+    if endpoint == "chat":
+        return _lead_of_messages(payload.get("messages"))
+    if endpoint == "responses":
+        instructions = payload.get("instructions")
+        given = payload.get("input")
+        head = instructions if isinstance(instructions, str) else ""
+        if isinstance(given, str):
+            return (head + "\n" + given)[:CHARS]
+        return (head + "\n" + _lead_of_messages(given))[:CHARS]
+    if endpoint in ("completions", "generate"):
+        prompt = payload.get("prompt") if endpoint == "completions" else payload.get("text")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        return prompt[:CHARS] if isinstance(prompt, str) else ""
+    return ""
+
+
+def _lead_of_messages(messages: object) -> str:
+    """The system messages and the first user message: what a conversation's later turns resend first."""
+    if not isinstance(messages, list):
+        return ""
+    parts: list[str] = []
+    for message in messages[:8]:
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p["text"] for p in content[:8] if isinstance(p, dict) and isinstance(p.get("text"), str))
+        if not isinstance(content, str):
+            continue
+        parts.append(f"{message.get('role')}:{content[:CHARS]}")
+        if message.get("role") not in ("system", "developer"):
+            break
+    return "\n".join(parts)[:CHARS]
+
+
+def keep(held_load: float, best_load: float, cached_tokens: int, slack: float) -> bool:
+    """Whether a turn stays on the server holding its cache (the module's rule)."""
+    return held_load - best_load <= slack * cached_tokens / 1000
+
+
+@dataclass
+class Held:
+    """Where a conversation's last turn went, and the tokens it left cached there."""
+
+    server: str
+    tokens: int
+
+
+class AffinityTable:
+    """Conversation key -> Held, the longest unused forgotten first."""
+
+    __slots__ = ("_capacity", "_held")
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._held: OrderedDict[bytes, Held] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def get(self, key: bytes) -> Held | None:
+        found = self._held.get(key)
+        if found is not None:
+            self._held.move_to_end(key)
+        return found
+
+    def remember(self, key: bytes, server: str, tokens: int) -> None:
+        if self._capacity <= 0:
+            return
+        self._held[key] = Held(server, tokens)
+        self._held.move_to_end(key)
+        while len(self._held) > self._capacity:
+            self._held.popitem(last=False)
