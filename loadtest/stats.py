@@ -104,6 +104,9 @@ class LevelStats:
     extended_s: float = 0.0
     # Per traffic class (classes.py; one class, "all", without --class).
     classes: dict[str, ClassSummary] = field(default_factory=dict)
+    # The good requests' mean prompt tokens, as their usage reported (NaN: none reported): the
+    # context calibrate's speed model is fitted at.
+    mean_prompt_tokens: float = math.nan
 
 
 def summarize(
@@ -152,6 +155,7 @@ def summarize(
         retried=sum(1 for r in measured if r.attempts > 1 and not r.client_error),
         min_ok=min_ok,
         conclusive=len(ok) >= min_ok and not (min_ok and len(client_errors) > CLIENT_ERROR_SHARE * len(measured)),
+        mean_prompt_tokens=mean([float(r.prompt_tokens) for r in ok if r.prompt_tokens > 0]),
     )
 
 

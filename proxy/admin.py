@@ -112,6 +112,7 @@ def describe(gate: Gate) -> dict[str, Any]:
             "watermarks": {"high": g.cfg.high_watermark, "low": g.cfg.low_watermark},
             "servers": {role: list(g.group.of(role)) for role in ROLES},
             **({"adaptive": g.adaptive.describe(g.now())} if g.adaptive is not None else {}),
+            **({"model": g.speed.describe()} if g.speed is not None else {}),
         }
         for g in fleet.routers
     ]
@@ -146,6 +147,8 @@ def describe(gate: Gate) -> dict[str, Any]:
         "servers": servers,
         "groups": groups,
         **({"adaptive": first.adaptive.describe(first.now())} if first.adaptive is not None else {}),
+        # The model policy's step-time model (speedmodel.py); absent without a fit (adaptive rules).
+        **({"model": first.speed.describe()} if first.speed is not None else {}),
     }
 
 

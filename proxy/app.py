@@ -27,7 +27,7 @@ from .gate import Gate
 from .health import HealthMonitor
 from .metrics import Metrics, code_class
 from .paths import Routes, Verdict, path_problem
-from .policy import Role
+from .policy import LEARNING, Role
 from .probe import Prober
 from .routing import Fleet
 from .servers import servers_of
@@ -73,7 +73,7 @@ async def running(settings: Settings, tracer_provider: TracerProvider | None = N
         own=fleet.tracker.count,
     )
     prober = None
-    if settings.policy == "adaptive" and settings.adaptive_probe_mode == "shadow":
+    if settings.policy in LEARNING and settings.adaptive_probe_mode == "shadow":
         prober = Prober(upstream, metrics, settings.adaptive_shadow_tokens)
     stored = StoredResponses(settings.responses_entries)
     metrics.stored_responses.set_function(stored.__len__)

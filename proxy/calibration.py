@@ -1,8 +1,9 @@
 """The calibration file: what `python -m loadtest calibrate --save FILE` measured, as specgate reads it.
 
-One JSON object (format "specgate-calibration/1"):
+One JSON object (format "specgate-calibration/2"; files of format 1, which have no "model", are
+still read):
 
-    {"format": "specgate-calibration/1",
+    {"format": "specgate-calibration/2",
      "created": "2026-12-03T12:00:00Z",
      "settings": {...the sweep's settings: max_tokens, prompts, endpoint, duration_s, ...},
      "levels": [1, 2, 5, 10, 30],                        # concurrent streams, strictly increasing
@@ -12,9 +13,16 @@ One JSON object (format "specgate-calibration/1"):
      "accept_length": 2.9,                               # the speculative server's mean over the sweep, or null
      "inconclusive_levels": [70],                        # measured, left out of the curves
      "recommendation": {"high_watermark": 19, "low_watermark": 14, "verdict": "crosses",
-                        "explanation": "..."}}
+                        "explanation": "..."},
+     "model": {"form": "step_s = a + b*B + c*T",           # optional: the speed model (speedmodel.py)
+               "prompt_tokens": [380, 4096],             # mean prompt tokens of each sweep fitted
+               "max_tokens": 512, "accept_length": 2.9,  # the sweeps' output tokens and acceptance
+               "speculative": {"a": 0.0078, "b": 8.6e-05, "c": 3.5e-08,
+                               "points": 16, "rms_rel": 0.079, "max_rel": 0.137},
+               "baseline": {...}}}
 
-Only conclusive levels make the curves. `mean_tpot_ms` entries may be null (not measured).
+Only conclusive levels make the curves. A file without "model" (or with it null) has no speed
+model: SPECGATE_POLICY=model then routes as `adaptive` does. `mean_tpot_ms` entries may be null (not measured).
 
 Bounds. A file that passes load() must not be able to break serving later: the adaptive policy
 divides by levels and acceptance and floors crossovers it interpolates from these numbers, so
@@ -29,6 +37,8 @@ every value is finite, positive and within a physical range, wide enough for any
     MAX_ACCEPT      64                ... to 63 accepted draft tokens a step
     MAX_LEVEL       1,000,000         levels and inconclusive_levels: concurrent streams
     MAX_WATERMARK   1,000,000         recommendation's watermarks; SPECGATE_*_WATERMARK too
+    MAX_STEP_COEF   1e3               model coefficients a, b, c: seconds, >= 0, a + b > 0
+    MAX_PROMPT      10,000,000        model.prompt_tokens and max_tokens
 
 Within them the per-stream speeds (tok_s / level / acceptance) lie in [1.5e-11, 1e7]: no
 product, quotient or crossover computed from them overflows, underflows to 0 or leaves
@@ -47,7 +57,10 @@ from typing import Any
 
 import orjson
 
-FORMAT = "specgate-calibration/1"
+FORMAT = "specgate-calibration/2"
+# Still read: written before the speed model.
+FORMATS = ("specgate-calibration/1", FORMAT)
+MODEL_FORM = "step_s = a + b*B + c*T"
 VERDICTS = ("crosses", "never_pays", "always_pays", "no_data")
 
 MAX_FILE_BYTES = 1 << 20
@@ -56,10 +69,43 @@ MIN_TPOT_MS, MAX_TPOT_MS = 1e-3, 1e6
 MIN_ACCEPT, MAX_ACCEPT = 1.0, 64.0
 MAX_LEVEL = 1_000_000
 MAX_WATERMARK = 1_000_000
+MAX_STEP_COEF = 1e3
+MAX_PROMPT = 10_000_000
 
 
 class CalibrationError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """One role's step time: a + b*B + c*T seconds, and how well it fitted its points."""
+
+    a: float
+    b: float
+    c: float
+    points: int = 0
+    rms_rel: float = 0.0  # root mean square of the relative residuals
+    max_rel: float = 0.0  # the largest relative residual
+
+    def step_s(self, batch: float, tokens: float) -> float:
+        return self.a + self.b * batch + self.c * tokens
+
+
+@dataclass(frozen=True)
+class ModelFit:
+    """What calibrate fitted: both roles' step times, the prompt lengths measured (mean tokens), the
+    output tokens a request asked for, and the acceptance the speculative points were taken at."""
+
+    speculative: StepFit
+    baseline: StepFit
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    accept_length: float
+
+    def of(self, role: str) -> StepFit:
+        """The fit of a role, by its name ("speculative" or "baseline": policy.Role's values)."""
+        return self.speculative if role == "speculative" else self.baseline
 
 
 @dataclass(frozen=True)
@@ -84,6 +130,7 @@ class Calibration:
     inconclusive_levels: tuple[int, ...] = ()
     settings: Mapping[str, Any] = field(default_factory=dict)
     created: str = ""
+    model: ModelFit | None = None
 
     def accept_at(self, i: int) -> float | None:
         """The acceptance the speculative server reported at level i, else the sweep's mean."""
@@ -131,8 +178,8 @@ def parse(data: object) -> Calibration:
     """Validate a decoded calibration file; CalibrationError names the first field that is wrong."""
     if not isinstance(data, dict):
         raise CalibrationError("not a JSON object")
-    if data.get("format") != FORMAT:
-        raise CalibrationError(f"format: {data.get('format')!r} is not {FORMAT!r}")
+    if data.get("format") not in FORMATS:
+        raise CalibrationError(f"format: {data.get('format')!r} is not one of {', '.join(map(repr, FORMATS))}")
     levels_raw = data.get("levels")
     if (
         not isinstance(levels_raw, list)
@@ -182,7 +229,54 @@ def parse(data: object) -> Calibration:
         inconclusive_levels=tuple(inconclusive),
         settings=settings if isinstance(settings, dict) else {},
         created=str(data.get("created", "")),
+        model=_model(data.get("model")),
     )
+
+
+def _model(raw: object) -> ModelFit | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise CalibrationError("model: must be an object or null")
+    fits: dict[str, StepFit] = {}
+    for role in ("speculative", "baseline"):
+        f = raw.get(role)
+        if not isinstance(f, dict):
+            raise CalibrationError(f"model.{role}: missing or not an object")
+        a, b, c = (_float(f.get(k), f"model.{role}.{k}", (0.0, MAX_STEP_COEF)) for k in ("a", "b", "c"))
+        if a + b <= 0:
+            raise CalibrationError(f"model.{role}: a + b must be positive (a step takes time)")
+        points = f.get("points", 0)
+        if isinstance(points, bool) or not isinstance(points, int) or not 0 <= points <= MAX_LEVEL:
+            raise CalibrationError(f"model.{role}.points: {points!r} must be an integer in [0, {MAX_LEVEL}]")
+        rms, most = (_float(f.get(k, 0.0), f"model.{role}.{k}", (0.0, 1e3)) for k in ("rms_rel", "max_rel"))
+        fits[role] = StepFit(a, b, c, points, rms, most)
+    prompts = raw.get("prompt_tokens")
+    if (
+        not isinstance(prompts, list)
+        or not prompts
+        or not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= MAX_PROMPT for p in prompts)
+    ):
+        raise CalibrationError(f"model.prompt_tokens: must be a non-empty list of integers in [0, {MAX_PROMPT}]")
+    max_tokens = raw.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 0 <= max_tokens <= MAX_PROMPT:
+        raise CalibrationError(f"model.max_tokens: {max_tokens!r} must be an integer in [0, {MAX_PROMPT}]")
+    accept = _float(raw.get("accept_length"), "model.accept_length", (MIN_ACCEPT, MAX_ACCEPT))
+    return ModelFit(fits["speculative"], fits["baseline"], tuple(prompts), max_tokens, accept)
+
+
+def model_json(fit: ModelFit) -> dict[str, Any]:
+    def one(f: StepFit) -> dict[str, Any]:
+        return {"a": f.a, "b": f.b, "c": f.c, "points": f.points, "rms_rel": f.rms_rel, "max_rel": f.max_rel}
+
+    return {
+        "form": MODEL_FORM,
+        "prompt_tokens": list(fit.prompt_tokens),
+        "max_tokens": fit.max_tokens,
+        "accept_length": fit.accept_length,
+        "speculative": one(fit.speculative),
+        "baseline": one(fit.baseline),
+    }
 
 
 def to_json(cal: Calibration) -> dict[str, Any]:
@@ -215,6 +309,7 @@ def to_json(cal: Calibration) -> dict[str, Any]:
             "verdict": cal.verdict,
             "explanation": cal.explanation,
         },
+        "model": None if cal.model is None else model_json(cal.model),
     }
 
 

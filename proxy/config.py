@@ -15,7 +15,7 @@ from .calibration import MAX_WATERMARK, Calibration, CalibrationError
 from .calibration import load as load_calibration
 from .classes import ClassKey
 from .engines import EngineSetting
-from .policy import LoadSignal, PolicyConfig, PolicyName
+from .policy import LEARNING, LoadSignal, PolicyConfig, PolicyName
 from .topology import Topology, TopologyName, entries
 from .topology import build as build_topology
 
@@ -219,7 +219,7 @@ class Settings(BaseSettings):
             spillover_limit=self.spillover_limit,
             load_signal=self.load_signal,
             low_hold_s=self.low_watermark_hold_s,
-            min_dwell_s=self.adaptive_min_dwell_s if self.policy == "adaptive" else 0.0,
+            min_dwell_s=self.adaptive_min_dwell_s if self.policy in LEARNING else 0.0,
             probe_s=self.adaptive_probe_s,
             probe_max_s=self.adaptive_probe_max_s,
             probe_max_load=probe_max_load,

@@ -25,6 +25,7 @@ from .errors import ApiError
 from .gate import Gate
 from .kinds import GENERATIONS, Endpoint
 from .metrics import code_class
+from .policy import LEARNING
 from .relay import RelayResponse
 from .tokens import prompt_estimate
 from .tracing import RequestTrace
@@ -120,7 +121,7 @@ async def _accept(
     # Only the adaptive policy pools evidence by client: no hash on every request otherwise.
     client_id = (
         client_key(headers.get(b"authorization", b""), client[0] if client else None)
-        if settings.policy == "adaptive"
+        if settings.policy in LEARNING
         else ""
     )
     previous: str | None = None

@@ -168,13 +168,14 @@ class Liveness(StreamObserver):
 class Learning(StreamObserver):
     """What the router learns from a response: its output tokens; a shadow probe's content events,
     read from its own stream (tokens over events, counted at the end: an event may be split between
-    reads); and, for the adaptive policy, the server's per-stream speed at the load the stream ran
-    at, from streams that ran while the other server had nothing from this gateway: the curves are
-    of one server alone, and on a shared GPU each slows the other (a switch's drain would read as
-    the new server being slow)."""
+    reads); and, for the adaptive and model policies, the server's per-stream speed at the load (and
+    the tokens of context) the stream ran at, from streams that ran while the other server had
+    nothing from this gateway: the curves are of one server alone, and on a shared GPU each slows
+    the other (a switch's drain would read as the new server being slow)."""
 
     __slots__ = (
-        "_backend", "_body", "_client", "_count", "_first_at", "_learn", "_router", "_size", "_start_load", "_typed"
+        "_backend", "_body", "_client", "_count", "_first_at", "_learn", "_router", "_size", "_start_load",
+        "_start_tokens", "_typed",
     )  # fmt: skip
 
     def __init__(
@@ -189,6 +190,7 @@ class Learning(StreamObserver):
         self._size = 0
         self._learn = timed and router.adaptive is not None and router.backend_load(other(backend)) == 0
         self._start_load = router.backend_load(backend) if self._learn else 0
+        self._start_tokens = router.role_tokens(backend) if self._learn else 0
         self._first_at = 0.0
 
     def first(self, data: bytes, at: float) -> None:
@@ -217,4 +219,6 @@ class Learning(StreamObserver):
         elapsed = last_at - self._first_at
         if self._learn and tokens >= MIN_LEARN_TOKENS and elapsed > 0 and not router.backend_load(other(backend)):
             load = (self._start_load + router.backend_load(backend)) / 2
-            router.observe(backend, load, (tokens - 1) / elapsed)
+            # The context its server held, as the load: the mean of its start and its end.
+            held = (self._start_tokens + router.role_tokens(backend)) / 2
+            router.observe(backend, load, (tokens - 1) / elapsed, held)

@@ -16,6 +16,9 @@ spillover (the speculative server as a bounded first choice):
 
     backend = speculative if S < limit else baseline
 
+model: adaptive, with the watermarks the speed model (speedmodel.py) solves for the group's load,
+context and acceptance, where the calibration file has a fit (else adaptive's).
+
 adaptive (threshold whose watermarks move with the live workload, see adaptive.py): the
 threshold rule with the live watermarks, plus
 
@@ -81,7 +84,10 @@ class Role(enum.StrEnum):
 
 ROLES: tuple[Role, ...] = tuple(Role)
 Mode = Role
-PolicyName = Literal["threshold", "spillover", "adaptive"]
+PolicyName = Literal["threshold", "spillover", "adaptive", "model"]
+# The policies that learn from live traffic: `model` is adaptive's rule with watermarks from the
+# speed model (speedmodel.py) where the calibration has one.
+LEARNING: tuple[PolicyName, ...] = ("adaptive", "model")
 LoadSignal = Literal["local", "engine", "max"]
 Reason = Literal[
     "light_load",  # speculative: the load is below the high watermark / spillover limit
@@ -306,7 +312,7 @@ def _settled(
     """The next state, and whether a switch was held back (adaptive's dwell)."""
     if cfg.policy == "threshold":
         return next_mode(load, state, cfg, now), False
-    if cfg.policy == "adaptive":
+    if cfg.policy in LEARNING:
         return dwell_mode(load, state, cfg, now, fresh)
     return PolicyState(Role.SPECULATIVE if spec_load < cfg.spillover_limit else Role.BASELINE), False
 
@@ -323,7 +329,7 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
         reason = "light_load" if choice == Role.SPECULATIVE else "spillover"
     else:
         reason = "dwell_hold" if held else _reason(choice, load, state, cfg)
-    if cfg.policy == "adaptive" and probe_due(snapshot, state, cfg, load):
+    if cfg.policy in LEARNING and probe_due(snapshot, state, cfg, load):
         # A session's first probe counts toward the wait before the next session.
         probes = state.probes if state.probing else min(state.probes + 1, MAX_PROBE_DOUBLINGS)
         if cfg.probe_shadow:

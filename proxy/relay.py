@@ -135,6 +135,7 @@ class _Relay:
             batch=call.batch,
             held=held,
             gains=gains,
+            prompt_tokens=call.prompt_tokens,
         )
         outcome: Outcome | None = None
         if call.affinity is not None and placed.decision.reason != "stored_response":

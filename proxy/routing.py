@@ -3,7 +3,9 @@ policy, admits the request (a lease), and records every decision and mode switch
 
 Under the adaptive policy it also owns what the policy believes: the speed model (adaptive.py)
 fed by relayed streams and the speculative server's live acceptance, and the live watermarks,
-re-estimated at most every UPDATE_EVERY_S and moved at a bounded rate.
+re-estimated at most every UPDATE_EVERY_S and moved at a bounded rate. Under the model policy, with
+a fit in the calibration file, the watermarks come from the step-time model (speedmodel.py) instead,
+solved for each new request at the group's load, context and acceptance.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .evidence import AcceptanceEvidence
 from .inflight import InflightTracker, Lease
 from .metrics import Metrics
 from .policy import (
+    LEARNING,
     ROLES,
     Decision,
     LoadSnapshot,
@@ -44,6 +47,7 @@ from .policy import (
     total_load,
 )
 from .servers import Server, ServerView
+from .speedmodel import ModelLimits, StepModel
 from .topology import Group, Topology
 
 log = logging.getLogger("specgate.routing")
@@ -84,13 +88,22 @@ class Router:
         self.evidence = AcceptanceEvidence(cfg.accept_fresh_s)
         self._accept_seen: float | None = None
         self.adaptive: Adaptive | None = None
-        if cfg.policy == "adaptive":
+        # The model policy's step-time model: None without a fit (the adaptive rule then, as it is).
+        self.speed: StepModel | None = None
+        if cfg.policy in LEARNING:
             if adaptive is None:
                 raise ValueError("the adaptive policy needs its AdaptiveConfig")
             static = (cfg.high_watermark, cfg.low_watermark)
             self.adaptive = Adaptive(adaptive, calibration, static, clock())
             high, low = self.adaptive.watermarks()
             self.cfg = dataclasses.replace(cfg, high_watermark=high, low_watermark=low)
+            if cfg.policy == "model" and calibration is not None and calibration.model is not None:
+                limits = ModelLimits(
+                    min_watermark=adaptive.min_watermark, max_watermark=adaptive.max_watermark, margin=adaptive.margin
+                )
+                counts = {role: len(group.of(role)) for role in ROLES}
+                self.speed = StepModel(calibration.model, limits, counts)
+                self._model_watermarks()
         self._publish_watermarks()
         self._publish_mode()
         self.refresh()
@@ -194,7 +207,12 @@ class Router:
         return backend_load(self.snapshot(), backend, self.cfg.load_signal)
 
     def decide(
-        self, can_probe: bool = True, batch: bool = False, held: Role | None = None, gains: bool | None = None
+        self,
+        can_probe: bool = True,
+        batch: bool = False,
+        held: Role | None = None,
+        gains: bool | None = None,
+        prompt_tokens: int = 0,
     ) -> Decision:
         """The backend for a new request. `can_probe` False: the request says nothing of acceptance
         (a model list, embeddings), so it is no probe, not even a shadow's original. `batch`: the
@@ -202,7 +220,10 @@ class Router:
         the server holding the request's conversation cache (policy.affinity_choice). `gains`:
         whether the request's class gains most from speculation, when known (policy.class_choice,
         which goes before affinity: a conversation's cache is worth one prefill, its class's gain
-        every token)."""
+        every token). `prompt_tokens`: its prompt's, which the model policy counts in the context
+        the group would hold."""
+        if self.speed is not None and not batch:
+            self._model_watermarks(prompt_tokens, new=True)
         snapshot = self.snapshot()
         if batch:
             decision = decide_batch(snapshot, self.state, self.cfg)
@@ -248,15 +269,35 @@ class Router:
         lease.release()
         return new
 
-    def observe(self, backend: Role, load: float, tok_s: float) -> None:
-        """A finished stream's decode speed (tokens/s per stream) at `load` streams on its server."""
+    def observe(self, backend: Role, load: float, tok_s: float, tokens: float = 0.0) -> None:
+        """A finished stream's decode speed (tokens/s per stream) at `load` streams on its server,
+        which held `tokens` tokens of context meanwhile."""
         a = self.adaptive
         if a is None:
             return
         now = self._clock()
         accept = self.accept_live(now)[0] if backend == Role.SPECULATIVE else None
         a.model.observe(backend, load, tok_s, accept, now)
+        if self.speed is not None:
+            self.speed.observe(backend, load, tokens, tok_s, accept)
         self._update(now)
+
+    def role_tokens(self, role: Role) -> int:
+        """Tokens this gateway's requests hold on the group's servers of `role`."""
+        return sum(self.tracker.tokens(s) for s in self.group.of(role))
+
+    def _model_watermarks(self, prompt_tokens: int = 0, new: bool = False) -> None:
+        """The model policy's watermarks for the group as it is, or with a new request of
+        `prompt_tokens` (`new`): its context is the mean over this gateway's streams in the group."""
+        speed = self.speed
+        assert speed is not None
+        streams = sum(self.tracker.count(s) for role in ROLES for s in self.group.of(role)) + new
+        tokens = sum(self.role_tokens(role) for role in ROLES) + max(0, prompt_tokens)
+        accept, source = self.accept_live(self._clock())
+        high, low = speed.watermarks(self.last_load, tokens, streams, accept, source)
+        if (high, low) != (self.cfg.high_watermark, self.cfg.low_watermark):
+            self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)
+            self._publish_watermarks()
 
     def counts_steps(self) -> bool:
         """Whether the speculative servers' streams send one content event per decode step."""
@@ -327,6 +368,8 @@ class Router:
         self.last_load = load
         now = self._clock()
         self._update(now)
+        if self.speed is not None:
+            self._model_watermarks()
         fresh = accept_fresh(self._spec_idle_since, now, self.cfg)
         self._set_state(settle(load, spec_load, self.state, self.cfg, now, fresh))
 
@@ -338,10 +381,12 @@ class Router:
         seen, self._accept_seen = self._accept_seen, accept
         if accept is not None and seen is not None and abs(accept - seen) > ACCEPT_CHANGE * seen:
             self.state = probes_restarted(self.state)
-        if a.update(accept, now, source):
+        if a.update(accept, now, source) and self.speed is None:
             high, low = a.watermarks()
             log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
             self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)
+        if self.speed is not None:
+            self._model_watermarks()
         self._publish_watermarks()
 
     def _publish_watermarks(self) -> None:
@@ -442,28 +487,32 @@ class Fleet:
         batch: bool = False,
         held: Held | None = None,
         gains: bool | None = None,
+        prompt_tokens: int = 0,
     ) -> Placement:
         """Where a new request goes; `server`: where it must go if that server is up (it holds what
         the request continues); `batch`: a batch request (Router.decide); `held`: where its
-        conversation's last turn went (affinity.py's rule, group first, then role, then server)."""
+        conversation's last turn went (affinity.py's rule, group first, then role, then server);
+        `prompt_tokens`: its prompt's (the model policy's context)."""
         if server is not None:
             router = self._router_of.get(server)
             if router is not None and router.server_healthy(server):
                 return Placement(router.pinned(server), router, server)
         if held is None:
             router = self.choose()
-            return Placement(router.decide(can_probe, batch, None, gains), router)
+            return Placement(router.decide(can_probe, batch, None, gains, prompt_tokens), router)
         mine = self._router_of.get(held.server)
         if mine is None or not mine.server_healthy(held.server):
             router = self.choose()
-            return Placement(router.decide(can_probe, batch, None, gains), router, affinity="break_down")
+            decision = router.decide(can_probe, batch, None, gains, prompt_tokens)
+            return Placement(decision, router, affinity="break_down")
         if len(self.routers) > 1:
             loads = [r.group_placement_load() for r in self.routers if any(r.healthy_map().values())]
             if not keep(mine.group_placement_load(), min(loads), held.tokens, self.affinity_slack):
                 router = self.choose()
-                return Placement(router.decide(can_probe, batch, None, gains), router, affinity="break_load")
+                decision = router.decide(can_probe, batch, None, gains, prompt_tokens)
+                return Placement(decision, router, affinity="break_load")
         role = mine.server_role(held.server)
-        decision = mine.decide(can_probe, batch, role, gains)
+        decision = mine.decide(can_probe, batch, role, gains, prompt_tokens)
         if decision.backend != role:
             return Placement(decision, mine, affinity="break_mode")
         best = min(mine.placement_load(s) for s in mine.group.of(role) if mine.server_healthy(s))

@@ -40,9 +40,29 @@ def test_save_writes_the_curves_acceptance_settings_and_recommendation(simulator
     base = simulator("baseline", *SIM, "--api-key", KEY)
     save, out = tmp_path / "calibration.json", tmp_path / "out.json"
     levels = ",".join(map(str, LEVELS))
-    proc = calibrate(spec.url, base.url, save, "--concurrency", levels, "--api-key", KEY, "--out", str(out))
+    proc = calibrate(
+        spec.url,
+        base.url,
+        save,
+        "--concurrency",
+        levels,
+        "--api-key",
+        KEY,
+        "--out",
+        str(out),
+        "--prompt-tokens",
+        "1000",
+    )
     assert proc.returncode == 0, proc.stderr
     cal = load(str(save))
+
+    # The speed model: fitted to the fixed prompt's sweep and one of 1,000-token prompts.
+    assert cal.model is not None, proc.stderr
+    assert len(cal.model.prompt_tokens) == 2 and cal.model.prompt_tokens[-1] == pytest.approx(1000, rel=0.1)
+    assert cal.model.max_tokens == 16 and cal.model.accept_length > 1
+    for fit in (cal.model.speculative, cal.model.baseline):
+        assert fit.a + fit.b > 0 and fit.points >= 4
+    assert "speed model, baseline: step =" in proc.stdout
 
     # The levels measured conclusively make the curves; the others are named, none lost.
     assert sorted([*cal.levels, *cal.inconclusive_levels]) == LEVELS

@@ -20,6 +20,13 @@ below the earlier of the two crossovers. It is made only when that earlier cross
 known whatever the unknown levels hold; otherwise there is none (`Recommendation.made` is False),
 and `calibrate` prints no watermarks and writes no file. `calibration_file` makes what
 `calibrate --save` writes (format: proxy/calibration.py).
+
+The speed model (`model_fit`, proxy/speedmodel.py). Each conclusive level of each sweep (the main
+one and one per --prompt-tokens length) is a point per server: c streams, each holding its mean
+prompt P plus half of max_tokens M on average while it decodes, so T = c * (P + M/2) tokens; its
+step time is the per-stream TPOT times the tokens a step gives (1 for the baseline, the acceptance
+measured at that level, else the sweep's mean, for the speculative server); without a TPOT, c / tok_s
+times the same. `fit_step` fits a, b, c to them.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from proxy.adaptive import crossing, hysteresis_low
-from proxy.calibration import Calibration, Curve
+from proxy.calibration import Calibration, Curve, ModelFit
+from proxy.speedmodel import Point, fit_step
 
 from ..stats import LevelStats
 
@@ -270,6 +278,7 @@ def calibration_file(
     accept_by_level: Mapping[int, float | None],
     settings: Mapping[str, Any],
     created: str,
+    model: ModelFit | None = None,
 ) -> Calibration:
     """The reusable calibration: both servers' curves over the levels both measured conclusively (a
     level without a positive throughput on either is left out too), the speculative server's
@@ -309,4 +318,57 @@ def calibration_file(
         inconclusive_levels=tuple(s.concurrency for s in speculative if s.concurrency not in levels),
         settings=dict(settings),
         created=created,
+        model=model,
     )
+
+
+@dataclass(frozen=True)
+class ContextSweep:
+    """One sweep of both servers at one prompt length, for the speed model: the levels of each and
+    the speculative server's acceptance at each level (None where not read)."""
+
+    speculative: Sequence[LevelStats]
+    baseline: Sequence[LevelStats]
+    accept_by_level: Mapping[int, float | None]
+
+
+def _step_s(r: LevelStats, per_step: float) -> float:
+    if math.isfinite(r.mean_tpot_ms) and r.mean_tpot_ms > 0:
+        return per_step * r.mean_tpot_ms / 1000
+    if math.isfinite(r.output_tok_s) and r.output_tok_s > 0:
+        return per_step * r.concurrency / r.output_tok_s
+    return math.nan
+
+
+def model_fit(sweeps: Sequence[ContextSweep], max_tokens: int) -> tuple[ModelFit | None, str]:
+    """The speed model from sweeps at several prompt lengths (module docstring), or None and why."""
+    accepts = [a for s in sweeps for a in s.accept_by_level.values() if a is not None and math.isfinite(a)]
+    if not accepts:
+        return None, "no acceptance length was read from the speculative server: no speed model"
+    mean_accept = math.fsum(accepts) / len(accepts)
+    points: dict[str, list[Point]] = {"speculative": [], "baseline": []}
+    prompts: list[int] = []
+    seen: list[float] = []
+    for sweep in sweeps:
+        for s, b in zip(sweep.speculative, sweep.baseline, strict=True):
+            prompt = (s.mean_prompt_tokens + b.mean_prompt_tokens) / 2
+            if not (s.conclusive and b.conclusive and math.isfinite(prompt)):
+                continue
+            c = s.concurrency
+            tokens = c * (prompt + max_tokens / 2)
+            accept = sweep.accept_by_level.get(c) or mean_accept
+            for role, row, per_step in (("speculative", s, accept), ("baseline", b, 1.0)):
+                step = _step_s(row, per_step)
+                if math.isfinite(step):
+                    points[role].append(Point(c, tokens, step))
+            seen.append(prompt)
+        if seen:
+            prompts.append(round(math.fsum(seen) / len(seen)))
+            seen.clear()
+    spec, base = fit_step(points["speculative"]), fit_step(points["baseline"])
+    if spec is None or base is None:
+        return None, (
+            "the sweeps do not tell batch and context apart (they need conclusive levels at two or more batch "
+            "sizes and at prompt lengths at least 25% apart, with usage reported): no speed model"
+        )
+    return ModelFit(spec, base, tuple(sorted(prompts)), max_tokens, round(mean_accept, 3)), ""

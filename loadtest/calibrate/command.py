@@ -14,14 +14,14 @@ from typing import Any
 
 import orjson
 
-from proxy.calibration import parse, to_json
+from proxy.calibration import ModelFit, parse, to_json
 
 from ..acceptance import AcceptanceMeter, redact
 from ..kit.sweeps import add_load_options, default_prompts, max_duration, settings_of, sweep_targets
 from ..report import calibration_text, compare_table, write_json
 from ..stats import LevelStats
 from ..sweep import first_model
-from . import EXIT_NO_RECOMMENDATION, Recommendation, calibrate, calibration_file
+from . import EXIT_NO_RECOMMENDATION, ContextSweep, Recommendation, calibrate, calibration_file, model_fit
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,6 +36,31 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="write the calibration specgate loads (SPECGATE_CALIBRATION): both servers' curves, the acceptance "
         "length the speculative server's /metrics reported, the settings and the recommendation",
     )
+    p.add_argument(
+        "--prompt-tokens",
+        type=_lengths,
+        default=_lengths(DEFAULT_PROMPT_TOKENS),
+        metavar="LIST",
+        help="with --save: after the sweep, sweep both servers again at each of these prompt lengths (tokens, "
+        "comma list; 'none': no more sweeps) and fit the speed model SPECGATE_POLICY=model uses to the sweeps' "
+        f"levels, the first sweep at its measured mean prompt included (default {DEFAULT_PROMPT_TOKENS})",
+    )
+
+
+# A long context beside the main sweep's (diverse prompts: a few hundred tokens on average).
+DEFAULT_PROMPT_TOKENS = "4096"
+
+
+def _lengths(raw: str) -> list[int]:
+    if raw.strip().lower() == "none":
+        return []
+    try:
+        found = sorted({int(x) for x in raw.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a comma list of integers, or none") from None
+    if not found or found[0] < 16:
+        raise argparse.ArgumentTypeError("prompt lengths must be integers of at least 16 tokens")
+    return found
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -80,12 +105,52 @@ async def _calibrate(args: argparse.Namespace) -> int:
             print(f"loadtest: {args.save} not written: no recommendation to save", file=sys.stderr)
         return EXIT_NO_RECOMMENDATION
     if meter is not None:
+        model = await _model_sweeps(args, urls, sweeps, meter)
         if meter.engine is not None:
             meter.finish()
             if meter.reason:
                 _not_measured(meter.reason)
-        return _save(args.save, sweeps, rec, meter, _calibration_settings(args, models, meter))
+        return _save(args.save, sweeps, rec, meter, _calibration_settings(args, models, meter), model)
     return 0
+
+
+async def _model_sweeps(
+    args: argparse.Namespace,
+    urls: Mapping[str, str],
+    sweeps: Mapping[str, Sequence[LevelStats]],
+    meter: AcceptanceMeter,
+) -> ModelFit | None:
+    """Both servers swept again at each --prompt-tokens length (one-turn requests of exactly that
+    many tokens), and the speed model fitted to those and the first sweep; None (said why) when
+    there is none."""
+    found = [ContextSweep(sweeps["speculative"], sweeps["baseline"], dict(meter.by_level))]
+    extra = AcceptanceMeter(args.speculative, args.api_key)  # the first one's session is closed
+    await extra.open()
+    try:
+        for tokens in args.prompt_tokens:
+            print(f"speed model: sweeping both servers at {tokens} prompt tokens", file=sys.stderr, flush=True)
+            more = argparse.Namespace(**vars(args))
+            more.workload, more.classes, more.prompts = "longctx", [], None
+            more.prompt_tokens_mean, more.prompt_tokens_spread = tokens, 0.0
+            more.prompt_tokens_max = max(tokens, args.prompt_tokens_max)
+            extra.by_level = {}
+            samplers = {"speculative": extra.during_window} if extra.engine else None
+            swept = await sweep_targets(urls, more, samplers)
+            found.append(ContextSweep(swept["speculative"], swept["baseline"], dict(extra.by_level)))
+    finally:
+        await extra.close()
+    model, why = model_fit(found, args.max_tokens)
+    if model is None:
+        print(f"speed model not saved: {why}", file=sys.stderr, flush=True)
+        return None
+    for role in ("speculative", "baseline"):
+        f = model.of(role)
+        print(
+            f"speed model, {role}: step = {f.a * 1000:.3f} ms + {f.b * 1e6:.3f} us/stream + {f.c * 1e9:.3f} ns/token "
+            f"({f.points} points at {', '.join(map(str, model.prompt_tokens))} prompt tokens; residuals rms "
+            f"{f.rms_rel:.1%}, max {f.max_rel:.1%})"
+        )
+    return model
 
 
 def _not_measured(reason: str) -> None:
@@ -115,6 +180,7 @@ def _calibration_settings(
         "warmup_s": args.warmup_s,
         "min_requests": args.min_requests,
         "acceptance": meter.source,
+        "prompt_tokens": list(args.prompt_tokens),
     }
 
 
@@ -124,10 +190,11 @@ def _save(
     rec: Recommendation,
     meter: AcceptanceMeter,
     settings: Mapping[str, Any],
+    model: ModelFit | None = None,
 ) -> int:
     created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     try:
-        cal = calibration_file(sweeps["speculative"], sweeps["baseline"], rec, meter.by_level, settings, created)
+        cal = calibration_file(sweeps["speculative"], sweeps["baseline"], rec, meter.by_level, settings, created, model)
     except ValueError as exc:
         print(f"loadtest: {path} not written: {exc}", file=sys.stderr)
         return 1
@@ -140,6 +207,6 @@ def _save(
     print(f"\ncalibration saved: {path} (levels {', '.join(map(str, cal.levels))}; acceptance length {accept})")
     print(
         f"use it: SPECGATE_CALIBRATION={path} (with SPECGATE_POLICY=threshold it applies the recommended "
-        "watermarks; with SPECGATE_POLICY=adaptive the curves)"
+        "watermarks; with SPECGATE_POLICY=adaptive the curves; with SPECGATE_POLICY=model the speed model too)"
     )
     return 0

@@ -83,6 +83,8 @@ def calibrate_fresh_pair(
             sys.executable, "-m", "loadtest", "calibrate", "--speculative", spec, "--baseline", base,
             *(["--prompts", prompts] if prompts else []), "--concurrency", ",".join(map(str, levels)),
             "--duration-s", f"{duration_s:g}", *extra, "--save", str(path),
+            # The scenarios route by watermarks, not by the speed model: no sweeps for it.
+            "--prompt-tokens", "none",
             "--out", str(out_dir / "calibration-sweep.json"), "--quiet",
         ]  # fmt: skip
         what = f"{prompts} prompts" if prompts else "the scenario's workload"
