@@ -25,11 +25,11 @@ does the held server's role win (policy.affinity_choice). Pure but for the table
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from .kinds import Endpoint
+from .lru import Lru
 
 # Characters of a prompt the key is made of: enough for any system prompt to set conversations
 # apart, few enough that the hash costs nothing.
@@ -110,28 +110,10 @@ class Held:
     tokens: int
 
 
-class AffinityTable:
+class AffinityTable(Lru[bytes, Held]):
     """Conversation key -> Held, the longest unused forgotten first."""
 
-    __slots__ = ("_capacity", "_held")
-
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._held: OrderedDict[bytes, Held] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def get(self, key: bytes) -> Held | None:
-        found = self._held.get(key)
-        if found is not None:
-            self._held.move_to_end(key)
-        return found
+    __slots__ = ()
 
     def remember(self, key: bytes, server: str, tokens: int) -> None:
-        if self._capacity <= 0:
-            return
-        self._held[key] = Held(server, tokens)
-        self._held.move_to_end(key)
-        while len(self._held) > self._capacity:
-            self._held.popitem(last=False)
+        self.put(key, Held(server, tokens))

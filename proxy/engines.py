@@ -245,11 +245,17 @@ class Engine:
         return value
 
     def _counters(self, values: Mapping[str, float]) -> tuple[float, float] | None:
-        if self.accepted_counter is None or self.drafts_counter is None:
+        return self._counter_pair(values, self.accepted_counter, self.drafts_counter)
+
+    def _counter_pair(
+        self, values: Mapping[str, float], first: str | None, second: str | None
+    ) -> tuple[float, float] | None:
+        """Two cumulative counters to take a rate of, or None when either is not exported."""
+        if first is None or second is None:
             return None
-        accepted = self._checked(values, self.accepted_counter, 0.0, MAX_COUNTER)
-        drafts = self._checked(values, self.drafts_counter, 0.0, MAX_COUNTER)
-        return None if accepted is None or drafts is None else (accepted, drafts)
+        a = self._checked(values, first, 0.0, MAX_COUNTER)
+        b = self._checked(values, second, 0.0, MAX_COUNTER)
+        return None if a is None or b is None else (a, b)
 
     def _kv_tokens(self, values: Mapping[str, float]) -> int | None:
         if self.kv_tokens is None:
@@ -269,11 +275,7 @@ class Engine:
         return self._checked(values, self.cache_hit_gauge, 0.0, float(MAX_KV_RANKS))
 
     def _hit_counters(self, values: Mapping[str, float]) -> tuple[float, float] | None:
-        if self.cache_hits_counter is None or self.cache_queries_counter is None:
-            return None
-        hits = self._checked(values, self.cache_hits_counter, 0.0, MAX_COUNTER)
-        queries = self._checked(values, self.cache_queries_counter, 0.0, MAX_COUNTER)
-        return None if hits is None or queries is None else (hits, queries)
+        return self._counter_pair(values, self.cache_hits_counter, self.cache_queries_counter)
 
     def _get(self, values: Mapping[str, float], name: str) -> float | None:
         for prefix in self.prefixes:

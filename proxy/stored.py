@@ -11,36 +11,20 @@ characters, and a client must not make the table hold megabytes.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from .lru import Lru
 
 MAX_ID_CHARS = 200
 
 
-class StoredResponses:
+class StoredResponses(Lru[str, str]):
     """Response id -> the server that holds it."""
 
-    __slots__ = ("_capacity", "_where")
-
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._where: OrderedDict[str, str] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._where)
+    __slots__ = ()
 
     def remember(self, response_id: str, server: str) -> None:
-        if self._capacity <= 0 or not response_id or len(response_id) > MAX_ID_CHARS:
-            return
-        self._where[response_id] = server
-        self._where.move_to_end(response_id)
-        while len(self._where) > self._capacity:
-            self._where.popitem(last=False)
+        if response_id and len(response_id) <= MAX_ID_CHARS:
+            self.put(response_id, server)
 
     def server_of(self, response_id: str) -> str | None:
         """The server that made `response_id`, if remembered (a use keeps it longer)."""
-        if len(response_id) > MAX_ID_CHARS:
-            return None
-        found = self._where.get(response_id)
-        if found is not None:
-            self._where.move_to_end(response_id)
-        return found
+        return self.get(response_id) if len(response_id) <= MAX_ID_CHARS else None
