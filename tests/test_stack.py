@@ -555,7 +555,8 @@ def test_every_dashboard_and_alert_expression_returns_data(stack: StartStack, pr
         # Short load spanning several scrapes, so rates have two samples.
         t_end = time.monotonic() + 12
         while time.monotonic() < t_end:
-            http.post(s.url + "/v1/chat/completions", json=body)
+            # A traffic class, so that the class panels have requests and an acceptance to show.
+            http.post(s.url + "/v1/chat/completions", json=body, headers={"x-specgate-class": "chat"})
             http.post(s.url + "/v1/completions", json={"prompt": "p", "max_tokens": 5})
     targets = httpx.get(prom + "/api/v1/targets").json()["data"]["activeTargets"]
     assert {t["health"] for t in targets} == {"up"}, targets

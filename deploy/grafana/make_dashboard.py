@@ -425,6 +425,30 @@ def panels() -> list[dict[str, Any]]:
             (12, 71, 12, 8),
             unit="short",
         ),
+        timeseries(
+            "Cache affinity",
+            "Turns of remembered conversations sent to the server holding their prefix cache (hits), turns "
+            "with no server remembered (misses), and turns sent elsewhere by reason; and each engine's "
+            "prefix cache hit rate (see specgate_server_cache_hit_rate).",
+            [
+                (f"sum(rate(specgate_affinity_hits_total[{RATE}]))", "hits"),
+                (f"sum(rate(specgate_affinity_misses_total[{RATE}]))", "misses"),
+                (f"sum by (reason) (rate(specgate_affinity_breaks_total[{RATE}]))", "break: {{reason}}"),
+            ],
+            (0, 79, 12, 8),
+            unit="reqps",
+        ),
+        timeseries(
+            "Traffic classes",
+            "Requests per second by traffic class and the backend they went to (x-specgate-class or "
+            "SPECGATE_CLASS_KEY), and each class's learnt acceptance length.",
+            [
+                (f"sum by (class, backend) (rate(specgate_class_requests_total[{RATE}]))", "{{class}} -> {{backend}}"),
+                ("max by (class) (specgate_class_accept_length)", "{{class}} acceptance"),
+            ],
+            (12, 79, 12, 8),
+            unit="short",
+        ),
     ]
 
 
