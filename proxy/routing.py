@@ -515,7 +515,10 @@ class Fleet:
         decision = mine.decide(can_probe, batch, role, gains, prompt_tokens)
         if decision.backend != role:
             return Placement(decision, mine, affinity="break_mode")
-        best = min(mine.placement_load(s) for s in mine.group.of(role) if mine.server_healthy(s))
+        peers = mine.group.of(role)
+        if len(peers) == 1:  # a pair: no other server of the role to compare with
+            return Placement(decision, mine, held.server, "hit")
+        best = min(mine.placement_load(s) for s in peers if mine.server_healthy(s))
         if not keep(mine.placement_load(held.server), best, held.tokens, self.affinity_slack):
             return Placement(decision, mine, affinity="break_load")
         return Placement(decision, mine, held.server, "hit")
