@@ -16,6 +16,7 @@ from loadtest.headtohead.twoclass import (
     goodput_verdict,
     hit_verdict,
     oracle_hit_rate,
+    smg_argv,
     table,
 )
 from loadtest.prompts import repetitiveness
@@ -131,3 +132,17 @@ def test_table_and_parser() -> None:
     assert "1.10x (met)" in text and "| yes |" in text
     args = build_parser().parse_args(["headtohead-classes", "--contexts", "1k", "--sessions", "8,32"])
     assert args.contexts == (1000,) and args.sessions == (8, 32)
+
+
+def test_calibration_brackets_the_top_sessions_and_smg_is_a_sixth_target() -> None:
+    assert ClassPlan(sessions=(8, 32, 128)).calibration_levels() == (4, 16, 64, 256)
+    assert ClassPlan(sessions=(8, 16)).calibration_levels() == (4, 16)
+    assert ClassPlan(sessions=(1000,)).calibration_levels() == (4, 16, 64, 256)
+    plain, peer = ClassPlan(), ClassPlan(smg="/x/smg")
+    assert "smg" not in plain.targets and peer.targets[-1] == "smg"
+    assert peer.time_scale(32, 1000) == pytest.approx(plain.time_scale(32, 1000) * 5 / 6, rel=1e-3)
+    argv = smg_argv("/x/smg", 1, 2, ["http://a", "http://b"])
+    assert argv[argv.index("--policy") + 1] == "cache_aware" and argv[argv.index("--worker-urls") + 1 :][:2] == [
+        "http://a",
+        "http://b",
+    ]

@@ -16,10 +16,13 @@ one pair per target:
   threshold  specgate SPECGATE_POLICY=threshold, with classes and cache affinity off
              (SPECGATE_CLASS_KEY=none, SPECGATE_AFFINITY_ENTRIES=0): specgate before issue 28;
   adaptive   the same with SPECGATE_POLICY=adaptive;
-  features   SPECGATE_POLICY=adaptive with classes (x-specgate-class) and cache affinity on.
+  features   SPECGATE_POLICY=adaptive with classes (x-specgate-class) and cache affinity on;
+  smg        with --smg BINARY: SGLang's gateway (`smg launch --policy cache_aware`) in front of the
+             pair, both servers as plain workers (its hit rate beside specgate's).
 
 specgate's watermarks and curves come from a fresh pair calibrated per context with the same two
-classes (`loadtest calibrate --save`, no think time). Scoring per cell, in simulated time: goodput
+classes (`loadtest calibrate --save`, no think time) at 4, 16, 64 and 256 streams, up to the first
+that reaches the top --sessions, so that the crossover is bracketed. Scoring per cell, in simulated time: goodput
 (requests finishing in the window within --slo-ttft-ms 1000 and --slo-tpot-ms 50), each specgate
 variant's over the better of all-spec and all-base, each class's goodput, the prefix-cache hit rate
 (cached_tokens) and the oracle's (`oracle_hit_rate`: every turn back on the server of its last turn,
@@ -65,9 +68,8 @@ FLOOR = 0.97
 HIT_POINTS = 0.05
 # The simulator's prefix cache keeps whole pages of this many tokens (radix.py's default).
 PAGE_TOKENS = 16
-# Five stacks run side by side where headtohead runs three: each cell's time scale is headtohead's
-# times this, so the machine handles the same events a wall second.
-SCALE_SHARE = 3 / 5
+# smg's metrics would default to port 29000; a worker's health is checked this often (s).
+SMG_CHECK_S = 1
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ class ClassPlan:
     seed: int = 0
     min_requests: int = DEFAULT_MIN_REQUESTS
     profile: str = PROFILE
+    # smg's binary (scripts/install-peers puts it in .venv-peers/bin/smg); None: no smg target.
+    smg: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.window_s <= self.max_window_s:
@@ -93,12 +97,19 @@ class ClassPlan:
         for c in self.contexts:
             sizes_for(c, self.turns, self.max_tokens)
 
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return (*TARGETS, "smg") if self.smg else TARGETS
+
     def time_scale(self, sessions: int, context: int) -> float:
-        return round(default_time_scale(sessions, context) * SCALE_SHARE, 4)
+        """headtohead's, times three stacks over this run's."""
+        return round(default_time_scale(sessions, context) * 3 / len(self.targets), 4)
 
     def calibration_levels(self) -> tuple[int, ...]:
+        """CALIBRATE_LEVELS up to the first that reaches the top --sessions (all when none does)."""
         top = max(self.sessions)
-        return tuple(x for x in CALIBRATE_LEVELS if x <= top) or tuple(sorted(set(self.sessions)))
+        reach = [x for x in CALIBRATE_LEVELS if x >= top]
+        return tuple(x for x in CALIBRATE_LEVELS if x <= (reach[0] if reach else CALIBRATE_LEVELS[-1]))
 
     def calibration_scale(self, context: int) -> float:
         return round(min(MAX_TIME_SCALE, 2 * default_time_scale(max(self.calibration_levels()), context)), 4)
@@ -126,6 +137,14 @@ class ClassPlan:
             "--max-accept-length", f"{self.max_accept_length:g}", "--spec-steps", str(self.spec_steps),
             "--time-scale", f"{time_scale:g}",
         )  # fmt: skip
+
+
+def smg_argv(binary: str, port: int, metrics_port: int, workers: Sequence[str]) -> list[str]:
+    """`python` arguments that exec smg with the cache_aware policy in front of `workers`."""
+    exe = "import os, sys; os.execv(sys.argv[1], sys.argv[1:])"
+    return ["-c", exe, binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+            "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--disable-tokenizer-autoload", "--worker-startup-check-interval", str(SMG_CHECK_S)]  # fmt: skip
 
 
 def gate_settings(target: str) -> dict[str, object]:
@@ -244,7 +263,7 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
     urls: dict[str, str] = {}
     servers: dict[str, dict[str, str]] = {}
     try:
-        for target in TARGETS:
+        for target in plan.targets:
             sp, bp = free_port(), free_port()
             spec, base = f"http://127.0.0.1:{sp}", f"http://127.0.0.1:{bp}"
             fleet.start(f"pair-{target}", plan.pair(t, sp, bp), [spec + "/health", base + "/health"])
@@ -254,6 +273,11 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
             elif target == "all-base":
                 urls[target], servers[target] = base, {"baseline": base}
         fleet.ready()
+        if plan.smg:
+            port = free_port()
+            urls["smg"] = f"http://127.0.0.1:{port}"
+            argv = smg_argv(plan.smg, port, free_port(), list(servers["smg"].values()))
+            fleet.start("smg", argv, [urls["smg"] + "/readiness"])
         for target in GATES:
             port = free_port()
             urls[target] = f"http://127.0.0.1:{port}"
@@ -301,7 +325,7 @@ async def measure(plan: ClassPlan, context: int, sessions: int, servers: Servers
 
 def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, quiet: bool) -> ClassCell:
     t = plan.time_scale(sessions, context)
-    say(f"  {sessions} sessions (time scale {t:g}): five pairs, three specgates...", quiet)
+    say(f"  {sessions} sessions (time scale {t:g}): {len(plan.targets)} pairs and their routers...", quiet)
     servers = start_servers(plan, sessions, context, calibration)
     try:
         cpu0 = self_cpu_s()
@@ -314,7 +338,7 @@ def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, qu
     targets: dict[str, TargetCell] = {}
     per_class: dict[str, dict[str, float]] = {}
     oracle: dict[str, float | None] = {}
-    for name in TARGETS:
+    for name in plan.targets:
         run = cap.runs[name]
         stats = run.stats(slo, plan.min_requests)
         everything = summarise_class("all", run.results, run.t0, run.t1, slo)
@@ -339,6 +363,10 @@ def _hit(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0%}"
 
 
+def _goodput(t: TargetCell | None) -> str:
+    return "-" if t is None else fmt(t.goodput_req_s, 2) + ("" if t.conclusive else "*")
+
+
 def _ratio(value: float | None) -> str:
     return "unknown" if value is None else f"{value:.2f}x"
 
@@ -347,17 +375,17 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
     """A markdown table: goodput per target, the gates' ratios, split, hit rates."""
     head = (
         "| ctx | sessions | scale | "
-        + " | ".join(f"goodput {n}" for n in TARGETS)
+        + " | ".join(f"goodput {n}" for n in plan.targets)
         + " | A/B spec | A/B base | split? | "
         + " | ".join(f"{n} / best" for n in GATES)
         + " | hit "
-        + " / ".join(TARGETS)
+        + " / ".join(plan.targets)
         + " | oracle (features) | features to spec |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in cells:
         split = c.split()
-        gp = [fmt(c.targets[n].goodput_req_s, 2) + ("" if c.targets[n].conclusive else "*") for n in TARGETS]
+        gp = [_goodput(c.targets.get(n)) for n in plan.targets]
         cg = c.class_goodput
         share = c.targets["features"].speculative_share
         lines.append(
@@ -367,7 +395,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
             f"{cg['all-base']['B']:.2f} | {'unknown' if split is None else 'yes' if split else 'no'} | "
             + " | ".join(f"{_ratio(c.ratio(n))} ({goodput_verdict(c, n)})" for n in GATES)
             + " | "
-            + " / ".join(_hit(c.targets[n].prefix_cache_hit_rate) for n in TARGETS)
+            + " / ".join(_hit(c.targets[n].prefix_cache_hit_rate) if n in c.targets else "-" for n in plan.targets)
             + f" | {_hit(c.oracle_hit.get('features'))} | {'-' if share is None else f'{share:.0%}'} |"
         )
     lines.append(
@@ -440,6 +468,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--slo-ttft-ms", type=positive, default=1000.0, help="simulated ms (default 1000)")
     p.add_argument("--slo-tpot-ms", type=positive, default=50.0, help="simulated ms (default 50)")
     p.add_argument("--calibrations", default=None, metavar="DIR", help="reuse an earlier run's calibrations")
+    p.add_argument("--smg", default=None, metavar="BINARY",
+                   help="add smg --policy cache_aware in front of a pair (e.g. .venv-peers/bin/smg)")  # fmt: skip
     add_run_options(p, "a cell needs per target", "headtohead-classes-results")
 
 
@@ -449,6 +479,7 @@ def cmd_headtohead_classes(args: argparse.Namespace) -> int:
         contexts=args.contexts, sessions=args.sessions, turns=args.turns, max_tokens=args.max_tokens,
         think_time_s=args.think_time_s, window_s=args.window_s, max_window_s=max(args.max_window_s, args.window_s),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, min_requests=args.min_requests,
+        smg=args.smg,
     )  # fmt: skip
     out_dir = Path(args.out_dir)
     started = time.monotonic()
