@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from . import chaos, compare, demo, headtohead, overhead, scaleout, shift, slowloris
 from .calibrate import command as calibrate
+from .headtohead import twoclass
 from .sweep import TargetUnreachable
 
 # Each command's module defines its subparser and runs it; the order is that of `--help`.
@@ -22,6 +23,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "scaleout": scaleout.cmd_scaleout,
     "slowloris": slowloris.cmd_slowloris,
     "headtohead": headtohead.cmd_headtohead,
+    "headtohead-classes": twoclass.cmd_headtohead_classes,
 }
 
 
@@ -29,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     compare.add_parsers(sub)
-    for module in (calibrate, demo, chaos, overhead, shift, scaleout, slowloris, headtohead):
+    for module in (calibrate, demo, chaos, overhead, shift, scaleout, slowloris, headtohead, twoclass):
         module.add_parser(sub)
     return parser
 

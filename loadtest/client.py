@@ -77,12 +77,21 @@ class Target:
     ignore_eos: bool = True
     # Fields added to every request body (engine-specific ones such as llama-server's cache_prompt).
     extra_body: Mapping[str, Any] = field(default_factory=dict)
+    # Send each request's traffic class and session as `x-specgate-class` and `x-session-id`
+    # (specgate's classes and cache affinity; other servers ignore them).
+    tag_requests: bool = False
 
     def endpoint(self) -> str:
         return self.url.rstrip("/") + ("/v1/chat/completions" if self.chat else "/v1/completions")
 
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    def headers(self, traffic_class: str | None = None, session: str | None = None) -> dict[str, str]:
+        """The request's headers; with tag_requests, its class and session where given."""
+        out = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        if self.tag_requests and traffic_class:
+            out["x-specgate-class"] = traffic_class
+        if self.tag_requests and session:
+            out["x-session-id"] = session
+        return out
 
     def body(self, prompt: Prompt) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -110,23 +119,26 @@ async def stream_request(
     prompt: Prompt,
     retries: int = CLIENT_RETRIES,
     text_sink: list[str] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> RequestResult:
     """One request; a client-side failure is retried `retries` times, each on a connection of its own.
     With `text_sink`, the text the server streamed is appended to it, piece by piece (a multi-turn
     session sends the reply back as received); it holds the pieces of the answered try only.
+    `headers`: sent instead of the target's own (Target.headers with a class and session).
 
     Timing is that of the attempt that produced the result: a failed attempt's time is spent on a
     connection the server had already given up (or never took), not on the server's work, so
     counting it would charge the client's pool to the server's TTFT and latency.
     """
-    result = await _attempt(session, target, prompt, text_sink)
+    sent = dict(headers) if headers is not None else target.headers()
+    result = await _attempt(session, target, prompt, text_sink, sent)
     attempts = 1
     while result.client_error and attempts <= retries:
         # A session that pools nothing: the pool is what handed out the dead connection. The POST
         # is resent even though the server may have read it: a load test only loses some work.
         fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), timeout=session.timeout)
         async with fresh:
-            result = await _attempt(fresh, target, prompt, text_sink)
+            result = await _attempt(fresh, target, prompt, text_sink, sent)
         attempts += 1
     result.attempts = attempts
     if result.client_error and attempts > 1:
@@ -135,7 +147,11 @@ async def stream_request(
 
 
 async def _attempt(
-    session: aiohttp.ClientSession, target: Target, prompt: Prompt, text_sink: list[str] | None
+    session: aiohttp.ClientSession,
+    target: Target,
+    prompt: Prompt,
+    text_sink: list[str] | None,
+    headers: Mapping[str, str],
 ) -> RequestResult:
     result = RequestResult(started=time.monotonic())
     if text_sink is not None:
@@ -144,7 +160,7 @@ async def _attempt(
     done = False
     answered = False
     try:
-        async with session.post(target.endpoint(), json=target.body(prompt), headers=target.headers()) as resp:
+        async with session.post(target.endpoint(), json=target.body(prompt), headers=headers) as resp:
             answered = True
             result.backend = resp.headers.get("x-specgate-backend")
             if resp.status != 200:

@@ -8,7 +8,8 @@ workloads, so a stream's sessions do not depend on how the streams interleave.
 
 - `single`: today's prompt sources (`--prompts`) unchanged; with classes, each request is drawn into
   a class and takes the next prompt of that class's kind (prompts.diverse or prompts.repetitive).
-- `multiturn`: each stream runs sessions one after another. A session is drawn into a class, starts
+- `multiturn`: each stream runs sessions one after another. A session is drawn into a class (or, with
+  `classes_by_stream`, stream i's sessions are all of class i mod n: an even split), starts
   from the system prompt every session shares, and sends `turns` requests: each appends a new user
   message to the whole conversation so far (system, every earlier user message and every reply as
   received). A failed request ends its session, as a user would start over.
@@ -30,8 +31,12 @@ from .textbank import TextBank, repeat, tokens_to_chars
 
 WorkloadKind = Literal["single", "multiturn", "longctx"]
 WORKLOADS: tuple[WorkloadKind, ...] = ("single", "multiturn", "longctx")
-ClassKind = Literal["diverse", "repetitive"]
-CLASS_KINDS: tuple[ClassKind, ...] = ("diverse", "repetitive")
+# diverse: varied prose; repetitive: a piece quoted over and over (code edits); mixed: varied prose
+# whose opening MIXED_QUOTE share is quoted again at its end (a question quoting a little of its
+# context), so about that share of its word 4-grams repeat. Mixed is for generated workloads only.
+ClassKind = Literal["diverse", "repetitive", "mixed"]
+CLASS_KINDS: tuple[ClassKind, ...] = ("diverse", "repetitive", "mixed")
+MIXED_QUOTE = 0.14
 DEFAULT_CLASS = "all"
 # Shortest generated prompt or user message: the repetitiveness contract holds from here up.
 MIN_TOKENS = 16
@@ -99,9 +104,13 @@ class WorkloadSpec:
     prompt_tokens_mean: int = 8000
     prompt_tokens_spread: float = 0.5
     prompt_tokens_max: int = 100_000
+    # multiturn and longctx: stream i's sessions all of class i mod len(classes), whatever the shares.
+    classes_by_stream: bool = False
 
     def __post_init__(self) -> None:
         check_classes(self.classes)
+        if self.kind == "single" and any(c.kind == "mixed" for c in self.classes):
+            raise ValueError("a mixed class is for --workload multiturn or longctx (single uses --prompts' sources)")
         if self.kind not in WORKLOADS:
             raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}")
         if self.system_tokens < 0 or self.turns < 1 or self.user_tokens < 1 or self.think_time_s < 0:
@@ -213,20 +222,31 @@ class Workload:
         spec = self.spec
         rng = random.Random(f"longctx-{spec.seed}-{index}")
         for n in _count():
-            cls = draw_class(rng, spec.class_list)
+            cls = self.session_class(rng, index)
             tokens = draw_tokens(rng, spec.prompt_tokens_mean, spec.prompt_tokens_spread, MIN_TOKENS,
                                  spec.prompt_tokens_max)  # fmt: skip
             text = self.text(rng, cls.kind, tokens_to_chars(tokens))
             yield Turn(chat_prompt([_user(text)]), cls.name, f"{index}.{n}")
 
     def text(self, rng: random.Random, kind: ClassKind, chars: int) -> str:
-        return self.bank.repetitive(rng, chars) if kind == "repetitive" else self.bank.diverse(rng, chars)
+        if kind == "repetitive":
+            return self.bank.repetitive(rng, chars)
+        if kind == "mixed":
+            return mixed_text(self.bank.diverse(rng, chars - round(chars * MIXED_QUOTE)), chars)
+        return self.bank.diverse(rng, chars)
+
+    def session_class(self, rng: random.Random, index: int) -> TrafficClass:
+        """The class of stream `index`'s next session: drawn, or by stream (classes_by_stream)."""
+        classes = self.spec.class_list
+        if self.spec.classes_by_stream:
+            return classes[index % len(classes)]
+        return draw_class(rng, classes)
 
     def _multiturn(self, index: int) -> Script:
         spec = self.spec
         rng = random.Random(f"multiturn-{spec.seed}-{index}")
         for n in _count():
-            cls = draw_class(rng, spec.class_list)
+            cls = self.session_class(rng, index)
             session = f"{index}.{n}"
             messages: list[dict[str, Any]] = [{"role": "system", "content": self._system}] if self._system else []
             # A code-editing session resends the same code every turn: one piece per session.
@@ -236,13 +256,19 @@ class Workload:
                 lo = max(MIN_TOKENS, spec.user_tokens // 2)
                 tokens = draw_tokens(rng, spec.user_tokens, USER_TOKENS_CV, lo, max(lo, 4 * spec.user_tokens))
                 chars = tokens_to_chars(tokens)
-                text = repeat(piece, chars) if piece else self.bank.diverse(rng, chars)
+                text = repeat(piece, chars) if piece else self.text(rng, cls.kind, chars)
                 messages.append(_user(text))
                 think = draw_think(rng, spec.think_time_s) if k > 1 else 0.0
                 reply = yield Turn(chat_prompt(messages), cls.name, session, k, think, keep_reply=True)
                 if reply is None:
                     break
                 messages.append({"role": "assistant", "content": reply})
+
+
+def mixed_text(head: str, chars: int) -> str:
+    """`head` followed by as much of its own opening as brings it to `chars` characters."""
+    quote = max(0, chars - len(head) - 1)
+    return f"{head} {head[:quote]}" if quote else head
 
 
 def _count() -> Iterator[int]:

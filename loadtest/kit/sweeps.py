@@ -149,9 +149,9 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME:SHARE:KIND",
-        help="a traffic class (repeatable; shares sum to 1), KIND diverse or repetitive, e.g. --class "
-        "chat:0.7:diverse --class code:0.3:repetitive: each session (or request) is drawn into one; reported "
-        "per class (default: one class, all)",
+        help="a traffic class (repeatable; shares sum to 1), KIND diverse, repetitive or mixed (not single), "
+        "e.g. --class chat:0.7:diverse --class code:0.3:repetitive: each session (or request) is drawn into "
+        "one; reported per class (default: one class, all)",
     )
     g.add_argument("--slo-ttft-ms", type=positive, default=None, help="goodput: a request's TTFT at most this")
     g.add_argument("--slo-tpot-ms", type=positive, default=None, help="goodput: a request's TPOT at most this")

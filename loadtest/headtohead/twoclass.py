@@ -1,0 +1,493 @@
+"""`python -m loadtest headtohead-classes`: two traffic classes on one simulated H200 shared by a pair
+(issue 28's targets), every target a fresh stack of its own on the same simulated hardware.
+
+    python -m loadtest headtohead-classes [--contexts 1k,8k] [--sessions 8,32,128] [--out-dir DIR]
+
+Traffic: multi-turn sessions (headtohead's sizes: plan.sizes_for), half of them of class A, whose
+user messages are varied prose quoting a seventh of itself (`mixed`: about 1.3 tokens accepted a
+step), half of class B, whose messages quote one piece of code over and over (`repetitive`: about
+3.0). Stream i's sessions are all of class A (i even) or B (i odd). Every request carries
+`x-specgate-class` and `x-session-id`. The servers are `pair --shared-gpu` simulators
+(`--profile h200-llama8b --enable-cache-report --accept-from-prompt --max-accept-length 3.2`),
+one pair per target:
+
+  all-spec   every request straight to the pair's speculative server;
+  all-base   every request straight to the pair's baseline server;
+  threshold  specgate SPECGATE_POLICY=threshold, with classes and cache affinity off
+             (SPECGATE_CLASS_KEY=none, SPECGATE_AFFINITY_ENTRIES=0): specgate before issue 28;
+  adaptive   the same with SPECGATE_POLICY=adaptive;
+  features   SPECGATE_POLICY=adaptive with classes (x-specgate-class) and cache affinity on;
+  smg        with --smg BINARY: SGLang's gateway (`smg launch --policy cache_aware`) in front of the
+             pair, both servers as plain workers (its hit rate beside specgate's).
+
+specgate's watermarks and curves come from a fresh pair calibrated per context with the same two
+classes (`loadtest calibrate --save`, no think time) at 4, 16, 64 and 256 streams, up to the first
+that reaches the top --sessions, so that the crossover is bracketed. Scoring per cell, in simulated time: goodput
+(requests finishing in the window within --slo-ttft-ms 1000 and --slo-tpot-ms 50), each specgate
+variant's over the better of all-spec and all-base, each class's goodput, the prefix-cache hit rate
+(cached_tokens) and the oracle's (`oracle_hit_rate`: every turn back on the server of its last turn,
+nothing evicted). Targets (issue 28): >= 1.10x where the classes should be split (class B has more
+goodput on all-spec and class A on all-base, each beyond 5%), >= 0.97x in every cell, hit rate
+within 5 points of the oracle. An inconclusive figure is unknown, never a pass or a fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..args import count, level_tuple, non_negative, positive
+from ..classes import Slo, summarise_class
+from ..client import RequestResult, Target
+from ..kit.command import add_run_options, check_max_tokens, say
+from ..kit.processes import Fleet, calibrate_fresh_pair, calibrate_options
+from ..kit.sampling import cpu_use, self_cpu_s
+from ..kit.settings import specgate_env
+from ..procs import free_port, pair_args
+from ..report import fmt, write_json
+from ..stats import DEFAULT_MIN_REQUESTS
+from ..sweep import LevelPlan, first_model, make_session, measure_level
+from ..textbank import TextBank
+from ..workload import TrafficClass, Workload, WorkloadSpec
+from .plan import CALIBRATE_LEVELS, MAX_TIME_SCALE, PROFILE, context_label, default_time_scale, sizes_for
+from .run import MAX_WAIT_S, CellCapture, Servers, _sample
+from .score import NO_GOODPUT, TIE, TargetCell, target_cell
+
+TARGETS = ("all-spec", "all-base", "threshold", "adaptive", "features")
+GATES = ("threshold", "adaptive", "features")
+FIXED = ("all-spec", "all-base")
+CLASSES = (TrafficClass("A", 0.5, "mixed"), TrafficClass("B", 0.5, "repetitive"))
+# The issue's targets.
+SPLIT_GAIN = 1.10
+FLOOR = 0.97
+HIT_POINTS = 0.05
+# The simulator's prefix cache keeps whole pages of this many tokens (radix.py's default).
+PAGE_TOKENS = 16
+# smg's metrics would default to port 29000; a worker's health is checked this often (s).
+SMG_CHECK_S = 1
+
+
+@dataclass(frozen=True)
+class ClassPlan:
+    contexts: tuple[int, ...] = (1000, 8000)
+    sessions: tuple[int, ...] = (8, 32, 128)
+    turns: int = 4
+    max_tokens: int = 128
+    think_time_s: float = 0.5  # simulated
+    window_s: float = 6.0  # simulated
+    max_window_s: float = 60.0  # simulated
+    slo_ttft_ms: float = 1000.0  # simulated
+    slo_tpot_ms: float = 50.0  # simulated
+    spec_steps: int = 3
+    max_accept_length: float = 3.2
+    seed: int = 0
+    min_requests: int = DEFAULT_MIN_REQUESTS
+    profile: str = PROFILE
+    # smg's binary (scripts/install-peers puts it in .venv-peers/bin/smg); None: no smg target.
+    smg: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.window_s <= self.max_window_s:
+            raise ValueError("--window-s must be positive and at most --max-window-s")
+        for c in self.contexts:
+            sizes_for(c, self.turns, self.max_tokens)
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return (*TARGETS, "smg") if self.smg else TARGETS
+
+    def time_scale(self, sessions: int, context: int) -> float:
+        """headtohead's, times three stacks over this run's."""
+        return round(default_time_scale(sessions, context) * 3 / len(self.targets), 4)
+
+    def calibration_levels(self) -> tuple[int, ...]:
+        """CALIBRATE_LEVELS up to the first that reaches the top --sessions (all when none does)."""
+        top = max(self.sessions)
+        reach = [x for x in CALIBRATE_LEVELS if x >= top]
+        return tuple(x for x in CALIBRATE_LEVELS if x <= (reach[0] if reach else CALIBRATE_LEVELS[-1]))
+
+    def calibration_scale(self, context: int) -> float:
+        return round(min(MAX_TIME_SCALE, 2 * default_time_scale(max(self.calibration_levels()), context)), 4)
+
+    def wall_slo(self, sessions: int, context: int) -> Slo:
+        t = self.time_scale(sessions, context)
+        return Slo(ttft_ms=self.slo_ttft_ms / t, tpot_ms=self.slo_tpot_ms / t)
+
+    def workload(self, context: int, sessions: int) -> WorkloadSpec:
+        s = sizes_for(context, self.turns, self.max_tokens)
+        return WorkloadSpec(
+            "multiturn",
+            classes=CLASSES,
+            classes_by_stream=True,
+            seed=self.seed * 1000 + sessions,
+            system_tokens=s.system_tokens,
+            turns=s.turns,
+            user_tokens=s.user_tokens,
+            think_time_s=self.think_time_s / self.time_scale(sessions, context),
+        )
+
+    def pair(self, time_scale: float, spec_port: int, base_port: int) -> list[str]:
+        return pair_args(
+            spec_port, base_port, "--profile", self.profile, "--enable-cache-report", "--accept-from-prompt",
+            "--max-accept-length", f"{self.max_accept_length:g}", "--spec-steps", str(self.spec_steps),
+            "--time-scale", f"{time_scale:g}",
+        )  # fmt: skip
+
+
+def smg_argv(binary: str, port: int, metrics_port: int, workers: Sequence[str]) -> list[str]:
+    """`python` arguments that exec smg with the cache_aware policy in front of `workers`."""
+    exe = "import os, sys; os.execv(sys.argv[1], sys.argv[1:])"
+    return ["-c", exe, binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+            "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--disable-tokenizer-autoload", "--worker-startup-check-interval", str(SMG_CHECK_S)]  # fmt: skip
+
+
+def gate_settings(target: str) -> dict[str, object]:
+    """specgate's settings (Settings' fields) for a specgate target."""
+    if target == "features":
+        return {"policy": "adaptive", "class_key": "header"}
+    if target in ("threshold", "adaptive"):
+        return {"policy": target, "class_key": "none", "affinity_entries": 0}
+    raise ValueError(f"{target!r} is not a specgate target")
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring: pure
+
+
+def oracle_hit_rate(results: Sequence[RequestResult], t0: float, t1: float, system_tokens: int) -> float | None:
+    """The prefix-cache hit rate of an oracle that sends every turn back to the server of its
+    session's last turn, where nothing is evicted, over the good requests started in [t0, t1] that
+    reported cached tokens (as the measured rate): a first turn finds the shared system prompt
+    cached, a later one the previous turn's prompt and reply; whole pages only."""
+    by_session: dict[str, dict[int, RequestResult]] = {}
+    for r in results:
+        if r.ok:
+            by_session.setdefault(r.session, {})[r.turn] = r
+    cached = prompts = 0
+    for r in results:
+        if not (r.ok and t0 <= r.started < t1 and r.cached_tokens is not None):
+            continue
+        prev = by_session[r.session].get(r.turn - 1)
+        held = system_tokens if r.turn == 1 else (prev.prompt_tokens + prev.output_tokens if prev else 0)
+        cached += min(r.prompt_tokens, held) // PAGE_TOKENS * PAGE_TOKENS
+        prompts += r.prompt_tokens
+    return cached / prompts if prompts else None
+
+
+@dataclass(frozen=True)
+class ClassCell:
+    context: int
+    sessions: int
+    time_scale: float
+    targets: dict[str, TargetCell]
+    # Goodput (requests a simulated second) per target and class.
+    class_goodput: dict[str, dict[str, float]] = field(default_factory=dict)
+    oracle_hit: dict[str, float | None] = field(default_factory=dict)
+    cpu_busy: float | None = None
+
+    def best_fixed(self) -> float | None:
+        """The better of all-spec's and all-base's goodput, None when either is inconclusive."""
+        fixed = [self.targets[n] for n in FIXED]
+        if not all(t.conclusive for t in fixed):
+            return None
+        return max(t.goodput_req_s for t in fixed)
+
+    def ratio(self, target: str) -> float | None:
+        best = self.best_fixed()
+        t = self.targets[target]
+        if best is None or not t.conclusive or best < NO_GOODPUT:
+            return None
+        return t.goodput_req_s / best
+
+    def split(self) -> bool | None:
+        """Whether the classes should be split: class B has more goodput on all-spec, class A on
+        all-base, each beyond TIE; None when either fixed target is inconclusive."""
+        if self.best_fixed() is None:
+            return None
+        spec, base = self.class_goodput["all-spec"], self.class_goodput["all-base"]
+        return spec["B"] > base["B"] * (1 + TIE) and base["A"] > spec["A"] * (1 + TIE)
+
+
+Verdict = str  # "met", "missed", "unknown"
+
+
+def goodput_verdict(cell: ClassCell, target: str) -> Verdict:
+    """met/missed the issue's goodput target in this cell (>= SPLIT_GAIN where the classes should be
+    split, else >= FLOOR), unknown when a figure is inconclusive."""
+    r = cell.ratio(target)
+    split = cell.split()
+    if r is None or split is None:
+        return "unknown"
+    return "met" if r >= (SPLIT_GAIN if split else FLOOR) else "missed"
+
+
+def hit_verdict(cell: ClassCell, target: str) -> Verdict:
+    """met/missed: the target's hit rate within HIT_POINTS of the oracle's on its own requests."""
+    t = cell.targets[target]
+    oracle = cell.oracle_hit.get(target)
+    if not t.conclusive or t.prefix_cache_hit_rate is None or oracle is None:
+        return "unknown"
+    return "met" if t.prefix_cache_hit_rate >= oracle - HIT_POINTS else "missed"
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def calibrate(plan: ClassPlan, context: int, out_dir: Path, quiet: bool) -> Path:
+    where = out_dir / f"calibration-{context_label(context)}"
+    where.mkdir(parents=True, exist_ok=True)
+    s = sizes_for(context, plan.turns, plan.max_tokens)
+    t = plan.calibration_scale(context)
+    extra = [
+        *calibrate_options(plan.seed, plan.max_tokens, plan.min_requests),
+        "--workload", "multiturn", "--system-tokens", str(s.system_tokens), "--turns", str(s.turns),
+        "--user-tokens", str(s.user_tokens), "--think-time-s", "0", "--warmup-s", "0",
+        *(a for c in CLASSES for a in ("--class", f"{c.name}:{c.share:g}:{c.kind}")),
+    ]  # fmt: skip
+    say(f"{context_label(context)} context: calibrating at time scale {t:g}", quiet)
+    return calibrate_fresh_pair(
+        lambda sp, bp: plan.pair(t, sp, bp), plan.calibration_levels(), extra, 2.0 / t, where, quiet, prompts=None
+    )
+
+
+def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Path) -> Servers:
+    t = plan.time_scale(sessions, context)
+    fleet = Fleet()
+    urls: dict[str, str] = {}
+    servers: dict[str, dict[str, str]] = {}
+    try:
+        for target in plan.targets:
+            sp, bp = free_port(), free_port()
+            spec, base = f"http://127.0.0.1:{sp}", f"http://127.0.0.1:{bp}"
+            fleet.start(f"pair-{target}", plan.pair(t, sp, bp), [spec + "/health", base + "/health"])
+            servers[target] = {"speculative": spec, "baseline": base}
+            if target == "all-spec":
+                urls[target], servers[target] = spec, {"speculative": spec}
+            elif target == "all-base":
+                urls[target], servers[target] = base, {"baseline": base}
+        fleet.ready()
+        if plan.smg:
+            port = free_port()
+            urls["smg"] = f"http://127.0.0.1:{port}"
+            argv = smg_argv(plan.smg, port, free_port(), list(servers["smg"].values()))
+            fleet.start("smg", argv, [urls["smg"] + "/readiness"])
+        for target in GATES:
+            port = free_port()
+            urls[target] = f"http://127.0.0.1:{port}"
+            back = servers[target]
+            settings = {**gate_settings(target), "calibration": calibration}
+            env = specgate_env(port, back["speculative"], back["baseline"], t)
+            env |= {f"SPECGATE_{k.upper()}": str(v) for k, v in settings.items()}
+            fleet.start(f"specgate-{target}", ["-m", "proxy"], [urls[target] + "/ready"], env)
+        fleet.ready()
+    except BaseException:
+        fleet.stop()
+        raise
+    return Servers(urls=urls, servers=servers, fleet=fleet)
+
+
+async def measure(plan: ClassPlan, context: int, sessions: int, servers: Servers) -> CellCapture:
+    from ..production import WorkloadRun
+
+    t = plan.time_scale(sessions, context)
+    spec = plan.workload(context, sessions)
+    level = LevelPlan(duration_s=plan.window_s / t, max_duration_s=plan.max_window_s / t, max_wait_s=MAX_WAIT_S / t)
+    bank = TextBank(spec.seed)
+    cap = CellCapture(runs={})
+    done = asyncio.Event()
+    async with make_session() as session:
+        targets = {
+            name: Target(url, await first_model(url, None), chat=True, max_tokens=plan.max_tokens, tag_requests=True)
+            for name, url in servers.urls.items()
+        }
+        sampler = asyncio.create_task(_sample(session, servers, cap, done))
+
+        async def one(name: str) -> None:
+            run = await measure_level(
+                session, targets[name], sessions, level, Workload(spec, bank), min_requests=plan.min_requests
+            )
+            cap.runs[name] = WorkloadRun(run.results, run.t0, run.t1, sessions, run.extended_s)
+
+        try:
+            await asyncio.gather(*(one(name) for name in targets))
+        finally:
+            done.set()
+            await sampler
+    return cap
+
+
+def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, quiet: bool) -> ClassCell:
+    t = plan.time_scale(sessions, context)
+    say(f"  {sessions} sessions (time scale {t:g}): {len(plan.targets)} pairs and their routers...", quiet)
+    servers = start_servers(plan, sessions, context, calibration)
+    try:
+        cpu0 = self_cpu_s()
+        cap = asyncio.run(measure(plan, context, sessions, servers))
+        cpu = cpu_use(cap.cpu_samples, servers.fleet.procs, self_cpu_s() - cpu0)
+    finally:
+        servers.fleet.stop()
+    slo = plan.wall_slo(sessions, context)
+    system = sizes_for(context, plan.turns, plan.max_tokens).system_tokens
+    targets: dict[str, TargetCell] = {}
+    per_class: dict[str, dict[str, float]] = {}
+    oracle: dict[str, float | None] = {}
+    for name in plan.targets:
+        run = cap.runs[name]
+        stats = run.stats(slo, plan.min_requests)
+        everything = summarise_class("all", run.results, run.t0, run.t1, slo)
+        queued = cap.queued.get(name)
+        targets[name] = target_cell(name, stats, everything, t, sum(queued) / len(queued) if queued else None)
+        per_class[name] = {c.name: (s.goodput_req_s or 0.0) / t for c in CLASSES
+                           if (s := stats.classes.get(c.name)) is not None}  # fmt: skip
+        for c in CLASSES:
+            per_class[name].setdefault(c.name, 0.0)
+        oracle[name] = oracle_hit_rate(run.results, run.t0, run.t1, system)
+    cell = ClassCell(context, sessions, t, targets, per_class, oracle, cpu.machine_busy_mean)
+    figures = ", ".join(f"{n} {c.goodput_req_s:.2f}{'' if c.conclusive else '*'}" for n, c in targets.items())
+    say(f"    goodput {figures}; CPU {cpu.machine_busy_mean:.0%}", quiet)
+    return cell
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def _hit(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
+
+
+def _goodput(t: TargetCell | None) -> str:
+    return "-" if t is None else fmt(t.goodput_req_s, 2) + ("" if t.conclusive else "*")
+
+
+def _ratio(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.2f}x"
+
+
+def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
+    """A markdown table: goodput per target, the gates' ratios, split, hit rates."""
+    head = (
+        "| ctx | sessions | scale | "
+        + " | ".join(f"goodput {n}" for n in plan.targets)
+        + " | A/B spec | A/B base | split? | "
+        + " | ".join(f"{n} / best" for n in GATES)
+        + " | hit "
+        + " / ".join(plan.targets)
+        + " | oracle (features) | features to spec |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for c in cells:
+        split = c.split()
+        gp = [_goodput(c.targets.get(n)) for n in plan.targets]
+        cg = c.class_goodput
+        share = c.targets["features"].speculative_share
+        lines.append(
+            f"| {context_label(c.context)} | {c.sessions} | {c.time_scale:g} | "
+            + " | ".join(gp)
+            + f" | {cg['all-spec']['A']:.2f}/{cg['all-spec']['B']:.2f} | {cg['all-base']['A']:.2f}/"
+            f"{cg['all-base']['B']:.2f} | {'unknown' if split is None else 'yes' if split else 'no'} | "
+            + " | ".join(f"{_ratio(c.ratio(n))} ({goodput_verdict(c, n)})" for n in GATES)
+            + " | "
+            + " / ".join(_hit(c.targets[n].prefix_cache_hit_rate) if n in c.targets else "-" for n in plan.targets)
+            + f" | {_hit(c.oracle_hit.get('features'))} | {'-' if share is None else f'{share:.0%}'} |"
+        )
+    lines.append(
+        f"\n(simulated time; goodput: requests a second finishing within TTFT <= {plan.slo_ttft_ms:g} ms and TPOT "
+        f"<= {plan.slo_tpot_ms:g} ms; A/B: each class's goodput; split?: B gains on all-spec and A on all-base, "
+        f"each beyond {TIE:.0%}; X / best: X's goodput over the better of all-spec and all-base, (met/missed) "
+        f">= {SPLIT_GAIN:g}x where split, else >= {FLOOR:g}x; * inconclusive)"
+    )
+    return "\n".join(lines)
+
+
+def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
+    out = []
+    for n in GATES:
+        gv = [goodput_verdict(c, n) for c in cells]
+        hv = [hit_verdict(c, n) for c in cells]
+        out.append(
+            f"{n}: goodput target met in {gv.count('met')}, missed in {gv.count('missed')}, unknown in "
+            f"{gv.count('unknown')} of {len(cells)} cells; hit rate within {HIT_POINTS:.0%} of the oracle in "
+            f"{hv.count('met')}, missed in {hv.count('missed')}, unknown in {hv.count('unknown')}"
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Command
+
+
+def run(plan: ClassPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> dict[str, Any]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cells: list[ClassCell] = []
+    for context in plan.contexts:
+        if reuse is not None:
+            path = reuse / f"calibration-{context_label(context)}" / "calibration.json"
+            if not path.exists():
+                raise ValueError(f"--calibrations: no {path}")
+        else:
+            path = calibrate(plan, context, out_dir, quiet)
+        cells += [run_cell(plan, context, s, path, quiet) for s in plan.sessions]
+        write_json(out_dir / "headtohead-classes.json", {"settings": vars(plan), "cells": cells})
+    return {"settings": vars(plan), "cells": cells, "summary": summary_lines(cells)}
+
+
+def _contexts(raw: str) -> tuple[int, ...]:
+    from .plan import parse_context
+
+    try:
+        values = tuple(parse_context(x) for x in raw.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not values:
+        raise argparse.ArgumentTypeError("name at least one context")
+    return values
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "headtohead-classes",
+        help="two traffic classes on a shared-GPU pair: all-spec, all-base and three specgates (issue 28)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--contexts", type=_contexts, default=(1000, 8000), help="comma list (default 1k,8k)")
+    p.add_argument("--sessions", type=level_tuple, default=(8, 32, 128), help="comma list (default 8,32,128)")
+    p.add_argument("--turns", type=count, default=4)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--think-time-s", type=non_negative, default=0.5, help="simulated seconds (default 0.5)")
+    p.add_argument("--window-s", type=positive, default=6.0, help="simulated seconds (default 6)")
+    p.add_argument("--max-window-s", type=positive, default=60.0, help="simulated seconds (default 60)")
+    p.add_argument("--slo-ttft-ms", type=positive, default=1000.0, help="simulated ms (default 1000)")
+    p.add_argument("--slo-tpot-ms", type=positive, default=50.0, help="simulated ms (default 50)")
+    p.add_argument("--calibrations", default=None, metavar="DIR", help="reuse an earlier run's calibrations")
+    p.add_argument("--smg", default=None, metavar="BINARY",
+                   help="add smg --policy cache_aware in front of a pair (e.g. .venv-peers/bin/smg)")  # fmt: skip
+    add_run_options(p, "a cell needs per target", "headtohead-classes-results")
+
+
+def cmd_headtohead_classes(args: argparse.Namespace) -> int:
+    check_max_tokens(args.max_tokens)
+    plan = ClassPlan(
+        contexts=args.contexts, sessions=args.sessions, turns=args.turns, max_tokens=args.max_tokens,
+        think_time_s=args.think_time_s, window_s=args.window_s, max_window_s=max(args.max_window_s, args.window_s),
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, min_requests=args.min_requests,
+        smg=args.smg,
+    )  # fmt: skip
+    out_dir = Path(args.out_dir)
+    started = time.monotonic()
+    report = run(plan, out_dir, Path(args.calibrations) if args.calibrations else None, args.quiet)
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    print(table(plan, report["cells"]))
+    for line in report["summary"]:
+        print(line)
+    write_json(out_dir / "headtohead-classes.json", report)
+    print(f"\ndata: {out_dir / 'headtohead-classes.json'}   ({report['wall_s']:.0f} s)")
+    return 0

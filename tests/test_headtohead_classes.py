@@ -1,0 +1,148 @@
+"""`python -m loadtest headtohead-classes`'s pure parts: the two-class workload (classes by stream, the
+mixed kind's acceptance under the simulator's rule), the request tags, the oracle hit rate, and the
+ratios and verdicts against issue 28's targets."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.__main__ import build_parser
+from loadtest.client import RequestResult, Target
+from loadtest.headtohead.twoclass import (
+    CLASSES,
+    ClassCell,
+    ClassPlan,
+    gate_settings,
+    goodput_verdict,
+    hit_verdict,
+    oracle_hit_rate,
+    smg_argv,
+    table,
+)
+from loadtest.prompts import repetitiveness
+from loadtest.textbank import TextBank
+from loadtest.workload import TrafficClass, Workload, WorkloadSpec
+
+from .test_headtohead import tc
+
+MAX_ACCEPT = ClassPlan().max_accept_length
+
+
+def accept(text: str) -> float:
+    """The simulator's --accept-from-prompt rule (server.accept_for) at the plan's max."""
+    return 1.0 + (MAX_ACCEPT - 1.0) * repetitiveness(text)
+
+
+@pytest.mark.parametrize("context", [1000, 8000])
+def test_classes_split_by_stream_with_the_accept_lengths_the_issue_names(context: int) -> None:
+    spec = ClassPlan().workload(context, 8)
+    w = Workload(spec, TextBank(spec.seed))
+    seen: dict[str, list[float]] = {"A": [], "B": []}
+    for i in range(8):
+        script = w.stream(i)
+        turn = next(script)
+        for _ in range(3):
+            assert turn.traffic_class == ("A" if i % 2 == 0 else "B")
+            seen[turn.traffic_class].append(accept(turn.prompt.messages[-1]["content"]))
+            turn = script.send("a reply")
+    assert len(seen["A"]) == len(seen["B"]) == 12
+    assert all(1.15 <= a <= 1.45 for a in seen["A"]), seen["A"]
+    assert all(2.8 <= b <= 3.2 for b in seen["B"]), seen["B"]
+
+
+def test_a_mixed_class_is_refused_for_single_requests() -> None:
+    with pytest.raises(ValueError, match="mixed"):
+        WorkloadSpec("single", classes=(TrafficClass("A", 1.0, "mixed"),))
+
+
+def test_drawn_classes_are_unchanged_without_classes_by_stream() -> None:
+    spec = WorkloadSpec("multiturn", classes=CLASSES, seed=3, system_tokens=50, user_tokens=64, think_time_s=0)
+    names = [next(Workload(spec, TextBank(3)).stream(i)).traffic_class for i in range(40)]
+    assert {"A", "B"} == set(names)
+    assert names[0::2] != ["A"] * 20  # drawn, not by stream
+
+
+def test_tagged_targets_send_class_and_session_headers() -> None:
+    plain = Target("http://x", "m", api_key="k")
+    assert plain.headers("A", "1.1") == {"Authorization": "Bearer k"}
+    tagged = Target("http://x", "m", tag_requests=True)
+    assert tagged.headers("B", "3.2") == {"x-specgate-class": "B", "x-session-id": "3.2"}
+
+
+def test_gate_settings_turn_the_new_features_off_for_todays_policies() -> None:
+    assert gate_settings("threshold") == {"policy": "threshold", "class_key": "none", "affinity_entries": 0}
+    assert gate_settings("adaptive")["affinity_entries"] == 0
+    assert gate_settings("features") == {"policy": "adaptive", "class_key": "header"}
+    with pytest.raises(ValueError):
+        gate_settings("all-spec")
+
+
+def req(session: str, turn: int, prompt: int, out: int, cached: int | None, started: float = 1.0) -> RequestResult:
+    r = RequestResult(started=started, finished=started + 1, ttft=0.1, output_tokens=out, prompt_tokens=prompt)
+    r.ok, r.session, r.turn, r.cached_tokens = True, session, turn, cached
+    return r
+
+
+def test_the_oracle_finds_the_system_prompt_and_the_last_turn_cached_in_whole_pages() -> None:
+    results = [
+        req("s", 1, 200, 100, 96),  # turn 1: the 100-token system prompt -> 96 (6 pages)
+        req("s", 2, 500, 100, 288),  # turn 2: 200 + 100 held -> 288 (18 pages)
+        req("t", 2, 400, 100, 0),  # its first turn failed or predates the run: nothing held
+        req("s", 3, 900, 100, None),  # no cache report: not counted
+        req("s", 4, 900, 100, 0, started=50.0),  # outside the window
+    ]
+    assert oracle_hit_rate(results, 0.0, 10.0, system_tokens=100) == pytest.approx((96 + 288) / 1100)
+    assert oracle_hit_rate([], 0.0, 10.0, 100) is None
+
+
+def cell(spec: float, base: float, gates: float, split: bool, conclusive: bool = True) -> ClassCell:
+    targets = {
+        "all-spec": tc("all-spec", spec, conclusive),
+        "all-base": tc("all-base", base),
+        **{n: tc(n, gates) for n in ("threshold", "adaptive", "features")},
+    }
+    per_class = {
+        "all-spec": {"A": 1.0 if split else 3.0, "B": 3.0},
+        "all-base": {"A": 2.0, "B": 1.0},
+    }
+    return ClassCell(1000, 32, 1.0, targets, per_class, {n: 0.6 for n in targets})
+
+
+def test_goodput_verdicts_against_the_better_fixed_target() -> None:
+    assert cell(10, 8, 11, split=True).ratio("features") == pytest.approx(1.1)
+    assert goodput_verdict(cell(10, 8, 11, split=True), "features") == "met"
+    assert goodput_verdict(cell(10, 8, 10.5, split=True), "features") == "missed"  # needs 1.10x
+    assert goodput_verdict(cell(10, 8, 9.8, split=False), "features") == "met"  # 0.98 >= 0.97
+    assert goodput_verdict(cell(10, 8, 9.6, split=False), "features") == "missed"
+    assert goodput_verdict(cell(10, 8, 20, split=True, conclusive=False), "features") == "unknown"
+    assert cell(10, 8, 11, split=True, conclusive=False).split() is None
+
+
+def test_hit_verdict_within_five_points_of_the_oracle() -> None:
+    c = cell(10, 8, 11, split=True)  # every measured hit rate 0.5 (tc), oracle 0.6
+    assert hit_verdict(c, "features") == "missed"
+    c.oracle_hit["features"] = 0.54
+    assert hit_verdict(c, "features") == "met"
+    c.oracle_hit["features"] = None
+    assert hit_verdict(c, "features") == "unknown"
+
+
+def test_table_and_parser() -> None:
+    text = table(ClassPlan(), [cell(10, 8, 11, split=True)])
+    assert "1.10x (met)" in text and "| yes |" in text
+    args = build_parser().parse_args(["headtohead-classes", "--contexts", "1k", "--sessions", "8,32"])
+    assert args.contexts == (1000,) and args.sessions == (8, 32)
+
+
+def test_calibration_brackets_the_top_sessions_and_smg_is_a_sixth_target() -> None:
+    assert ClassPlan(sessions=(8, 32, 128)).calibration_levels() == (4, 16, 64, 256)
+    assert ClassPlan(sessions=(8, 16)).calibration_levels() == (4, 16)
+    assert ClassPlan(sessions=(1000,)).calibration_levels() == (4, 16, 64, 256)
+    plain, peer = ClassPlan(), ClassPlan(smg="/x/smg")
+    assert "smg" not in plain.targets and peer.targets[-1] == "smg"
+    assert peer.time_scale(32, 1000) == pytest.approx(plain.time_scale(32, 1000) * 5 / 6, rel=1e-3)
+    argv = smg_argv("/x/smg", 1, 2, ["http://a", "http://b"])
+    assert argv[argv.index("--policy") + 1] == "cache_aware" and argv[argv.index("--worker-urls") + 1 :][:2] == [
+        "http://a",
+        "http://b",
+    ]
