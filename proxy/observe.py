@@ -95,13 +95,15 @@ class Generated(StreamObserver):
     tokens in flight grow with it): its content events, each `per_event` tokens (one a decode step;
     a speculative server's steps accept its acceptance length)."""
 
-    __slots__ = ("_carry", "_lease", "_mark", "_per_event")
+    __slots__ = ("_carry", "_lease", "_mark", "_per_event", "events")
 
     def __init__(self, lease: Lease, mark: bytes, per_event: float) -> None:
         self._lease = lease
         self._mark = mark
         self._per_event = per_event
         self._carry = 0.0
+        # Content events so far (the role chunk's empty content among them).
+        self.events = 0
 
     def first(self, data: bytes, at: float) -> None:
         self.chunk(data, at)
@@ -109,37 +111,39 @@ class Generated(StreamObserver):
     def chunk(self, data: bytes, at: float) -> None:
         events = data.count(self._mark)
         if events:
+            self.events += events
             self._carry += events * self._per_event
             whole = int(self._carry)
             self._carry -= whole
             self._lease.add(whole)
 
 
-class ClassLearning(StreamObserver):
-    """A traffic class's acceptance, from one of its streams on a speculative server that sends one
-    content event a decode step: its output tokens over its non-empty content events (the first,
-    from prefill, set aside as adaptive.stream_accept does)."""
+class ClassLearning(Generated):
+    """Generated, and a traffic class's acceptance from the same stream, on a speculative server that
+    sends one content event a decode step: its output tokens over its non-empty content events (the
+    first, from prefill, set aside as adaptive.stream_accept does). One subscriber, so a chunk's
+    content events are counted once for both."""
 
-    __slots__ = ("_book", "_empty", "_events", "_mark", "_metrics", "_name")
+    __slots__ = ("_book", "_empties", "_metrics", "_name")
 
-    def __init__(self, book: ClassBook, name: str, mark: bytes, metrics: Metrics) -> None:
+    def __init__(
+        self, lease: Lease, mark: bytes, per_event: float, book: ClassBook, name: str, metrics: Metrics
+    ) -> None:
+        super().__init__(lease, mark, per_event)
         self._book = book
         self._name = name
-        self._mark = mark
-        self._empty = mark + b'"'
         self._metrics = metrics
-        self._events = 0
-
-    def first(self, data: bytes, at: float) -> None:
-        self.chunk(data, at)
+        self._empties = 0
 
     def chunk(self, data: bytes, at: float) -> None:
-        self._events += data.count(self._mark) - data.count(self._empty)
+        super().chunk(data, at)
+        self._empties += data.count(self._mark + b'"')
 
     def end(self, usage: tuple[int, int] | None, last_at: float) -> None:
-        if usage is None or self._events < MIN_STREAM_EVENTS or usage[1] < self._events:
+        events = self.events - self._empties
+        if usage is None or events < MIN_STREAM_EVENTS or usage[1] < events:
             return
-        self._book.measured(self._name, usage[1] - 1, self._events - 1, last_at)
+        self._book.measured(self._name, usage[1] - 1, events - 1, last_at)
         accept = self._book.accept(self._name)
         if accept is not None:
             self._metrics.child(self._metrics.class_accept_length, self._name).set(accept)

@@ -282,15 +282,13 @@ class _Relay:
             out.append(Liveness(gate.health, lease.server))
         out.append(TokenCounts(gate.metrics, backend))
         if up.status == 200:
-            per_event = self.router.server_accept(lease.server) if backend == Role.SPECULATIVE else None
-            out.append(Generated(lease, generated_mark(call.endpoint), per_event or 1.0))
-            if (
-                self.traffic_class is not None
-                and call.stream
-                and backend == Role.SPECULATIVE
-                and self.router.counts_steps()
-            ):
-                out.append(ClassLearning(gate.classes, self.traffic_class, generated_mark(call.endpoint), gate.metrics))
+            per_event = (self.router.server_accept(lease.server) if backend == Role.SPECULATIVE else None) or 1.0
+            mark = generated_mark(call.endpoint)
+            cls = self.traffic_class
+            if cls is not None and call.stream and backend == Role.SPECULATIVE and self.router.counts_steps():
+                out.append(ClassLearning(lease, mark, per_event, gate.classes, cls, gate.metrics))
+            else:
+                out.append(Generated(lease, mark, per_event))
         out.append(Learning(self.router, backend, call.client, probe=probe, timed=timed, typed=typed))
         return tuple(out)
 

@@ -58,7 +58,7 @@ from ..args import count, level_tuple, non_negative, positive
 from ..kit.command import add_run_options, check_max_tokens, say
 from ..kit.sampling import cpu_use, self_cpu_s
 from ..report import write_json
-from .plan import HeadPlan, context_label, parse_context
+from .plan import HeadPlan, context_label, context_list
 from .plot import plot_headtohead
 from .report import cell_table, cpu_lines, verdicts, warnings
 from .run import calibrate, calibration_dir, measure_cell, start_servers
@@ -161,16 +161,6 @@ def _accepts(raw: str) -> tuple[float, ...]:
     return values
 
 
-def _contexts(raw: str) -> tuple[int, ...]:
-    try:
-        values = tuple(parse_context(x) for x in raw.split(",") if x.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if not values:
-        raise argparse.ArgumentTypeError("name at least one context")
-    return values
-
-
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "headtohead",
@@ -179,7 +169,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--accept-lengths", type=_accepts, default=(1.5, 2.5), help="comma list (default 1.5,2.5)")
-    p.add_argument("--contexts", type=_contexts, default=(1000, 8000),
+    p.add_argument("--contexts", type=context_list, default=(1000, 8000),
                    help="mean prompt tokens per request, comma list (default 1k,8k)")  # fmt: skip
     p.add_argument("--sessions", type=level_tuple, default=(1, 4, 16, 64, 256),
                    help="concurrent sessions, comma list (default 1,4,16,64,256)")  # fmt: skip

@@ -3,6 +3,7 @@ the time scale of each level and the SLOs converted to wall-clock time."""
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 
@@ -97,6 +98,17 @@ def parse_context(raw: str) -> int:
     if value < 100:
         raise ValueError(f"{raw!r}: a mean context of at least 100 tokens")
     return int(value)
+
+
+def context_list(raw: str) -> tuple[int, ...]:
+    """`--contexts`: a comma list of parse_context's counts (an argparse type)."""
+    try:
+        values = tuple(parse_context(x) for x in raw.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not values:
+        raise argparse.ArgumentTypeError("name at least one context")
+    return values
 
 
 def context_label(tokens: int) -> str:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 
@@ -22,7 +23,7 @@ from ..procs import free_port
 from ..production import WorkloadRun
 from ..sweep import LevelPlan, first_model, make_session, measure_level
 from ..textbank import TextBank
-from ..workload import Workload
+from ..workload import Workload, WorkloadSpec
 from .plan import CALIBRATE_WINDOW_S, HeadPlan, context_label
 
 # The warm-up (until every session finished a turn) and the drain each wait at most this long, in
@@ -139,8 +140,28 @@ async def _sample(session: aiohttp.ClientSession, servers: Servers, cap: CellCap
             await asyncio.wait_for(done.wait(), SAMPLE_S)
 
 
-async def measure_cell(plan: HeadPlan, context: int, sessions: int, servers: Servers) -> CellCapture:
-    """The three targets at once, each `sessions` multi-turn streams of the same sessions."""
+class CellPlan(Protocol):
+    """What a cell is measured by: headtohead's plan, or headtohead-classes' (twoclass.py)."""
+
+    @property
+    def window_s(self) -> float: ...
+    @property
+    def max_window_s(self) -> float: ...
+    @property
+    def min_requests(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
+
+    def time_scale(self, sessions: int, context: int) -> float: ...
+
+    def workload(self, context: int, sessions: int) -> WorkloadSpec: ...
+
+
+async def measure_cell(
+    plan: CellPlan, context: int, sessions: int, servers: Servers, tag_requests: bool = False
+) -> CellCapture:
+    """Every target at once, each `sessions` multi-turn streams of the same sessions; `tag_requests`:
+    each request names its class and session (x-specgate-class, x-session-id)."""
     t = plan.time_scale(sessions, context)
     spec = plan.workload(context, sessions)
     level = LevelPlan(duration_s=plan.window_s / t, max_duration_s=plan.max_window_s / t, max_wait_s=MAX_WAIT_S / t)
@@ -149,7 +170,9 @@ async def measure_cell(plan: HeadPlan, context: int, sessions: int, servers: Ser
     done = asyncio.Event()
     async with make_session() as session:
         targets = {
-            name: Target(url, await first_model(url, None), chat=True, max_tokens=plan.max_tokens)
+            name: Target(
+                url, await first_model(url, None), chat=True, max_tokens=plan.max_tokens, tag_requests=tag_requests
+            )
             for name, url in servers.urls.items()
         }
         sampler = asyncio.create_task(_sample(session, servers, cap, done))

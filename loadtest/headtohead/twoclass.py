@@ -43,7 +43,7 @@ from typing import Any
 
 from ..args import count, level_tuple, non_negative, positive
 from ..classes import Slo, summarise_class
-from ..client import RequestResult, Target
+from ..client import RequestResult
 from ..kit.command import add_run_options, check_max_tokens, say
 from ..kit.processes import Fleet, calibrate_fresh_pair, calibrate_options
 from ..kit.sampling import cpu_use, self_cpu_s
@@ -51,11 +51,17 @@ from ..kit.settings import specgate_env
 from ..procs import free_port, pair_args
 from ..report import fmt, write_json
 from ..stats import DEFAULT_MIN_REQUESTS
-from ..sweep import LevelPlan, first_model, make_session, measure_level
-from ..textbank import TextBank
-from ..workload import TrafficClass, Workload, WorkloadSpec
-from .plan import CALIBRATE_LEVELS, MAX_TIME_SCALE, PROFILE, context_label, default_time_scale, sizes_for
-from .run import MAX_WAIT_S, CellCapture, Servers, _sample
+from ..workload import TrafficClass, WorkloadSpec
+from .plan import (
+    CALIBRATE_LEVELS,
+    MAX_TIME_SCALE,
+    PROFILE,
+    context_label,
+    context_list,
+    default_time_scale,
+    sizes_for,
+)
+from .run import Servers, measure_cell
 from .score import NO_GOODPUT, TIE, TargetCell, target_cell
 
 TARGETS = ("all-spec", "all-base", "threshold", "adaptive", "features")
@@ -293,43 +299,13 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
     return Servers(urls=urls, servers=servers, fleet=fleet)
 
 
-async def measure(plan: ClassPlan, context: int, sessions: int, servers: Servers) -> CellCapture:
-    from ..production import WorkloadRun
-
-    t = plan.time_scale(sessions, context)
-    spec = plan.workload(context, sessions)
-    level = LevelPlan(duration_s=plan.window_s / t, max_duration_s=plan.max_window_s / t, max_wait_s=MAX_WAIT_S / t)
-    bank = TextBank(spec.seed)
-    cap = CellCapture(runs={})
-    done = asyncio.Event()
-    async with make_session() as session:
-        targets = {
-            name: Target(url, await first_model(url, None), chat=True, max_tokens=plan.max_tokens, tag_requests=True)
-            for name, url in servers.urls.items()
-        }
-        sampler = asyncio.create_task(_sample(session, servers, cap, done))
-
-        async def one(name: str) -> None:
-            run = await measure_level(
-                session, targets[name], sessions, level, Workload(spec, bank), min_requests=plan.min_requests
-            )
-            cap.runs[name] = WorkloadRun(run.results, run.t0, run.t1, sessions, run.extended_s)
-
-        try:
-            await asyncio.gather(*(one(name) for name in targets))
-        finally:
-            done.set()
-            await sampler
-    return cap
-
-
 def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, quiet: bool) -> ClassCell:
     t = plan.time_scale(sessions, context)
     say(f"  {sessions} sessions (time scale {t:g}): {len(plan.targets)} pairs and their routers...", quiet)
     servers = start_servers(plan, sessions, context, calibration)
     try:
         cpu0 = self_cpu_s()
-        cap = asyncio.run(measure(plan, context, sessions, servers))
+        cap = asyncio.run(measure_cell(plan, context, sessions, servers, tag_requests=True))
         cpu = cpu_use(cap.cpu_samples, servers.fleet.procs, self_cpu_s() - cpu0)
     finally:
         servers.fleet.stop()
@@ -439,18 +415,6 @@ def run(plan: ClassPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> dict
     return {"settings": vars(plan), "cells": cells, "summary": summary_lines(cells)}
 
 
-def _contexts(raw: str) -> tuple[int, ...]:
-    from .plan import parse_context
-
-    try:
-        values = tuple(parse_context(x) for x in raw.split(",") if x.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if not values:
-        raise argparse.ArgumentTypeError("name at least one context")
-    return values
-
-
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "headtohead-classes",
@@ -458,7 +422,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--contexts", type=_contexts, default=(1000, 8000), help="comma list (default 1k,8k)")
+    p.add_argument("--contexts", type=context_list, default=(1000, 8000), help="comma list (default 1k,8k)")
     p.add_argument("--sessions", type=level_tuple, default=(8, 32, 128), help="comma list (default 8,32,128)")
     p.add_argument("--turns", type=count, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
