@@ -38,6 +38,8 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     backend: str | None = None
+    # Why specgate sent it there (x-specgate-reason), when it went through specgate.
+    reason: str | None = None
     # The failure happened before the server answered (see the module docstring).
     client_error: bool = False
     # Tries this result took; a value above 1 means it needed a new connection.
@@ -163,6 +165,7 @@ async def _attempt(
         async with session.post(target.endpoint(), json=target.body(prompt), headers=headers) as resp:
             answered = True
             result.backend = resp.headers.get("x-specgate-backend")
+            result.reason = resp.headers.get("x-specgate-reason")
             if resp.status != 200:
                 body = (await resp.read())[:300].decode("utf-8", "replace")
                 result.error = f"HTTP {resp.status}: {body}"

@@ -5,8 +5,11 @@ prints it beside the hop's cost; `python -m loadtest.decisions` alone.
 One decision is what ingress and the relay do for every request before anything is sent upstream:
 the prompt's token estimate, the conversation key and the class name (when on), the class book's
 and the affinity table's lookups, the routing decision, and the lease taken and released. The
-requests are a 10-message chat of a few hundred tokens, 1,000 conversations in 4 classes, against a
-pair of healthy servers with a few requests in flight; each figure is the median of `reps` runs of
+requests are a 10-message chat of a few hundred tokens, 1,000 conversations in 4 classes of known
+acceptance (1.3 to 3.0), against a pool of two healthy servers (SPECGATE_TOPOLOGY=pooled, where
+classes are routed apart) with 17 requests in flight, the adaptive policy starting from a
+calibration (the `crossover` profile's curves), so that each class's own watermarks are solved as
+in service; each figure is the median of `reps` runs of
 `n` decisions, timed by the process's CPU clock (what the decision takes from the event loop).
 """
 
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.affinity import AffinityTable, conversation_key
+from proxy.calibration import Calibration, Curve
 from proxy.classes import ClassBook, class_of
 from proxy.config import Settings
 from proxy.metrics import Metrics
@@ -31,6 +35,24 @@ from proxy.tokens import TokenRatio, prompt_estimate
 POLICIES: tuple[str, ...] = ("threshold", "adaptive")
 CONVERSATIONS = 1000
 CLASSES = ("code", "chat", "agent", "batch-eval")
+CLASS_ACCEPT = (3.0, 1.3, 2.2, 1.8)
+# The `crossover` profile's curves (loadtest/simulator/profiles): equal at 20 streams at acceptance 3.
+LEVELS = (1, 2, 5, 10, 20, 30, 50, 70)
+SPEC = (180.0, 330.0, 700.0, 1100.0, 1500.0, 1650.0, 1750.0, 1800.0)
+BASE = (100.0, 195.0, 470.0, 880.0, 1500.0, 1950.0, 2500.0, 2800.0)
+
+
+def _calibration() -> Calibration:
+    nan = (float("nan"),) * len(LEVELS)
+    return Calibration(
+        levels=LEVELS,
+        speculative=Curve(SPEC, nan, (3.0,) * len(LEVELS)),
+        baseline=Curve(BASE, nan),
+        accept_length=3.0,
+        high_watermark=19,
+        low_watermark=14,
+        verdict="crosses",
+    )
 
 
 @dataclass(frozen=True)
@@ -62,6 +84,7 @@ def measure(policy: str, classes: bool, affinity: bool, n: int = 20_000, reps: i
         _env_file=None,
         speculative_url="http://127.0.0.1:1",
         baseline_url="http://127.0.0.1:2",
+        topology="pooled",
         policy=policy,
         high_watermark=16,
         low_watermark=8,
@@ -70,27 +93,31 @@ def measure(policy: str, classes: bool, affinity: bool, n: int = 20_000, reps: i
     servers = servers_of(topology)
     for s in servers.values():
         s.health.healthy = True
-    fleet = Fleet(
-        topology, servers, settings.policy_config(None), Metrics(topology.names(), []), settings.adaptive_config()
-    )
+    cal = _calibration()
+    metrics = Metrics(topology.names(), [])
+    fleet = Fleet(topology, servers, settings.policy_config(cal), metrics, settings.adaptive_config(), cal)
     book = ClassBook(settings.max_classes)
+    for name, accept in zip(CLASSES, CLASS_ACCEPT, strict=True):
+        book.tracked(name, time.monotonic())
+        book.measured(name, round(accept * 1000), 1000, time.monotonic())
     table = AffinityTable(settings.affinity_entries if affinity else 0)
     ratio = TokenRatio()
     bodies = _bodies()
     headers = [name.encode() for name in CLASSES]
-    held_open = [fleet.routers[0].admit(Role.BASELINE) for _ in range(10)]
+    held_open = [fleet.routers[0].admit(Role.BASELINE) for _ in range(17)]
 
     def decide(i: int) -> tuple[Any, bytes | None]:
         body = bodies[i % CONVERSATIONS]
         key = conversation_key(None, body, "chat") if affinity else None
-        gains = None
+        klass = None
         if classes:
             name = class_of("header", headers[i % len(headers)], body, b"")
             if name is not None:
                 now = time.monotonic()
-                gains = book.gains_most(book.tracked(name, now), now)
+                tracked = book.tracked(name, now)
+                klass = (book.gains_most(tracked, now), book.accept(tracked))
         held = table.get(key) if key is not None else None
-        return fleet.decide(can_probe=True, held=held, gains=gains), key
+        return fleet.decide(can_probe=True, held=held, klass=klass), key
 
     def request(i: int) -> None:
         tokens = ratio.scaled(prompt_estimate(bodies[i % CONVERSATIONS], "chat"))

@@ -135,7 +135,9 @@ def pinned_simulator(role: str, *extra: str) -> Iterator[tuple[Proc, str]]:
         os.sched_setaffinity(0, set(cores))
 
 
-def pair_args(spec_port: int, base_port: int, *extra: str) -> list[str]:
-    """A simulated pair sharing one compute budget (`loadtest.simulator pair --shared-gpu`)."""
+def pair_args(spec_port: int, base_port: int, *extra: str, shared: bool = True) -> list[str]:
+    """A simulated pair sharing one compute budget (`loadtest.simulator pair --shared-gpu`), or
+    with `shared` False on a GPU each."""
     ports = ["--speculative-port", str(spec_port), "--baseline-port", str(base_port)]
-    return ["-m", "loadtest.simulator", "pair", "--shared-gpu", *ports, "--log-level", "warning", *extra]
+    gpu = ["--shared-gpu"] if shared else []
+    return ["-m", "loadtest.simulator", "pair", *gpu, *ports, "--log-level", "warning", *extra]

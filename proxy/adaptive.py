@@ -409,6 +409,16 @@ class Adaptive:
         """(high, low) in effect."""
         return watermarks(self.wm)
 
+    def watermarks_at(self, accept: float, now: float) -> tuple[int, int] | None:
+        """(high, low) the curves as believed now call for at acceptance `accept` (a traffic
+        class's), in the live watermarks' range; None where they conclude nothing. The estimate's
+        target, not moved at a bounded rate: a class's acceptance is a slow decayed mean already."""
+        e = estimate(self.model, accept, now, self.cfg.margin)
+        if e.high is None or e.low is None:
+            return None
+        high = int(self._clamp(e.high))
+        return high, min(max(e.low, 0), hysteresis_low(high))
+
     def update(self, accept_live: float | None, now: float, source: str = "live") -> bool:
         """Re-estimate and move the watermark; True when the watermarks in effect changed."""
         before = self.watermarks()

@@ -18,6 +18,7 @@ from .config import redact_url
 from .errors import ApiError
 from .gate import Gate
 from .policy import ROLES
+from .routing import Router
 
 router = APIRouter()
 
@@ -138,7 +139,7 @@ def describe(gate: Gate) -> dict[str, Any]:
         "classes": {
             "key": s.class_key,
             "max": s.max_classes,
-            "tracked": gate.classes.describe(first.now()),
+            "tracked": _classes(gate.classes.describe(first.now()), first),
         },
         "watermarks": {"high": first.cfg.high_watermark, "low": first.cfg.low_watermark},
         "calibration": s.calibration,
@@ -182,3 +183,13 @@ async def models(request: Request) -> Response:
     if not seen:
         raise ApiError(502, "No backend listed its models.", "server_error", "upstream_unavailable")
     return _json({"object": "list", "data": list(seen.values())}, headers={"x-request-id": request_id(request)})
+
+
+def _classes(tracked: dict[str, dict[str, Any]], router: Router) -> dict[str, dict[str, Any]]:
+    """Each tracked class, with the watermarks its acceptance calls for in the first group
+    (policy.class_choice; null without a speed model or a known acceptance)."""
+    for info in tracked.values():
+        accept = info["accept_length"]
+        marks = router.class_marks(accept) if accept is not None else None
+        info["watermarks"] = None if marks is None else {"high": marks[0], "low": marks[1]}
+    return tracked

@@ -7,10 +7,14 @@ threshold (one mode for new requests, with hysteresis):
           = mode         otherwise
     backend = mode'
 
-The hold (SPECGATE_LOW_WATERMARK_HOLD_S, 0 by default) is asymmetric on purpose: leaving
+The hold (SPECGATE_LOW_WATERMARK_HOLD_S, 2 s by default) is asymmetric on purpose: leaving
 speculation early costs little, since the baseline serves a light load well, but a request sent to
 the speculative server during a dip of a second stays there for its whole length, and the load is
-back by then (reason return_hold while the load waits out the hold).
+back by then (reason return_hold while the load waits out the hold). Where the two servers tie, a
+load wandering about the low watermark otherwise switches back and forth, and on a shared GPU each
+switch leaves both servers busy while the old mode drains: measured in `loadtest scaleout
+--defaults` at 40 streams, 0.94x the better fixed choice with no hold, 0.97x with 2 s (and 1.00x
+with the engine signal's /metrics read every 0.5 s, config.ENGINE_SCRAPE_INTERVAL_S).
 
 spillover (the speculative server as a bounded first choice):
 
@@ -46,13 +50,28 @@ a turn of a conversation whose cache one server holds (affinity.py), whatever th
 
 since between the watermarks either role pays, and moving costs the conversation's re-prefill.
 
-a request of a traffic class whose acceptance is known against the others' (classes.py), where
-speculation has room for only part of the traffic: between the watermarks, and below the high
-one in a pooled topology (whose baseline pool is idle hardware otherwise), whatever the policy but
-spillover:
+a request of a traffic class whose acceptance A_c is known (classes.py), in a pooled topology
+(the roles on disjoint GPUs, so that the baseline pool is idle hardware otherwise), whatever the
+policy but spillover. Where the policy has a model of both servers' speed (adaptive, model), the
+class has watermarks of its own, high_c and low_c: the group's, solved at A_c instead of the
+traffic's acceptance (Router.class_marks), and compared with S, the speculative pool's own load
+(it holds only the classes sent to it):
+
+    backend = baseline                        if S >= high_c                          (reason class)
+            = speculative                     if S <= low_c, or no cache is held      (reason class)
+            = the role holding the conversation's cache      otherwise             (reason affinity)
+
+so a class that gains more from speculation than the traffic as a whole keeps it to a higher load,
+and one that gains less leaves it sooner. Without such a model (threshold, or no calibration yet)
+the classes are ranked instead, below the high watermark:
 
     backend = speculative if the class gains most (acceptance >= the traffic's median) else baseline
                                                                               (reason class)
+
+A paired group's two servers share one GPU, and there classes never split: a split time-slices
+the GPU, so every stream waits for both servers' steps (measured on the simulated H200, 1k-token
+chats of two classes at 128 sessions: 0.79-0.82x of the better fixed choice, where sending each
+class to the server it does best on alone looked like a gain); the group's rule decides for all.
 
 where L is the load (in-flight interactive requests over both servers, by the configured signal) and
 S the speculative server's own load, both measured before the new request is admitted. A backend that is
@@ -190,6 +209,17 @@ class PolicyState:
     session: int = 0
     session_requests: int = 0
     session_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ClassView:
+    """What the policy knows of a request's traffic class: whether it is among those that gain most
+    from speculation (ClassBook's ranking; None: fewer than two classes known), and the watermarks
+    its own acceptance calls for (None: no speed model to solve them, or its acceptance unknown)."""
+
+    gains: bool | None
+    high: int | None = None
+    low: int | None = None
 
 
 @dataclass(frozen=True)
@@ -357,12 +387,36 @@ def affinity_choice(decision: Decision, held: Role, cfg: PolicyConfig, healthy: 
 
 
 def class_choice(
-    decision: Decision, gains: bool, cfg: PolicyConfig, healthy: Mapping[Role, bool], pooled: bool
+    decision: Decision,
+    view: ClassView,
+    cfg: PolicyConfig,
+    healthy: Mapping[Role, bool],
+    pooled: bool,
+    spec_load: int = 0,
+    held: Role | None = None,
 ) -> Decision:
-    """The decision for a request of a class that gains most from speculation (`gains`) or not."""
-    if decision.backend is None or decision.reason not in _MODE_REASONS or cfg.policy == "spillover":
+    """The decision for a request of a traffic class (the module's rule); `held`: the role of the
+    server holding its conversation's cache, if any."""
+    if not pooled or decision.backend is None or decision.reason not in _MODE_REASONS or cfg.policy == "spillover":
         return decision
-    if not (cfg.low_watermark < decision.load or pooled) or decision.load >= cfg.high_watermark:
+    if view.high is None or view.low is None:
+        return _ranked_choice(decision, view.gains, cfg, healthy)
+    reason: Reason
+    choice: Role
+    if spec_load >= view.high:
+        choice, reason = Role.BASELINE, "class"
+    elif spec_load <= view.low or held is None or not healthy.get(held, False):
+        choice, reason = Role.SPECULATIVE, "class"
+    else:
+        choice, reason = held, "affinity"
+    if not healthy.get(choice, False):
+        return decision
+    return Decision(choice, reason, decision.state, decision.load)
+
+
+def _ranked_choice(decision: Decision, gains: bool | None, cfg: PolicyConfig, healthy: Mapping[Role, bool]) -> Decision:
+    """The class rule without a speed model: by the class's rank, below the high watermark."""
+    if gains is None or decision.load >= cfg.high_watermark:
         return decision
     choice = Role.SPECULATIVE if gains else Role.BASELINE
     if not healthy.get(choice, False):

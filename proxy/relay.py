@@ -122,19 +122,19 @@ class _Relay:
         call = self.call
         stored = gate.stored.server_of(call.previous) if call.previous is not None else None
         held = gate.affinity.get(call.affinity) if call.affinity is not None else None
-        gains = None
+        klass = None
         if call.traffic_class is not None:
             now = asyncio.get_running_loop().time()
-            self.traffic_class = gate.classes.tracked(call.traffic_class, now)
+            self.traffic_class = name = gate.classes.tracked(call.traffic_class, now)
             for gone in gate.classes.take_forgotten():
                 gate.metrics.forget_class(gone)
-            gains = gate.classes.gains_most(self.traffic_class, now)
+            klass = (gate.classes.gains_most(name, now), gate.classes.accept(name))
         placed = gate.fleet.decide(
             can_probe=call.endpoint in GENERATIONS and not call.batch,
             server=stored,
             batch=call.batch,
             held=held,
-            gains=gains,
+            klass=klass,
             prompt_tokens=call.prompt_tokens,
         )
         outcome: Outcome | None = None

@@ -28,6 +28,7 @@ from .metrics import Metrics
 from .policy import (
     LEARNING,
     ROLES,
+    ClassView,
     Decision,
     LoadSnapshot,
     PolicyConfig,
@@ -51,6 +52,9 @@ from .speedmodel import ModelLimits, StepModel
 from .topology import Group, Topology
 
 log = logging.getLogger("specgate.routing")
+
+# Acceptances (to 0.01) whose class watermarks are kept between estimates: more than traffic has.
+MAX_CLASS_MARKS = 256
 
 
 class Router:
@@ -88,6 +92,8 @@ class Router:
         self.evidence = AcceptanceEvidence(cfg.accept_fresh_s)
         self._accept_seen: float | None = None
         self.adaptive: Adaptive | None = None
+        # Watermarks per traffic class acceptance (rounded): solved again once the estimate moves.
+        self._class_marks: dict[float, tuple[int, int] | None] = {}
         # The model policy's step-time model: None without a fit (the adaptive rule then, as it is).
         self.speed: StepModel | None = None
         if cfg.policy in LEARNING:
@@ -211,17 +217,17 @@ class Router:
         can_probe: bool = True,
         batch: bool = False,
         held: Role | None = None,
-        gains: bool | None = None,
+        klass: ClassView | None = None,
         prompt_tokens: int = 0,
     ) -> Decision:
         """The backend for a new request. `can_probe` False: the request says nothing of acceptance
         (a model list, embeddings), so it is no probe, not even a shadow's original. `batch`: the
         request leaves speculation to interactive ones (policy.decide_batch). `held`: the role of
-        the server holding the request's conversation cache (policy.affinity_choice). `gains`:
-        whether the request's class gains most from speculation, when known (policy.class_choice,
-        which goes before affinity: a conversation's cache is worth one prefill, its class's gain
-        every token). `prompt_tokens`: its prompt's, which the model policy counts in the context
-        the group would hold."""
+        the server holding the request's conversation cache (policy.affinity_choice). `klass`:
+        what is known of the request's traffic class (policy.class_choice, which goes before
+        affinity: a conversation's cache is worth one prefill, its class's gain every token).
+        `prompt_tokens`: its prompt's, which the model policy counts in the context the group
+        would hold."""
         if self.speed is not None and not batch:
             self._model_watermarks(prompt_tokens, new=True)
         snapshot = self.snapshot()
@@ -231,13 +237,37 @@ class Router:
             return decision
         cfg = self.cfg if can_probe or self.cfg.probe_s <= 0 else dataclasses.replace(self.cfg, probe_s=0.0)
         decision = decide(snapshot, self.state, cfg)
-        if gains is not None:
-            decision = class_choice(decision, gains, cfg, snapshot.healthy, self._pooled)
-        if held is not None and decision.reason != "class":
+        if klass is not None:
+            spec = backend_load(snapshot, Role.SPECULATIVE, cfg.load_signal)
+            decision = class_choice(decision, klass, cfg, snapshot.healthy, self._pooled, spec, held)
+        if held is not None and decision.reason not in ("class", "affinity"):
             decision = affinity_choice(decision, held, cfg, snapshot.healthy)
         self._set_state(decision.state)
         self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
         return decision
+
+    def class_view(self, gains: bool | None, accept: float | None) -> ClassView:
+        """What the policy is told of a traffic class ranked `gains`, of acceptance `accept` (a
+        pair's classes never split: nothing more to solve)."""
+        marks = self.class_marks(accept) if accept is not None and self._pooled else None
+        return ClassView(gains) if marks is None else ClassView(gains, marks[0], marks[1])
+
+    def class_marks(self, accept: float) -> tuple[int, int] | None:
+        """(high, low) for a traffic class of acceptance `accept` (policy.class_choice): the speed
+        model's at the group's context, or the adaptive curves' (solved once per 0.01 of acceptance
+        while the estimate stands); None under a policy without a model of speed."""
+        if self.speed is not None:
+            return self.speed.class_watermarks(accept)
+        a = self.adaptive
+        if a is None:
+            return None
+        key = round(accept, 2)
+        if key in self._class_marks:
+            return self._class_marks[key]
+        if len(self._class_marks) >= MAX_CLASS_MARKS:
+            self._class_marks.clear()
+        marks = self._class_marks[key] = a.watermarks_at(key, self._clock())
+        return marks
 
     def pick(self, backend: Role) -> str:
         """The group's server for a role: the least loaded healthy one, at random among near-ties
@@ -381,6 +411,7 @@ class Router:
         seen, self._accept_seen = self._accept_seen, accept
         if accept is not None and seen is not None and abs(accept - seen) > ACCEPT_CHANGE * seen:
             self.state = probes_restarted(self.state)
+        self._class_marks.clear()
         if a.update(accept, now, source) and self.speed is None:
             high, low = a.watermarks()
             log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
@@ -486,12 +517,13 @@ class Fleet:
         server: str | None = None,
         batch: bool = False,
         held: Held | None = None,
-        gains: bool | None = None,
+        klass: tuple[bool | None, float | None] | None = None,
         prompt_tokens: int = 0,
     ) -> Placement:
         """Where a new request goes; `server`: where it must go if that server is up (it holds what
         the request continues); `batch`: a batch request (Router.decide); `held`: where its
         conversation's last turn went (affinity.py's rule, group first, then role, then server);
+        `klass`: its traffic class's rank and acceptance, when it has a class (Router.class_view);
         `prompt_tokens`: its prompt's (the model policy's context)."""
         if server is not None:
             router = self._router_of.get(server)
@@ -499,20 +531,20 @@ class Fleet:
                 return Placement(router.pinned(server), router, server)
         if held is None:
             router = self.choose()
-            return Placement(router.decide(can_probe, batch, None, gains, prompt_tokens), router)
+            return Placement(router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens), router)
         mine = self._router_of.get(held.server)
         if mine is None or not mine.server_healthy(held.server):
             router = self.choose()
-            decision = router.decide(can_probe, batch, None, gains, prompt_tokens)
+            decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens)
             return Placement(decision, router, affinity="break_down")
         if len(self.routers) > 1:
             loads = [r.group_placement_load() for r in self.routers if any(r.healthy_map().values())]
             if not keep(mine.group_placement_load(), min(loads), held.tokens, self.affinity_slack):
                 router = self.choose()
-                decision = router.decide(can_probe, batch, None, gains, prompt_tokens)
+                decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens)
                 return Placement(decision, router, affinity="break_load")
         role = mine.server_role(held.server)
-        decision = mine.decide(can_probe, batch, role, gains, prompt_tokens)
+        decision = mine.decide(can_probe, batch, role, _view(mine, klass), prompt_tokens)
         if decision.backend != role:
             return Placement(decision, mine, affinity="break_mode")
         peers = mine.group.of(role)
@@ -557,6 +589,10 @@ class Fleet:
 def _mean_crossover(routers: Sequence[Router]) -> float:
     found = [c for r in routers if r.adaptive is not None and (c := r.adaptive.estimate.crossover) is not None]
     return sum(found) / len(found) if found else math.nan
+
+
+def _view(router: Router, klass: tuple[bool | None, float | None] | None) -> ClassView | None:
+    return None if klass is None else router.class_view(*klass)
 
 
 def _nan(value: float | None) -> float:

@@ -275,18 +275,9 @@ class StepModel:
         self.accept, self.accept_source = (
             (accept, source) if accept is not None else (self.fit.accept_length, "calibrated")
         )
-        spec, base = self.step(Role.SPECULATIVE), self.step(Role.BASELINE)
-        ns, nb = self.servers.get(Role.SPECULATIVE, 1) or 1, self.servers.get(Role.BASELINE, 1) or 1
-        t, a, up = self.context, self.accept, 1.0 + self.limits.margin
-        at = crossover(spec, base, a, t, ns, nb)
+        t, a = self.context, self.accept
+        at, high, low = self._solve(a, t)
         self.crossover = at if math.isfinite(at) else None
-        lo_wm, hi_wm = self.limits.min_watermark, self.limits.max_watermark
-
-        def floor(x: float) -> int:
-            return hi_wm if not math.isfinite(x) else int(min(math.floor(x + 1e-9), hi_wm))
-
-        high = min(max(floor(crossover(spec, base, a * up, t, ns, nb)), lo_wm), hi_wm)
-        low = min(max(min(floor(crossover(spec, base, a / up, t, ns, nb)), hysteresis_low(high)), 0), high)
         self.high, self.low = high, low
         now, more = float(max(load, 1)), float(load + 1)
         self.predictions = {
@@ -303,6 +294,25 @@ class StepModel:
             f"speculation pays {where} at {t:.0f} tokens of context a stream and acceptance {a:.2f} "
             f"({self.accept_source}); leave at {high}, come back at {low}"
         )
+        return high, low
+
+    def _solve(self, a: float, t: float) -> tuple[float, int, int]:
+        """L*(t, a) and the watermarks it calls for (the module's rule)."""
+        spec, base = self.step(Role.SPECULATIVE), self.step(Role.BASELINE)
+        ns, nb = self.servers.get(Role.SPECULATIVE, 1) or 1, self.servers.get(Role.BASELINE, 1) or 1
+        up = 1.0 + self.limits.margin
+        lo_wm, hi_wm = self.limits.min_watermark, self.limits.max_watermark
+
+        def floor(x: float) -> int:
+            return hi_wm if not math.isfinite(x) else int(min(math.floor(x + 1e-9), hi_wm))
+
+        high = min(max(floor(crossover(spec, base, a * up, t, ns, nb)), lo_wm), hi_wm)
+        low = min(max(min(floor(crossover(spec, base, a / up, t, ns, nb)), hysteresis_low(high)), 0), high)
+        return crossover(spec, base, a, t, ns, nb), high, low
+
+    def class_watermarks(self, accept: float) -> tuple[int, int]:
+        """(high, low) for a traffic class of acceptance `accept`, at the context last seen."""
+        _, high, low = self._solve(accept, self.context)
         return high, low
 
     def observe(self, role: Role, batch: float, tokens: float, tok_s: float, accept: float | None) -> None:

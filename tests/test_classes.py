@@ -5,16 +5,21 @@ policy.class_choice)."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import pytest
 
 from proxy.classes import MIN_STEPS, NAME_CHARS, OTHER, ClassBook, class_of
-from proxy.policy import Decision, PolicyState, Role, class_choice
+from proxy.policy import ClassView, Decision, PolicyState, Role, class_choice
+from proxy.routing import Fleet
 
-from .helpers import policy_cfg, wait_until
+from .helpers import Clock, adaptive_cfg, policy_cfg, rig, wait_until
 from .inprocess import Gateway, StartGateway
+from .test_adaptive import calibration
+from .test_adaptive_stack import FAST, calibration_file
 
 UP = {Role.SPECULATIVE: True, Role.BASELINE: True}
+YES, NO = ClassView(True), ClassView(False)
 VARIED = " ".join(f"word{i} means thing{i * 7 % 13}" for i in range(60))
 REPEATED = "copy this line exactly as it is. " * 40
 
@@ -66,23 +71,91 @@ def test_the_book_is_bounded_learns_and_forgets() -> None:
     assert book.take_forgotten() == []
 
 
-def test_a_class_choice_where_speculation_has_room_for_part() -> None:
+def test_without_a_speed_model_a_pools_classes_are_ranked_below_the_high_watermark() -> None:
     cfg = policy_cfg(high=8, low=2)
     state = PolicyState(Role.SPECULATIVE)
-    band = Decision(Role.SPECULATIVE, "light_load", state, 5)
-    yielded = class_choice(band, False, cfg, UP, pooled=False)
-    assert (yielded.backend, yielded.reason, yielded.state) == (Role.BASELINE, "class", state)
-    assert class_choice(band, True, cfg, UP, pooled=False).backend == Role.SPECULATIVE
     light = Decision(Role.SPECULATIVE, "light_load", state, 1)
-    assert class_choice(light, False, cfg, UP, pooled=False) is light  # room for everyone: paired
-    assert class_choice(light, False, cfg, UP, pooled=True).backend == Role.BASELINE  # a pool: always
+    yielded = class_choice(light, NO, cfg, UP, pooled=True)
+    assert (yielded.backend, yielded.reason, yielded.state) == (Role.BASELINE, "class", state)
+    assert class_choice(light, YES, cfg, UP, pooled=True).backend == Role.SPECULATIVE
+    assert class_choice(light, ClassView(None), cfg, UP, pooled=True) is light  # rank unknown
     heavy = Decision(Role.BASELINE, "heavy_load", PolicyState(Role.BASELINE), 8)
-    assert class_choice(heavy, True, cfg, UP, pooled=True) is heavy  # no room for anyone
+    assert class_choice(heavy, YES, cfg, UP, pooled=True) is heavy  # no room for anyone
     for reason in ("probe", "batch", "only_healthy", "affinity", "stored_response"):
         d = Decision(Role.SPECULATIVE, reason, state, 5)
-        assert class_choice(d, False, cfg, UP, pooled=False) is d
-    assert class_choice(band, False, cfg, {**UP, Role.BASELINE: False}, pooled=False) is band
-    assert class_choice(band, False, policy_cfg("spillover", high=8, low=2), UP, pooled=False) is band
+        assert class_choice(d, NO, cfg, UP, pooled=True) is d
+    assert class_choice(light, NO, cfg, {**UP, Role.BASELINE: False}, pooled=True) is light
+    assert class_choice(light, NO, policy_cfg("spillover", high=8, low=2), UP, pooled=True) is light
+    # A pair shares one GPU: classes never split it, at any load.
+    band = Decision(Role.SPECULATIVE, "light_load", state, 5)
+    assert class_choice(band, NO, cfg, UP, pooled=False) is band
+
+
+def test_a_pools_class_with_watermarks_of_its_own_keeps_speculation_as_long_as_it_pays() -> None:
+    cfg = policy_cfg(high=20, low=15)  # the group's, at the traffic's acceptance
+    spec, base = PolicyState(Role.SPECULATIVE), PolicyState(Role.BASELINE)
+    weak, strong = ClassView(False, 4, 3), ClassView(True, 60, 45)  # e.g. acceptance 1.3 and 3.0
+
+    def at(load: int, mode: PolicyState = spec) -> Decision:
+        return Decision(mode.mode, "light_load" if mode is spec else "heavy_load", mode, load)
+
+    def pooled(d: Decision, view: ClassView, s: int, held: Role | None = None) -> Decision:
+        return class_choice(d, view, cfg, UP, pooled=True, spec_load=s, held=held)
+
+    # By the speculative pool's own load S: the weak class leaves speculation early, the strong one
+    # keeps it past the group's high watermark, and leaves it past its own.
+    assert pooled(at(2), weak, 1).backend == Role.SPECULATIVE
+    d = pooled(at(6), weak, 4)
+    assert (d.backend, d.reason, d.state) == (Role.BASELINE, "class", spec)
+    d = pooled(at(90, base), strong, 40)
+    assert (d.backend, d.reason, d.state) == (Role.SPECULATIVE, "class", base)
+    assert pooled(at(90, base), strong, 60).backend == Role.BASELINE
+    # Between its own watermarks a conversation stays on the role holding its cache.
+    held = pooled(at(70, base), strong, 50, held=Role.BASELINE)
+    assert (held.backend, held.reason) == (Role.BASELINE, "affinity")
+    assert pooled(at(70, base), strong, 44, held=Role.BASELINE).backend == Role.SPECULATIVE
+    assert pooled(at(70, base), strong, 60, held=Role.SPECULATIVE).backend == Role.BASELINE
+    # The other role down, a probe, spillover, a pair: the decision stands.
+    assert class_choice(at(6), weak, cfg, {**UP, Role.BASELINE: False}, pooled=True, spec_load=4) == at(6)
+    probe = Decision(Role.SPECULATIVE, "probe", spec, 30)
+    assert pooled(probe, weak, 30) is probe
+    assert class_choice(at(6), weak, policy_cfg("spillover", high=20, low=15), UP, True, 4) == at(6)
+    assert class_choice(at(30), weak, cfg, UP, pooled=False, spec_load=30) == at(30)
+
+
+def test_a_classs_watermarks_are_the_groups_curves_at_its_acceptance() -> None:
+    clock = Clock()
+    r = rig(topology="pooled")
+    r.health["speculative"].spec_accept_length = 3.0
+    policy = policy_cfg("adaptive", 16, 8, min_dwell_s=2.0, probe_s=0.0, probe_max_load=70)
+    adaptive = adaptive_cfg(margin=0.0, min_watermark=0, max_watermark=60)
+    (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, calibration(), clock=clock).routers
+    assert (router.cfg.high_watermark, router.cfg.low_watermark) == (20, 15)  # at the live 3.0
+    assert router.class_view(True, 3.0) == ClassView(True, 20, 15)
+    assert router.class_view(False, 1.2) == ClassView(False, 0, 0)  # never pays at 1.2
+    strong = router.class_view(True, 6.0)
+    assert strong.high == 60 and strong.low is not None and strong.low < 60  # pays to the top level, clamped
+    assert router.class_view(None, None) == ClassView(None)  # acceptance not known yet
+    leases = [router.admit(Role.SPECULATIVE) for _ in range(17)]
+    weak = router.decide(klass=router.class_view(False, 1.2))
+    assert (weak.backend, weak.reason) == (Role.BASELINE, "class")
+    assert router.decide(klass=strong).backend == Role.SPECULATIVE
+    leases += [router.admit(Role.BASELINE) for _ in range(8)]  # 25: past the group's high watermark
+    assert router.decide().reason == "heavy_load"
+    d = router.decide(klass=strong)
+    assert (d.backend, d.reason) == (Role.SPECULATIVE, "class")
+    # The watermarks of a class follow the estimate: a fall in the speculative server's measured
+    # speed moves them down.
+    for _ in range(40):
+        router.observe(Role.SPECULATIVE, 20, 5.0)
+        clock.t += 0.3
+    lower = router.class_view(True, 6.0)
+    assert lower.high is not None and lower.high < 60
+    for lease in leases:
+        lease.release()
+    # Under the threshold policy there is no model of speed: the ranked rule.
+    (plain,) = Fleet(r.topology, r.servers, policy_cfg(high=16, low=8), r.metrics).routers
+    assert plain.class_view(True, 3.0) == ClassView(True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,8 +173,51 @@ async def _engine_known(gw: Gateway) -> bool:
     return bool((await gw.routing())["servers"]["speculative"]["engine"] == "sglang")
 
 
+async def _learn(gw: Gateway) -> None:
+    """Both classes go to the speculative server until each is known (a class whose rank is
+    known may go elsewhere from then on)."""
+    for _ in range(4):
+        assert (await _ask(gw, "code", REPEATED))[0] == "speculative"
+        await _ask(gw, "chat", VARIED)
+
+
 @pytest.mark.anyio
-async def test_the_class_that_gains_most_gets_speculation_first(gateway: StartGateway) -> None:
+async def test_in_a_pool_the_class_that_gains_most_gets_speculation_first(gateway: StartGateway) -> None:
+    gw = await gateway(
+        sim={"time_scale": 20},
+        spec={"accept_from_prompt": True},
+        topology="pooled",
+        high_watermark=4,
+        low_watermark=1,
+        scrape_interval_s=0.1,
+        affinity_entries=0,
+    )
+    await wait_until(lambda: _engine_known(gw))
+    await _learn(gw)
+    tracked = (await gw.routing())["classes"]["tracked"]
+    assert tracked["code"]["accept_length"] > 2.5 > 1.5 > tracked["chat"]["accept_length"], tracked
+    assert (tracked["code"]["gains_most"], tracked["chat"]["gains_most"]) == (True, False), tracked
+    # Below the high watermark the baseline pool is idle hardware: the class that gains least goes there.
+    before = await gw.metrics_text()
+    assert await _ask(gw, "code", REPEATED, stream=False) == ("speculative", "class")
+    assert await _ask(gw, "chat", VARIED, stream=False) == ("baseline", "class")
+    # At the high watermark there is no room for anyone: the policy decides for all.
+    long = {"prompt": "p", "max_tokens": 120_000, "stream": True}
+    async with contextlib.AsyncExitStack() as held:
+        for _ in range(4):
+            r = await held.enter_async_context(gw.client.stream("POST", "/v1/completions", json=long))
+            await anext(r.aiter_lines())
+        assert await _ask(gw, "code", REPEATED, stream=False) == ("baseline", "heavy_load")
+    text = await gw.metrics_text()
+    series = 'specgate_class_requests_total{backend="baseline",class="chat"}'
+    assert _value(text, series) == _value(before, series) + 1
+    assert 'specgate_class_accept_length{class="code"}' in text
+    # Classless requests are routed as before.
+    assert (await gw.client.post("/v1/completions", json={"prompt": "p", "max_tokens": 2})).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_a_pair_is_never_split_by_class(gateway: StartGateway) -> None:
     gw = await gateway(
         sim={"time_scale": 20},
         spec={"accept_from_prompt": True},
@@ -111,26 +227,21 @@ async def test_the_class_that_gains_most_gets_speculation_first(gateway: StartGa
         affinity_entries=0,
     )
     await wait_until(lambda: _engine_known(gw))
-    # At light load both classes go to the speculative server, which measures them.
-    for _ in range(4):
-        assert await _ask(gw, "code", REPEATED) == ("speculative", "light_load")
-        assert await _ask(gw, "chat", VARIED) == ("speculative", "light_load")
+    await _learn(gw)
     tracked = (await gw.routing())["classes"]["tracked"]
-    assert tracked["code"]["accept_length"] > 2.5 > 1.5 > tracked["chat"]["accept_length"], tracked
     assert (tracked["code"]["gains_most"], tracked["chat"]["gains_most"]) == (True, False), tracked
-    # Two long streams of unclassed work put the load between the watermarks: room for part.
+    # Between the watermarks, on one GPU shared by both servers: the mode decides for all.
     long = {"prompt": "p", "max_tokens": 120_000, "stream": True}
     async with contextlib.AsyncExitStack() as held:
         for _ in range(2):
             r = await held.enter_async_context(gw.client.stream("POST", "/v1/completions", json=long))
             await anext(r.aiter_lines())
-        assert await _ask(gw, "code", REPEATED, stream=False) == ("speculative", "class")
-        assert await _ask(gw, "chat", VARIED, stream=False) == ("baseline", "class")
-    text = await gw.metrics_text()
-    assert 'specgate_class_requests_total{backend="baseline",class="chat"} 1.0' in text
-    assert 'specgate_class_accept_length{class="code"}' in text
-    # Classless requests are routed as before.
-    assert (await gw.client.post("/v1/completions", json={"prompt": "p", "max_tokens": 2})).status_code == 200
+        assert await _ask(gw, "chat", VARIED, stream=False) == ("speculative", "light_load")
+
+
+def _value(text: str, series: str) -> float:
+    line = next((x for x in text.splitlines() if x.startswith(series + " ")), None)
+    return 0.0 if line is None else float(line.rsplit(" ", 1)[1])
 
 
 @pytest.mark.anyio
@@ -145,3 +256,36 @@ async def test_classes_off_and_bounded(gateway: StartGateway) -> None:
     assert set(tracked) == {"a", "b", OTHER}
     text = await small.metrics_text()
     assert 'class="c"' not in text and 'specgate_class_requests_total{backend="speculative",class="other"} 2.0' in text
+
+
+@pytest.mark.anyio
+async def test_under_the_adaptive_policy_each_class_has_its_own_watermarks(
+    gateway: StartGateway, tmp_path: Path
+) -> None:
+    gw = await gateway(
+        sim={"time_scale": 20, "profile": "crossover"},
+        spec={"accept_from_prompt": True},
+        calibration=calibration_file(tmp_path),
+        topology="pooled",
+        scrape_interval_s=0.1,
+        affinity_entries=0,
+        # The group's own watermarks held where the calibration puts them (20/15), whatever the
+        # speculative server's live acceptance does between one class's streams and the other's.
+        **{**FAST, "adaptive_max_step_per_s": 0.001},
+    )
+    await wait_until(lambda: _engine_known(gw))
+    await _learn(gw)
+    routing = await gw.routing()
+    tracked = routing["classes"]["tracked"]
+    code, chat = tracked["code"]["watermarks"], tracked["chat"]["watermarks"]
+    # The calibration's curves cross at 20 streams at acceptance 3: speculation pays a class that
+    # accepts more to a higher load, and one that accepts about 1 token a step at hardly any.
+    assert code["high"] >= 20 > 2 >= chat["high"], tracked
+    # With the speculative pool holding a few streams, each class goes where its own watermarks say.
+    long = {"prompt": "p", "max_tokens": 120_000, "stream": True}
+    async with contextlib.AsyncExitStack() as held:
+        for _ in range(3):
+            r = await held.enter_async_context(gw.client.stream("POST", "/v1/completions", json=long))
+            await anext(r.aiter_lines())
+        assert await _ask(gw, "chat", VARIED, stream=False) == ("baseline", "class")
+        assert await _ask(gw, "code", REPEATED, stream=False) == ("speculative", "class")

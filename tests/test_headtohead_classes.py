@@ -146,3 +146,20 @@ def test_calibration_brackets_the_top_sessions_and_smg_is_a_sixth_target() -> No
         "http://a",
         "http://b",
     ]
+
+
+def test_single_class_and_pooled_runs() -> None:
+    one = ClassPlan(classes="B")
+    assert [(c.name, c.share, c.kind) for c in one.traffic()] == [("B", 1.0, "repetitive")]
+    assert [c.name for c in ClassPlan().traffic()] == ["A", "B"]
+    c = cell(10, 8, 9.8, split=False)
+    c.class_goodput["all-spec"].pop("A")
+    c.class_goodput["all-base"].pop("A")
+    assert c.split() is False and goodput_verdict(c, "features") == "met"  # one class: nothing to split
+    assert c.versus("features", "adaptive") == pytest.approx(1.0)
+    assert "| -/3.00 |" in table(one, [c]) and "| 1.00x |" in table(one, [c])
+    # Pooled: a simulator pair on a GPU each, specgate told so.
+    assert "--shared-gpu" in ClassPlan().pair(1.0, 1, 2)
+    assert "--shared-gpu" not in ClassPlan(topology="pooled").pair(1.0, 1, 2)
+    args = build_parser().parse_args(["headtohead-classes", "--topology", "pooled", "--classes", "B"])
+    assert (args.topology, args.classes) == ("pooled", "B")

@@ -96,12 +96,21 @@ class ClassPlan:
     profile: str = PROFILE
     # smg's binary (scripts/install-peers puts it in .venv-peers/bin/smg); None: no smg target.
     smg: str | None = None
+    # paired: the two servers share one GPU; pooled: a GPU each, specgate SPECGATE_TOPOLOGY=pooled.
+    topology: str = "paired"
+    # Which of CLASSES the sessions are: both (half each), or one alone (single-class traffic).
+    classes: str = "AB"
 
     def __post_init__(self) -> None:
         if not 0 < self.window_s <= self.max_window_s:
             raise ValueError("--window-s must be positive and at most --max-window-s")
         for c in self.contexts:
             sizes_for(c, self.turns, self.max_tokens)
+
+    def traffic(self) -> tuple[TrafficClass, ...]:
+        """The classes the sessions are of, their shares summing to 1."""
+        chosen = [c for c in CLASSES if c.name in self.classes]
+        return tuple(TrafficClass(c.name, 1.0 / len(chosen), c.kind) for c in chosen)
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -128,7 +137,7 @@ class ClassPlan:
         s = sizes_for(context, self.turns, self.max_tokens)
         return WorkloadSpec(
             "multiturn",
-            classes=CLASSES,
+            classes=self.traffic(),
             classes_by_stream=True,
             seed=self.seed * 1000 + sessions,
             system_tokens=s.system_tokens,
@@ -141,7 +150,7 @@ class ClassPlan:
         return pair_args(
             spec_port, base_port, "--profile", self.profile, "--enable-cache-report", "--accept-from-prompt",
             "--max-accept-length", f"{self.max_accept_length:g}", "--spec-steps", str(self.spec_steps),
-            "--time-scale", f"{time_scale:g}",
+            "--time-scale", f"{time_scale:g}", shared=self.topology == "paired",
         )  # fmt: skip
 
 
@@ -211,12 +220,21 @@ class ClassCell:
             return None
         return t.goodput_req_s / best
 
+    def versus(self, target: str, other: str) -> float | None:
+        """target's goodput over other's, None when either is inconclusive or has none."""
+        t, o = self.targets[target], self.targets[other]
+        if not (t.conclusive and o.conclusive) or o.goodput_req_s < NO_GOODPUT:
+            return None
+        return t.goodput_req_s / o.goodput_req_s
+
     def split(self) -> bool | None:
         """Whether the classes should be split: class B has more goodput on all-spec, class A on
         all-base, each beyond TIE; None when either fixed target is inconclusive."""
         if self.best_fixed() is None:
             return None
         spec, base = self.class_goodput["all-spec"], self.class_goodput["all-base"]
+        if not all(c in spec and c in base for c in "AB"):
+            return False  # one class: nothing to split
         return spec["B"] > base["B"] * (1 + TIE) and base["A"] > spec["A"] * (1 + TIE)
 
 
@@ -255,7 +273,7 @@ def calibrate(plan: ClassPlan, context: int, out_dir: Path, quiet: bool) -> Path
         *calibrate_options(plan.seed, plan.max_tokens, plan.min_requests),
         "--workload", "multiturn", "--system-tokens", str(s.system_tokens), "--turns", str(s.turns),
         "--user-tokens", str(s.user_tokens), "--think-time-s", "0", "--warmup-s", "0",
-        *(a for c in CLASSES for a in ("--class", f"{c.name}:{c.share:g}:{c.kind}")),
+        *(a for c in plan.traffic() for a in ("--class", f"{c.name}:{c.share:g}:{c.kind}")),
     ]  # fmt: skip
     say(f"{context_label(context)} context: calibrating at time scale {t:g}", quiet)
     return calibrate_fresh_pair(
@@ -288,7 +306,7 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
             port = free_port()
             urls[target] = f"http://127.0.0.1:{port}"
             back = servers[target]
-            settings = {**gate_settings(target), "calibration": calibration}
+            settings = {**gate_settings(target), "calibration": calibration, "topology": plan.topology}
             env = specgate_env(port, back["speculative"], back["baseline"], t)
             env |= {f"SPECGATE_{k.upper()}": str(v) for k, v in settings.items()}
             fleet.start(f"specgate-{target}", ["-m", "proxy"], [urls[target] + "/ready"], env)
@@ -320,9 +338,9 @@ def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, qu
         everything = summarise_class("all", run.results, run.t0, run.t1, slo)
         queued = cap.queued.get(name)
         targets[name] = target_cell(name, stats, everything, t, sum(queued) / len(queued) if queued else None)
-        per_class[name] = {c.name: (s.goodput_req_s or 0.0) / t for c in CLASSES
+        per_class[name] = {c.name: (s.goodput_req_s or 0.0) / t for c in plan.traffic()
                            if (s := stats.classes.get(c.name)) is not None}  # fmt: skip
-        for c in CLASSES:
+        for c in plan.traffic():
             per_class[name].setdefault(c.name, 0.0)
         oracle[name] = oracle_hit_rate(run.results, run.t0, run.t1, system)
     cell = ClassCell(context, sessions, t, targets, per_class, oracle, cpu.machine_busy_mean)
@@ -343,6 +361,10 @@ def _goodput(t: TargetCell | None) -> str:
     return "-" if t is None else fmt(t.goodput_req_s, 2) + ("" if t.conclusive else "*")
 
 
+def _pair(by_class: dict[str, float]) -> str:
+    return "/".join("-" if c not in by_class else f"{by_class[c]:.2f}" for c in "AB")
+
+
 def _ratio(value: float | None) -> str:
     return "unknown" if value is None else f"{value:.2f}x"
 
@@ -354,7 +376,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         + " | ".join(f"goodput {n}" for n in plan.targets)
         + " | A/B spec | A/B base | split? | "
         + " | ".join(f"{n} / best" for n in GATES)
-        + " | hit "
+        + " | features / adaptive | hit "
         + " / ".join(plan.targets)
         + " | oracle (features) | features to spec |"
     )
@@ -367,10 +389,10 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         lines.append(
             f"| {context_label(c.context)} | {c.sessions} | {c.time_scale:g} | "
             + " | ".join(gp)
-            + f" | {cg['all-spec']['A']:.2f}/{cg['all-spec']['B']:.2f} | {cg['all-base']['A']:.2f}/"
-            f"{cg['all-base']['B']:.2f} | {'unknown' if split is None else 'yes' if split else 'no'} | "
+            + f" | {_pair(cg['all-spec'])} | {_pair(cg['all-base'])} | "
+            f"{'unknown' if split is None else 'yes' if split else 'no'} | "
             + " | ".join(f"{_ratio(c.ratio(n))} ({goodput_verdict(c, n)})" for n in GATES)
-            + " | "
+            + f" | {_ratio(c.versus('features', 'adaptive'))} | "
             + " / ".join(_hit(c.targets[n].prefix_cache_hit_rate) if n in c.targets else "-" for n in plan.targets)
             + f" | {_hit(c.oracle_hit.get('features'))} | {'-' if share is None else f'{share:.0%}'} |"
         )
@@ -418,7 +440,7 @@ def run(plan: ClassPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> dict
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "headtohead-classes",
-        help="two traffic classes on a shared-GPU pair: all-spec, all-base and three specgates (issue 28)",
+        help="two traffic classes on a pair: all-spec, all-base and three specgates (issue 28)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -432,6 +454,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--slo-ttft-ms", type=positive, default=1000.0, help="simulated ms (default 1000)")
     p.add_argument("--slo-tpot-ms", type=positive, default=50.0, help="simulated ms (default 50)")
     p.add_argument("--calibrations", default=None, metavar="DIR", help="reuse an earlier run's calibrations")
+    p.add_argument(
+        "--classes",
+        choices=("AB", "A", "B"),
+        default="AB",
+        help="the sessions' classes: both (default), or one alone (single-class traffic)",
+    )
+    p.add_argument("--topology", choices=("paired", "pooled"), default="paired",
+                   help="paired: one GPU shared by both servers (default); pooled: a GPU each (1+1)")  # fmt: skip
     p.add_argument("--smg", default=None, metavar="BINARY",
                    help="add smg --policy cache_aware in front of a pair (e.g. .venv-peers/bin/smg)")  # fmt: skip
     add_run_options(p, "a cell needs per target", "headtohead-classes-results")
@@ -443,7 +473,7 @@ def cmd_headtohead_classes(args: argparse.Namespace) -> int:
         contexts=args.contexts, sessions=args.sessions, turns=args.turns, max_tokens=args.max_tokens,
         think_time_s=args.think_time_s, window_s=args.window_s, max_window_s=max(args.max_window_s, args.window_s),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, min_requests=args.min_requests,
-        smg=args.smg,
+        smg=args.smg, topology=args.topology, classes=args.classes,
     )  # fmt: skip
     out_dir = Path(args.out_dir)
     started = time.monotonic()
