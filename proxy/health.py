@@ -148,11 +148,11 @@ class HealthMonitor:
             self._on_change()
 
     async def run(self) -> None:
-        """Poll /health every health_interval_s and scrape /metrics every scrape_interval_s."""
+        """Poll /health every health_interval_s and scrape /metrics every scrape_every_s."""
         s = self._settings
         await asyncio.gather(
             self._every(s.health_interval_s, self._poll, self._polls),
-            self._every(s.scrape_interval_s or s.health_interval_s, self._scrape_safely, self._scrapes),
+            self._every(s.scrape_every_s, self._scrape_safely, self._scrapes),
         )
 
     async def _every(self, interval_s: float, each: Callable[[str], Awaitable[None]], outage: _Outage) -> None:

@@ -134,8 +134,10 @@ class Clock:
 
 
 # What the policy does with nothing asked of the adaptive extras: no dwell, no probes, the
-# shortest freshness the gateway uses. Tests of those extras set them.
+# shortest freshness the gateway uses, and no hold before speculation returns (the default's 2 s is
+# tested in test_config and test_policy). Tests of those extras set them.
 PLAIN_POLICY: dict[str, Any] = {
+    "low_hold_s": 0.0,
     "min_dwell_s": 0.0,
     "probe_s": 0.0,
     "probe_max_s": 0.0,

@@ -31,6 +31,16 @@ def test_defaults_and_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.low_watermark <= s.high_watermark
 
 
+def test_safe_defaults_at_the_crossover() -> None:
+    # Speculation returns after 2 s at the low watermark, and the engines' load is read every
+    # 0.5 s where the mode routes on it (issue 28's scale-out run: loadtest scaleout --defaults).
+    s = Settings(_env_file=None)
+    assert (s.low_watermark_hold_s, s.scrape_every_s) == (2.0, 2.0)  # local: with the health poll
+    assert Settings(_env_file=None, load_signal="engine").scrape_every_s == 0.5
+    assert Settings(_env_file=None, load_signal="max", health_interval_s=0.3).scrape_every_s == 0.3
+    assert Settings(_env_file=None, load_signal="engine", scrape_interval_s=0.2).scrape_every_s == 0.2
+
+
 @pytest.mark.parametrize(
     ("env", "named"),
     [

@@ -92,7 +92,8 @@ async def test_a_non_streamed_response_is_relayed_as_sent(gateway: StartGateway)
 
 @pytest.mark.anyio
 async def test_a_continuation_goes_back_to_the_server_that_stored_its_response(gateway: StartGateway) -> None:
-    gw = await gateway(sim={"time_scale": 1}, high_watermark=1, low_watermark=0)
+    # No hold: speculation returns as soon as each request is done.
+    gw = await gateway(sim={"time_scale": 1}, high_watermark=1, low_watermark=0, low_watermark_hold_s=0)
     first = await gw.client.post("/v1/responses", json={"input": "remember the number 7", "max_output_tokens": 4})
     unstored = await gw.client.post("/v1/responses", json={"input": "x", "max_output_tokens": 4, "store": False})
     assert first.headers["x-specgate-backend"] == unstored.headers["x-specgate-backend"] == "speculative"

@@ -41,6 +41,7 @@ from loadtest.scaleout import (
     vs_better,
 )
 from loadtest.simulator.profile import load_profile
+from proxy.config import Settings
 
 # Two cores run three configurations side by side: a time scale of 2 keeps the baseline's chunks
 # (one a token) at a few thousand a second in all.
@@ -371,7 +372,7 @@ def args(**overrides: Any) -> argparse.Namespace:
         topology="paired", groups=2, replicas=3, speculative_servers=2, baseline_servers=2, profile="crossover",
         concurrency=(2, 5), level_s=10.0, settle_s=3.0, time_scale=1.0, spread="request", sequential=False,
         max_tokens=64, seed=0, min_requests=10, scrape_interval_s=None, low_hold_s=2.0, live_gauges=False,
-        high=20, low=15, calibration=None,
+        high=20, low=15, calibration=None, defaults=False,
     )  # fmt: skip
     base.update(overrides)
     return argparse.Namespace(**base)
@@ -397,6 +398,13 @@ def test_replicas_get_the_scaled_hold_and_scrape_interval() -> None:
     env = scaleout.gate_env(plan, [], 8000, 19, 14)
     assert env["SPECGATE_LOW_WATERMARK_HOLD_S"] == "0.5" and env["SPECGATE_SCRAPE_INTERVAL_S"] == "0.2"
     assert "low-watermark hold 2 s" in scaleout.describe(plan)
+    # As a new user has it: specgate's own defaults, scaled to the simulators' clock.
+    plan, _ = scaleout.plan_of(args(time_scale=4.0, low_hold_s=2.0, scrape_interval_s=0.8, defaults=True))
+    env = scaleout.gate_env(plan, [], 8000, 19, 14)
+    hold = Settings.model_fields["low_watermark_hold_s"].default
+    assert env["SPECGATE_LOW_WATERMARK_HOLD_S"] == f"{hold / 4:g}" == "0.5"
+    assert env["SPECGATE_SCRAPE_INTERVAL_S"] == "0.125"  # the engine signal's default, 0.5 s
+    assert "specgate's default scrape interval and hold" in scaleout.describe(plan)
 
 
 # ---------------------------------------------------------------------------------------------

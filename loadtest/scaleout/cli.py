@@ -213,6 +213,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "the docs recommend for several replicas; 0: speculation returns at the first low reading)",
     )
     p.add_argument(
+        "--defaults",
+        action="store_true",
+        help="specgate's own defaults for the scrape interval and the low-watermark hold, as a new user has them "
+        "(instead of --scrape-interval-s and --low-hold-s)",
+    )
+    p.add_argument(
         "--live-gauges",
         action="store_true",
         help="the simulators' gauges fresh at every scrape, not SGLang's cadence (every prefill and 40 decode steps)",
@@ -246,8 +252,8 @@ def plan_of(args: argparse.Namespace) -> tuple[ScaleoutPlan, Watermarks | None]:
         max_tokens=args.max_tokens,
         seed=args.seed,
         min_requests=args.min_requests,
-        scrape_interval_s=args.scrape_interval_s,
-        low_hold_s=args.low_hold_s,
+        scrape_interval_s=None if args.defaults else args.scrape_interval_s,
+        low_hold_s=None if args.defaults else args.low_hold_s,
         live_gauges=args.live_gauges,
     )
     if args.high is not None:

@@ -10,7 +10,7 @@ from typing import Literal
 
 from proxy.calibration import CalibrationError
 from proxy.calibration import load as load_calibration
-from proxy.config import Settings
+from proxy.config import Settings, default_scrape_interval
 
 from ..kit.settings import specgate_env
 from ..procs import pair_args
@@ -60,8 +60,9 @@ class ScaleoutPlan:
     min_requests: int = DEFAULT_MIN_REQUESTS
     # specgate's SPECGATE_SCRAPE_INTERVAL_S at time scale 1; None: its default (where it has one).
     scrape_interval_s: float | None = None
-    # specgate's SPECGATE_LOW_WATERMARK_HOLD_S at time scale 1 (docs: 2 with several replicas).
-    low_hold_s: float = 2.0
+    # specgate's SPECGATE_LOW_WATERMARK_HOLD_S at time scale 1 (docs: 2 with several replicas);
+    # None: its default.
+    low_hold_s: float | None = 2.0
     # The simulators refresh their gauges on every scrape instead of SGLang's cadence (every prefill
     # and every 40 decode steps): what routing would do with fresh engine counts.
     live_gauges: bool = False
@@ -135,12 +136,12 @@ def gate_env(plan: ScaleoutPlan, servers: Sequence[Server], port: int, high: int
         low_watermark=low,
         load_signal="engine",
     )
-    # Its default may be None: the health interval, scaled above.
-    default = Settings.model_fields["scrape_interval_s"].default
-    every = plan.scrape_interval_s if plan.scrape_interval_s is not None else default
-    if every is not None:
-        env["SPECGATE_SCRAPE_INTERVAL_S"] = f"{max(MIN_SCRAPE_INTERVAL_S, float(every) / t):g}"
-    env["SPECGATE_LOW_WATERMARK_HOLD_S"] = f"{plan.low_hold_s / t:g}"
+    # Unset, specgate's default for the engine signal, scaled as the health interval is above.
+    health = Settings.model_fields["health_interval_s"].default
+    every = default_scrape_interval(plan.scrape_interval_s, "engine", float(health))
+    env["SPECGATE_SCRAPE_INTERVAL_S"] = f"{max(MIN_SCRAPE_INTERVAL_S, every / t):g}"
+    hold = plan.low_hold_s if plan.low_hold_s is not None else Settings.model_fields["low_watermark_hold_s"].default
+    env["SPECGATE_LOW_WATERMARK_HOLD_S"] = f"{float(hold) / t:g}"
     return env
 
 
@@ -169,5 +170,6 @@ def describe(plan: ScaleoutPlan) -> str:
         f"{plan.spread}, configurations {'one after another' if plan.sequential else 'side by side'}"
         + (", live gauges" if plan.live_gauges else "")
         + (f", scrape interval {plan.scrape_interval_s:g} s" if plan.scrape_interval_s is not None else "")
-        + f", low-watermark hold {plan.low_hold_s:g} s"
+        + (f", low-watermark hold {plan.low_hold_s:g} s" if plan.low_hold_s is not None else "")
+        + (", specgate's default scrape interval and hold" if plan.scrape_interval_s is None else "")
     )
