@@ -187,9 +187,9 @@ async def models(request: Request) -> Response:
 
 def _classes(tracked: dict[str, dict[str, Any]], router: Router) -> dict[str, dict[str, Any]]:
     """Each tracked class, with the watermarks its acceptance calls for in the first group
-    (policy.class_choice; null without a speed model or a known acceptance)."""
+    (policy.class_choice; null in a pair, without a speed model or a known acceptance)."""
     for info in tracked.values():
-        accept = info["accept_length"]
-        marks = router.class_marks(accept) if accept is not None else None
-        info["watermarks"] = None if marks is None else {"high": marks[0], "low": marks[1]}
+        view = router.class_view(None, info["accept_length"])
+        known = view.high is not None and view.low is not None
+        info["watermarks"] = {"high": view.high, "low": view.low} if known else None
     return tracked

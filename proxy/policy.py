@@ -13,8 +13,8 @@ the speculative server during a dip of a second stays there for its whole length
 back by then (reason return_hold while the load waits out the hold). Where the two servers tie, a
 load wandering about the low watermark otherwise switches back and forth, and on a shared GPU each
 switch leaves both servers busy while the old mode drains: measured in `loadtest scaleout
---defaults` at 40 streams, 0.94x the better fixed choice with no hold, 0.97x with 2 s (and 1.00x
-with the engine signal's /metrics read every 0.5 s, config.ENGINE_SCRAPE_INTERVAL_S).
+--defaults` at 40 streams, 0.94x the better fixed choice with no hold, 0.97x with 2 s (and
+0.99-1.00x with the engine signal's /metrics read every 0.5 s, config.ENGINE_SCRAPE_INTERVAL_S).
 
 spillover (the speculative server as a bounded first choice):
 

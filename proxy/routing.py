@@ -55,6 +55,8 @@ log = logging.getLogger("specgate.routing")
 
 # Acceptances (to 0.01) whose class watermarks are kept between estimates: more than traffic has.
 MAX_CLASS_MARKS = 256
+# A class whose acceptance says nothing more: its rank only.
+_RANKED: dict[bool | None, ClassView] = {g: ClassView(g) for g in (None, True, False)}
 
 
 class Router:
@@ -92,8 +94,11 @@ class Router:
         self.evidence = AcceptanceEvidence(cfg.accept_fresh_s)
         self._accept_seen: float | None = None
         self.adaptive: Adaptive | None = None
-        # Watermarks per traffic class acceptance (rounded): solved again once the estimate moves.
+        # Watermarks per traffic class acceptance (rounded), and the views built on them (a
+        # class's every request asks; a view is a few objects to build): solved again once the
+        # estimate moves.
         self._class_marks: dict[float, tuple[int, int] | None] = {}
+        self._class_views: dict[tuple[bool | None, float], ClassView] = {}
         # The model policy's step-time model: None without a fit (the adaptive rule then, as it is).
         self.speed: StepModel | None = None
         if cfg.policy in LEARNING:
@@ -237,7 +242,7 @@ class Router:
             return decision
         cfg = self.cfg if can_probe or self.cfg.probe_s <= 0 else dataclasses.replace(self.cfg, probe_s=0.0)
         decision = decide(snapshot, self.state, cfg)
-        if klass is not None:
+        if klass is not None and self._pooled:
             spec = backend_load(snapshot, Role.SPECULATIVE, cfg.load_signal)
             decision = class_choice(decision, klass, cfg, snapshot.healthy, self._pooled, spec, held)
         if held is not None and decision.reason not in ("class", "affinity"):
@@ -249,8 +254,21 @@ class Router:
     def class_view(self, gains: bool | None, accept: float | None) -> ClassView:
         """What the policy is told of a traffic class ranked `gains`, of acceptance `accept` (a
         pair's classes never split: nothing more to solve)."""
-        marks = self.class_marks(accept) if accept is not None and self._pooled else None
-        return ClassView(gains) if marks is None else ClassView(gains, marks[0], marks[1])
+        if accept is None or not self._pooled:
+            return _RANKED[gains]
+        if self.speed is None:  # the adaptive curves: what stands until the estimate moves
+            key = (gains, round(accept, 2))
+            view = self._class_views.get(key)
+            if view is None:
+                if len(self._class_views) >= MAX_CLASS_MARKS:
+                    self._class_views.clear()
+                view = self._class_views[key] = self._view_of(gains, self.class_marks(key[1]))
+            return view
+        return self._view_of(gains, self.class_marks(accept))
+
+    @staticmethod
+    def _view_of(gains: bool | None, marks: tuple[int, int] | None) -> ClassView:
+        return _RANKED[gains] if marks is None else ClassView(gains, marks[0], marks[1])
 
     def class_marks(self, accept: float) -> tuple[int, int] | None:
         """(high, low) for a traffic class of acceptance `accept` (policy.class_choice): the speed
@@ -412,6 +430,7 @@ class Router:
         if accept is not None and seen is not None and abs(accept - seen) > ACCEPT_CHANGE * seen:
             self.state = probes_restarted(self.state)
         self._class_marks.clear()
+        self._class_views.clear()
         if a.update(accept, now, source) and self.speed is None:
             high, low = a.watermarks()
             log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
