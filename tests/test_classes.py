@@ -5,7 +5,9 @@ policy.class_choice)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -169,6 +171,17 @@ async def _ask(gw: Gateway, cls: str, prompt: str, stream: bool = True) -> tuple
     return r.headers["x-specgate-backend"], r.headers["x-specgate-reason"]
 
 
+@contextlib.asynccontextmanager
+async def _holding(gw: Gateway, streams: int) -> AsyncIterator[None]:
+    """`streams` long unclassed streams open for the block: a load of that many requests."""
+    long = {"prompt": "p", "max_tokens": 120_000, "stream": True}
+    async with contextlib.AsyncExitStack() as held:
+        for _ in range(streams):
+            r = await held.enter_async_context(gw.client.stream("POST", "/v1/completions", json=long))
+            await anext(r.aiter_lines())
+        yield
+
+
 async def _engine_known(gw: Gateway) -> bool:
     return bool((await gw.routing())["servers"]["speculative"]["engine"] == "sglang")
 
@@ -181,20 +194,26 @@ async def _learn(gw: Gateway) -> None:
         await _ask(gw, "chat", VARIED)
 
 
-@pytest.mark.anyio
-async def test_in_a_pool_the_class_that_gains_most_gets_speculation_first(gateway: StartGateway) -> None:
+async def _two_classes(gateway: StartGateway, **settings: object) -> tuple[Gateway, dict[str, Any]]:
+    """A gateway (watermarks 4/1) whose speculative server judges acceptance by the prompt, once
+    it has learnt both classes; and what /routing says of them."""
     gw = await gateway(
         sim={"time_scale": 20},
         spec={"accept_from_prompt": True},
-        topology="pooled",
         high_watermark=4,
         low_watermark=1,
         scrape_interval_s=0.1,
         affinity_entries=0,
+        **settings,
     )
     await wait_until(lambda: _engine_known(gw))
     await _learn(gw)
-    tracked = (await gw.routing())["classes"]["tracked"]
+    return gw, (await gw.routing())["classes"]["tracked"]
+
+
+@pytest.mark.anyio
+async def test_in_a_pool_the_class_that_gains_most_gets_speculation_first(gateway: StartGateway) -> None:
+    gw, tracked = await _two_classes(gateway, topology="pooled")
     assert tracked["code"]["accept_length"] > 2.5 > 1.5 > tracked["chat"]["accept_length"], tracked
     assert (tracked["code"]["gains_most"], tracked["chat"]["gains_most"]) == (True, False), tracked
     # Below the high watermark the baseline pool is idle hardware: the class that gains least goes there.
@@ -202,11 +221,7 @@ async def test_in_a_pool_the_class_that_gains_most_gets_speculation_first(gatewa
     assert await _ask(gw, "code", REPEATED, stream=False) == ("speculative", "class")
     assert await _ask(gw, "chat", VARIED, stream=False) == ("baseline", "class")
     # At the high watermark there is no room for anyone: the policy decides for all.
-    long = {"prompt": "p", "max_tokens": 120_000, "stream": True}
-    async with contextlib.AsyncExitStack() as held:
-        for _ in range(4):
-            r = await held.enter_async_context(gw.client.stream("POST", "/v1/completions", json=long))
-            await anext(r.aiter_lines())
+    async with _holding(gw, 4):
         assert await _ask(gw, "code", REPEATED, stream=False) == ("baseline", "heavy_load")
     text = await gw.metrics_text()
     series = 'specgate_class_requests_total{backend="baseline",class="chat"}'
@@ -218,24 +233,10 @@ async def test_in_a_pool_the_class_that_gains_most_gets_speculation_first(gatewa
 
 @pytest.mark.anyio
 async def test_a_pair_is_never_split_by_class(gateway: StartGateway) -> None:
-    gw = await gateway(
-        sim={"time_scale": 20},
-        spec={"accept_from_prompt": True},
-        high_watermark=4,
-        low_watermark=1,
-        scrape_interval_s=0.1,
-        affinity_entries=0,
-    )
-    await wait_until(lambda: _engine_known(gw))
-    await _learn(gw)
-    tracked = (await gw.routing())["classes"]["tracked"]
+    gw, tracked = await _two_classes(gateway)
     assert (tracked["code"]["gains_most"], tracked["chat"]["gains_most"]) == (True, False), tracked
     # Between the watermarks, on one GPU shared by both servers: the mode decides for all.
-    long = {"prompt": "p", "max_tokens": 120_000, "stream": True}
-    async with contextlib.AsyncExitStack() as held:
-        for _ in range(2):
-            r = await held.enter_async_context(gw.client.stream("POST", "/v1/completions", json=long))
-            await anext(r.aiter_lines())
+    async with _holding(gw, 2):
         assert await _ask(gw, "chat", VARIED, stream=False) == ("speculative", "light_load")
 
 
@@ -282,10 +283,6 @@ async def test_under_the_adaptive_policy_each_class_has_its_own_watermarks(
     # accepts more to a higher load, and one that accepts about 1 token a step at hardly any.
     assert code["high"] >= 20 > 2 >= chat["high"], tracked
     # With the speculative pool holding a few streams, each class goes where its own watermarks say.
-    long = {"prompt": "p", "max_tokens": 120_000, "stream": True}
-    async with contextlib.AsyncExitStack() as held:
-        for _ in range(3):
-            r = await held.enter_async_context(gw.client.stream("POST", "/v1/completions", json=long))
-            await anext(r.aiter_lines())
+    async with _holding(gw, 3):
         assert await _ask(gw, "chat", VARIED, stream=False) == ("baseline", "class")
         assert await _ask(gw, "code", REPEATED, stream=False) == ("speculative", "class")
