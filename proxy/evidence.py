@@ -13,16 +13,24 @@ tokens:
 
     a = sum_k w_k * a_k / sum_k w_k      w_k = U_k * min(1, M_k / KEY_TOKENS)
 
-a_k is client k's latest measurement (one shadow probe's stream, or a probe session's streams
-pooled by tokens: tokens over decode steps), so a client whose traffic changes is read anew at
-once. U_k is the output tokens client k was served, through any server, and M_k the tokens its
-measurements counted, both decayed with a half-life of MEMORY_S / 4: a client weighs what it asks
-the servers for (to weigh more it must send more, and then its acceptance is the traffic's), and a
-short measurement counts for less than a full one. Clients without a measurement are not in the
-mean; `wants_copy` makes the probes pass over a client already measured in full while others are
-served, so that a client sending all the time does not take every copy. The pooled value stands
-while the newest measurement is younger than `fresh_s`; then the engine's own reading takes over,
-as before. At most MAX_KEYS clients are kept, the stalest forgotten first.
+a_k is the mean of client k's recent probes' readings (a probe's: tokens over decode steps), each
+older probe's weight kept at POOL_KEEP as a new one joins: about its last four. A mean over
+requests, not tokens over steps across them: a batch of streams advances each by its own acceptance
+every step, so the mix's tokens a step is their plain mean (1.25 and 3.0 make 2.1, not the 1.8 that
+pooling their tokens would say). A probe is one request of the client's, a shadow copy of 16 tokens
+every 15-20 s (or a probe session's streams, which pool as one): a client whose requests are of
+several kinds (a code assistant's and a chat's, accepting 3.0 and 1.25) is the mix of its last few
+probes, not whichever kind the last one happened to copy (measured: with the latest probe alone, the
+adaptive policy's acceptance on such traffic read 1.15-1.25 where the mix was 2.1, and its
+watermarks fell to 0). A client whose traffic changes is read anew within a few probes. U_k is the
+output tokens client k was served, through any server, and M_k the tokens its measurements counted,
+both decayed with a half-life of MEMORY_S / 4: a client weighs what it asks the servers for (to
+weigh more it must send more, and then its acceptance is the traffic's), and a short measurement
+counts for less than a full one. Clients without a measurement are not in the mean; `wants_copy`
+makes the probes pass over a client already measured in full while others are served, so that a
+client sending all the time does not take every copy. The pooled value stands while the newest
+measurement is younger than `fresh_s`; then the engine's own reading takes over, as before. At most
+MAX_KEYS clients are kept, the stalest forgotten first.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from dataclasses import dataclass
 KEY_TOKENS = 16.0
 # How long a client's figures are kept since they last moved.
 MEMORY_S = 60.0
+# What a client's pool of probe streams keeps of itself as a new stream joins: its last few.
+POOL_KEEP = 0.75
 # Clients kept at once (an entry is a few floats).
 MAX_KEYS = 1024
 
@@ -43,19 +53,30 @@ MAX_KEYS = 1024
 class _Entry:
     served: float = 0.0  # decayed output tokens served
     measured: float = 0.0  # decayed tokens measured
-    accept: float | None = None  # the latest measurement
+    accept: float | None = None  # the client's reading: its recent probes' mean
     measured_at: float = -math.inf
     at: float = -math.inf  # when any figure last moved (the decay's reference)
-    session: int | None = None  # the probe session the latest measurement pools, if any
+    # The probes before the latest, each older one kept at POOL_KEEP: the sum of their readings
+    # and their weight.
+    before_sum: float = 0.0
+    before_n: float = 0.0
+    # The latest probe: its session (None: a shadow), its streams' tokens and decode steps.
+    session: int | None = None
     session_tokens: float = 0.0
     session_steps: float = 0.0
 
 
 class AcceptanceEvidence:
     def __init__(
-        self, fresh_s: float, memory_s: float = MEMORY_S, key_tokens: float = KEY_TOKENS, max_keys: int = MAX_KEYS
+        self,
+        fresh_s: float,
+        memory_s: float = MEMORY_S,
+        key_tokens: float = KEY_TOKENS,
+        max_keys: int = MAX_KEYS,
+        pool_keep: float = POOL_KEEP,
     ) -> None:
         self.fresh_s = fresh_s
+        self.pool_keep = pool_keep
         self.memory_s = max(memory_s, fresh_s)
         self.key_tokens = key_tokens
         self.max_keys = max_keys
@@ -71,17 +92,24 @@ class AcceptanceEvidence:
             self._touch(key, now).served += tokens
 
     def measured(self, key: str, tokens: float, accept: float, now: float, session: int | None = None) -> None:
-        """`tokens` output tokens measured at acceptance length `accept` (>= 1) for client `key`;
-        streams of one probe `session` pool into one measurement, by tokens."""
+        """`tokens` output tokens measured at acceptance length `accept` (>= 1) for client `key`:
+        streams of one probe `session` pool by tokens into one probe's reading, and the client's
+        reading is its recent probes' mean (the module's rule)."""
         if not (tokens > 0 and math.isfinite(tokens) and math.isfinite(accept) and accept >= 1.0):
             return
         entry = self._touch(key, now)
         entry.measured += tokens
-        if session is None or session != entry.session:
+        if session is None or session != entry.session or entry.session_steps <= 0:
+            if entry.session_steps > 0:  # the latest probe joins those before it
+                latest = entry.session_tokens / entry.session_steps
+                entry.before_sum = entry.before_sum * self.pool_keep + latest
+                entry.before_n = entry.before_n * self.pool_keep + 1.0
             entry.session, entry.session_tokens, entry.session_steps = session, 0.0, 0.0
         entry.session_tokens += tokens
         entry.session_steps += tokens / accept
-        entry.accept = entry.session_tokens / entry.session_steps
+        latest = entry.session_tokens / entry.session_steps
+        keep = self.pool_keep
+        entry.accept = (entry.before_sum * keep + latest) / (entry.before_n * keep + 1.0)
         entry.measured_at = now
 
     def value(self, now: float) -> float | None:

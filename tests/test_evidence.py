@@ -17,17 +17,25 @@ from .helpers import Clock
 from .test_adaptive import calibration, router
 
 
-def test_a_probe_sessions_streams_pool_by_tokens_and_a_new_reading_replaces_the_last() -> None:
+def test_a_clients_recent_probes_make_its_reading() -> None:
     ev = AcceptanceEvidence(fresh_s=10.0)
     ev.measured("a", 16, 1.0, now=0.0, session=1)
     ev.measured("a", 48, 3.0, now=0.0, session=1)
-    # 64 tokens in 16 + 16 steps: 2 tokens a step, not the mean of the two readings.
+    # One probe session's streams: 64 tokens in 16 + 16 steps, 2 tokens a step, not the mean.
     assert ev.value(0.0) == pytest.approx(64 / 32)
-    # A client's traffic changed: its next reading (a shadow, or another session) is its reading.
-    ev.measured("a", 16, 4.0, now=1.0)
-    assert ev.value(1.0) == pytest.approx(4.0)
-    ev.measured("a", 16, 1.5, now=2.0, session=2)
-    assert ev.value(2.0) == pytest.approx(1.5)
+    # A client sending two kinds of request, probed one copy at a time, reads as their mix (a
+    # batch's tokens a step: their plain mean, 2.125), not as whichever kind the last copy
+    # happened to be (a code turn at 3.0, a chat turn at 1.25).
+    mixed = AcceptanceEvidence(fresh_s=10.0)
+    for i, accept in enumerate((3.0, 1.25, 3.0, 1.25, 3.0, 1.25)):
+        mixed.measured("a", 16, accept, now=15.0 * i)
+        value = mixed.value(15.0 * i)
+        assert value is not None and (1.6 < value < 2.6 or i == 0)
+    assert mixed.value(75.0) == pytest.approx(2.125, abs=0.3)
+    # Older probes fade: a client whose traffic changed is read anew within a few probes.
+    for i in range(6, 12):
+        mixed.measured("a", 16, 4.0, now=15.0 * i)
+    assert mixed.value(15.0 * 11) == pytest.approx(4.0, rel=0.15)
 
 
 def test_a_client_weighs_what_it_is_served() -> None:
