@@ -32,23 +32,27 @@ from proxy.routing import Fleet
 from proxy.servers import servers_of
 from proxy.tokens import TokenRatio, prompt_estimate
 
+from .simulator.profile import load_profile
+
 POLICIES: tuple[str, ...] = ("threshold", "adaptive")
 CONVERSATIONS = 1000
 CLASSES = ("code", "chat", "agent", "batch-eval")
 CLASS_ACCEPT = (3.0, 1.3, 2.2, 1.8)
-# The `crossover` profile's curves (loadtest/simulator/profiles): equal at 20 streams at acceptance 3.
-LEVELS = (1, 2, 5, 10, 20, 30, 50, 70)
-SPEC = (180.0, 330.0, 700.0, 1100.0, 1500.0, 1650.0, 1750.0, 1800.0)
-BASE = (100.0, 195.0, 470.0, 880.0, 1500.0, 1950.0, 2500.0, 2800.0)
+# The calibration the adaptive policy starts from: the `crossover` profile's curves, equal at 20
+# streams at acceptance 3.
+PROFILE = "crossover"
+CALIBRATED_ACCEPT = 3.0
 
 
 def _calibration() -> Calibration:
-    nan = (float("nan"),) * len(LEVELS)
+    profile = load_profile(PROFILE)
+    n = len(profile.concurrency)
+    nan = (float("nan"),) * n
     return Calibration(
-        levels=LEVELS,
-        speculative=Curve(SPEC, nan, (3.0,) * len(LEVELS)),
-        baseline=Curve(BASE, nan),
-        accept_length=3.0,
+        levels=tuple(int(c) for c in profile.concurrency),
+        speculative=Curve(profile.speculative_tok_s, nan, (CALIBRATED_ACCEPT,) * n),
+        baseline=Curve(profile.baseline_tok_s, nan),
+        accept_length=CALIBRATED_ACCEPT,
         high_watermark=19,
         low_watermark=14,
         verdict="crosses",

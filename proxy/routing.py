@@ -53,8 +53,8 @@ from .topology import Group, Topology
 
 log = logging.getLogger("specgate.routing")
 
-# Acceptances (to 0.01) whose class watermarks are kept between estimates: more than traffic has.
-MAX_CLASS_MARKS = 256
+# Class views (a rank and an acceptance to 0.01) kept between estimates: more than traffic has.
+MAX_CLASS_VIEWS = 256
 # A class whose acceptance says nothing more: its rank only.
 _RANKED: dict[bool | None, ClassView] = {g: ClassView(g) for g in (None, True, False)}
 
@@ -94,10 +94,9 @@ class Router:
         self.evidence = AcceptanceEvidence(cfg.accept_fresh_s)
         self._accept_seen: float | None = None
         self.adaptive: Adaptive | None = None
-        # Watermarks per traffic class acceptance (rounded), and the views built on them (a
-        # class's every request asks; a view is a few objects to build): solved again once the
+        # What the policy is told of a class, by rank and acceptance (rounded): a class's every
+        # request asks, and solving its watermarks walks the curves. Solved again once the
         # estimate moves.
-        self._class_marks: dict[float, tuple[int, int] | None] = {}
         self._class_views: dict[tuple[bool | None, float], ClassView] = {}
         # The model policy's step-time model: None without a fit (the adaptive rule then, as it is).
         self.speed: StepModel | None = None
@@ -260,7 +259,7 @@ class Router:
             key = (gains, round(accept, 2))
             view = self._class_views.get(key)
             if view is None:
-                if len(self._class_views) >= MAX_CLASS_MARKS:
+                if len(self._class_views) >= MAX_CLASS_VIEWS:
                     self._class_views.clear()
                 view = self._class_views[key] = self._view_of(gains, self.class_marks(key[1]))
             return view
@@ -272,20 +271,12 @@ class Router:
 
     def class_marks(self, accept: float) -> tuple[int, int] | None:
         """(high, low) for a traffic class of acceptance `accept` (policy.class_choice): the speed
-        model's at the group's context, or the adaptive curves' (solved once per 0.01 of acceptance
-        while the estimate stands); None under a policy without a model of speed."""
+        model's at the group's context, or the adaptive curves'; None under a policy without a
+        model of speed."""
         if self.speed is not None:
             return self.speed.class_watermarks(accept)
         a = self.adaptive
-        if a is None:
-            return None
-        key = round(accept, 2)
-        if key in self._class_marks:
-            return self._class_marks[key]
-        if len(self._class_marks) >= MAX_CLASS_MARKS:
-            self._class_marks.clear()
-        marks = self._class_marks[key] = a.watermarks_at(key, self._clock())
-        return marks
+        return None if a is None else a.watermarks_at(accept, self._clock())
 
     def pick(self, backend: Role) -> str:
         """The group's server for a role: the least loaded healthy one, at random among near-ties
@@ -429,7 +420,6 @@ class Router:
         seen, self._accept_seen = self._accept_seen, accept
         if accept is not None and seen is not None and abs(accept - seen) > ACCEPT_CHANGE * seen:
             self.state = probes_restarted(self.state)
-        self._class_marks.clear()
         self._class_views.clear()
         if a.update(accept, now, source) and self.speed is None:
             high, low = a.watermarks()
