@@ -18,8 +18,9 @@ than the re-prefill staying saves, in requests per thousand cached tokens:
     stay  iff  load(held) - load(best) <= slack * cached_tokens / 1000      (SPECGATE_AFFINITY_SLACK)
 
 (the loads are what placement compares: requests in flight, see routing.Router.placement_load).
-Which role serves a turn is the policy's: only between the watermarks, where either role pays,
-does the held server's role win (policy.affinity_choice). Pure but for the table.
+Which role serves a turn is the policy's: only between the watermarks, where either role pays, and
+only where the roles do not share a GPU, does the held server's role win (policy.affinity_choice).
+Pure but for the table.
 """
 
 from __future__ import annotations

@@ -44,11 +44,18 @@ batch requests (x-specgate-priority: batch), whatever the policy:
 and they are left out of L and S: a batch job of any size never moves interactive requests off
 speculation, nor takes its room.
 
-a turn of a conversation whose cache one server holds (affinity.py), whatever the policy but spillover:
+a turn of a conversation whose cache one server holds (affinity.py), whatever the policy but spillover,
+in a pooled topology (the roles on disjoint GPUs):
 
     backend = the held server's role   if low < L < high and that role is up      (reason affinity)
 
-since between the watermarks either role pays, and moving costs the conversation's re-prefill.
+since between the watermarks either role pays, and moving costs the conversation's re-prefill. Not
+in a paired group: there the held role is the one the mode left, and a turn sent back to it
+time-slices the shared GPU for as long as it decodes, every step of the other server's batch waiting
+for one of its own. That costs far more than the re-prefill it saves (measured on the simulated
+H200, 1k-token chats at 128 sessions: one turn held on the speculative server while 127 decoded on
+the baseline took the window's goodput from 41.3 to 36.3 requests a second), so in a pair the
+mode decides every turn's role, as it does every class's; affinity still picks the group.
 
 a request of a traffic class whose acceptance A_c is known (classes.py), in a pooled topology
 (the roles on disjoint GPUs, so that the baseline pool is idle hardware otherwise), whatever the
@@ -375,9 +382,12 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
 _MODE_REASONS = frozenset({"light_load", "heavy_load", "hysteresis_hold", "return_hold", "dwell_hold"})
 
 
-def affinity_choice(decision: Decision, held: Role, cfg: PolicyConfig, healthy: Mapping[Role, bool]) -> Decision:
-    """The decision for a turn whose cache a server of role `held` holds (the module's rule)."""
-    if decision.backend is None or decision.backend == held or decision.reason not in _MODE_REASONS:
+def affinity_choice(
+    decision: Decision, held: Role, cfg: PolicyConfig, healthy: Mapping[Role, bool], pooled: bool = True
+) -> Decision:
+    """The decision for a turn whose cache a server of role `held` holds (the module's rule);
+    `pooled`: the roles are on disjoint GPUs (a pair's are not, and there the mode decides)."""
+    if not pooled or decision.backend is None or decision.backend == held or decision.reason not in _MODE_REASONS:
         return decision
     if cfg.policy == "spillover" or not healthy.get(held, False):
         return decision

@@ -245,7 +245,7 @@ class Router:
             spec = backend_load(snapshot, Role.SPECULATIVE, cfg.load_signal)
             decision = class_choice(decision, klass, cfg, snapshot.healthy, self._pooled, spec, held)
         if held is not None and decision.reason not in ("class", "affinity"):
-            decision = affinity_choice(decision, held, cfg, snapshot.healthy)
+            decision = affinity_choice(decision, held, cfg, snapshot.healthy, self._pooled)
         self._set_state(decision.state)
         self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
         return decision

@@ -95,6 +95,8 @@ def test_between_the_watermarks_a_turn_keeps_its_role() -> None:
         assert affinity_choice(d, Role.SPECULATIVE, cfg, up) is d
     assert affinity_choice(band, Role.SPECULATIVE, cfg, {**up, Role.SPECULATIVE: False}) is band
     assert affinity_choice(band, Role.SPECULATIVE, policy_cfg("spillover", high=8, low=2), up) is band
+    # A pair's roles share one GPU: a turn sent back to the role the mode left would time-slice it.
+    assert affinity_choice(band, Role.SPECULATIVE, cfg, up, pooled=False) is band
 
 
 def test_the_engines_prefix_cache_hit_rate() -> None:

@@ -19,9 +19,11 @@ from loadtest.headtohead.twoclass import (
     smg_argv,
     table,
 )
+from loadtest.kit.settings import DURATIONS, specgate_env
 from loadtest.prompts import repetitiveness
 from loadtest.textbank import TextBank
 from loadtest.workload import TrafficClass, Workload, WorkloadSpec
+from proxy.config import ENGINE_SCRAPE_INTERVAL_S, Settings
 
 from .test_headtohead import tc
 
@@ -75,6 +77,23 @@ def test_gate_settings_turn_the_new_features_off_for_todays_policies() -> None:
     assert gate_settings("features") == {"policy": "adaptive", "class_key": "header"}
     with pytest.raises(ValueError):
         gate_settings("all-spec")
+
+
+def test_specgate_keeps_its_time_settings_meaning_on_the_simulators_clock() -> None:
+    """At time scale 0.25 the simulated GPU takes 4 wall seconds for one of its own: every default
+    duration is 4 times longer in wall seconds, a rate 4 times slower; what a caller sets is kept."""
+    env = specgate_env(8000, "S", "B", 0.25, adaptive_probe_s=3)
+    for name in DURATIONS:
+        if name != "adaptive_probe_s":
+            assert float(env[f"SPECGATE_{name.upper()}"]) == Settings.model_fields[name].default * 4, name
+    assert env["SPECGATE_ADAPTIVE_PROBE_S"] == "3"
+    step = Settings.model_fields["adaptive_max_step_per_s"].default
+    assert float(env["SPECGATE_ADAPTIVE_MAX_STEP_PER_S"]) == step / 4
+    assert "SPECGATE_SCRAPE_INTERVAL_S" not in env  # the local signal reads /metrics with the health poll
+    engine = specgate_env(8000, "S", "B", 0.25, load_signal="engine")
+    assert float(engine["SPECGATE_SCRAPE_INTERVAL_S"]) == ENGINE_SCRAPE_INTERVAL_S * 4
+    # Without a time scale, specgate's own defaults.
+    assert not any(k.endswith(("_S", "_PER_S")) for k in specgate_env(8000, "S", "B"))
 
 
 def req(session: str, turn: int, prompt: int, out: int, cached: int | None, started: float = 1.0) -> RequestResult:

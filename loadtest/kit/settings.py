@@ -1,10 +1,25 @@
 """specgate's environment in a scenario. With --time-scale T the simulators run T times faster, and
-specgate does not know it: its time settings are divided by T so that they mean what they would at
-time scale 1."""
+specgate does not know it: its time settings are divided by T (a rate multiplied by it) so that they
+mean what they would at time scale 1. A scenario that slows the simulators to fit two cores (T < 1)
+and left the adaptive policy's dwell, half-life, probe interval and return hold in wall seconds
+measured a policy that moved, probed and forgot 1/T times faster than it does beside a real GPU."""
 
 from __future__ import annotations
 
-from proxy.config import Settings
+from proxy.config import ENGINE_SCRAPE_INTERVAL_S, Settings
+
+# Time settings (Settings' fields) that are durations, scaled by 1 / T; and rates, scaled by T.
+DURATIONS = (
+    "health_interval_s",
+    "engine_stale_s",
+    "low_watermark_hold_s",
+    "adaptive_min_dwell_s",
+    "adaptive_half_life_s",
+    "adaptive_probe_s",
+    "adaptive_probe_max_s",
+)
+RATES = ("adaptive_max_step_per_s",)
+MIN_SCRAPE_INTERVAL_S = 0.1  # specgate's floor for SPECGATE_SCRAPE_INTERVAL_S
 
 
 def default_over(name: str, time_scale: float) -> float:
@@ -21,8 +36,8 @@ def specgate_env(
     **settings: object,
 ) -> dict[str, str]:
     """SPECGATE_* for one specgate on 127.0.0.1:`port`, `settings` named as Settings' fields. With a
-    time scale, how often it reads acceptance and load, and when a frozen gauge means an idle server,
-    scaled to the simulators' clock."""
+    time scale, every time setting not given in `settings` is its default scaled to the simulators'
+    clock (given ones are taken as meant in wall seconds)."""
     env = {
         "SPECGATE_HOST": "127.0.0.1",
         "SPECGATE_PORT": str(port),
@@ -32,6 +47,18 @@ def specgate_env(
         "SPECGATE_LOG_LEVEL": log_level,
     }
     if time_scale is not None:
-        env["SPECGATE_HEALTH_INTERVAL_S"] = f"{default_over('health_interval_s', time_scale):g}"
-        env["SPECGATE_ENGINE_STALE_S"] = f"{default_over('engine_stale_s', time_scale):g}"
+        env |= {f"SPECGATE_{n.upper()}": f"{default_over(n, time_scale):g}" for n in scaled_defaults(settings)}
+        env |= {
+            f"SPECGATE_{n.upper()}": f"{float(Settings.model_fields[n].default) * time_scale:g}"
+            for n in RATES
+            if n not in settings
+        }
+        if settings.get("load_signal", "local") != "local" and "scrape_interval_s" not in settings:
+            # The engine signal's own default (0.5 s), scaled; under `local` it follows the health poll.
+            every = max(MIN_SCRAPE_INTERVAL_S, ENGINE_SCRAPE_INTERVAL_S / time_scale)
+            env["SPECGATE_SCRAPE_INTERVAL_S"] = f"{every:g}"
     return env
+
+
+def scaled_defaults(settings: dict[str, object]) -> tuple[str, ...]:
+    return tuple(n for n in DURATIONS if n not in settings)

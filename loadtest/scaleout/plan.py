@@ -10,9 +10,8 @@ from typing import Literal
 
 from proxy.calibration import CalibrationError
 from proxy.calibration import load as load_calibration
-from proxy.config import Settings, default_scrape_interval
 
-from ..kit.settings import specgate_env
+from ..kit.settings import MIN_SCRAPE_INTERVAL_S, specgate_env
 from ..procs import pair_args
 from ..stats import DEFAULT_MIN_REQUESTS
 
@@ -36,7 +35,6 @@ CPU_BUSY_WARN = 0.85  # a level's mean machine CPU past which its figures are su
 FIDELITY_WARN = 0.90  # all-baseline below this share of its profile's throughput: CPU-starved
 CALIBRATE_LEVELS = (5, 10, 20, 30, 40)
 CALIBRATE_DURATION_S = 12.0  # per level, at time scale 1
-MIN_SCRAPE_INTERVAL_S = 0.1  # specgate's floor for SPECGATE_SCRAPE_INTERVAL_S
 
 NO_GROUP_SWITCHES = "specgate exports no specgate_group_mode_switches_total"
 
@@ -136,12 +134,11 @@ def gate_env(plan: ScaleoutPlan, servers: Sequence[Server], port: int, high: int
         low_watermark=low,
         load_signal="engine",
     )
-    # Unset, specgate's default for the engine signal, scaled as the health interval is above.
-    health = Settings.model_fields["health_interval_s"].default
-    every = default_scrape_interval(plan.scrape_interval_s, "engine", float(health))
-    env["SPECGATE_SCRAPE_INTERVAL_S"] = f"{max(MIN_SCRAPE_INTERVAL_S, every / t):g}"
-    hold = plan.low_hold_s if plan.low_hold_s is not None else Settings.model_fields["low_watermark_hold_s"].default
-    env["SPECGATE_LOW_WATERMARK_HOLD_S"] = f"{float(hold) / t:g}"
+    # The plan's own figures are in simulated seconds (kit.settings scales the defaults).
+    if plan.scrape_interval_s is not None:
+        env["SPECGATE_SCRAPE_INTERVAL_S"] = f"{max(MIN_SCRAPE_INTERVAL_S, plan.scrape_interval_s / t):g}"
+    if plan.low_hold_s is not None:
+        env["SPECGATE_LOW_WATERMARK_HOLD_S"] = f"{plan.low_hold_s / t:g}"
     return env
 
 
