@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from .policy import Role
-from .servers import Server
+from .servers import Load, Server
 
 
 class Lease:
@@ -125,6 +125,10 @@ class InflightTracker:
 
     def count(self, server: str) -> int:
         return self._servers[server].load.count
+
+    def load_of(self, server: str) -> Load:
+        """The server's counters themselves, to read (for the per-request snapshot: one lookup)."""
+        return self._servers[server].load
 
     def batch(self, server: str) -> int:
         """Of `count`, the batch requests (x-specgate-priority: batch)."""

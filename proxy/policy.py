@@ -97,7 +97,7 @@ import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 
 class Role(enum.StrEnum):
@@ -189,8 +189,10 @@ class PolicyConfig:
     probe_shadow: bool
 
 
-@dataclass(frozen=True)
-class LoadSnapshot:
+# LoadSnapshot, Decision (and routing.Placement) are immutable records built a few times for every
+# request: NamedTuples, since a frozen dataclass's __init__ sets each field through
+# object.__setattr__ (measured: 0.65 us for five fields, against 0.15 us).
+class LoadSnapshot(NamedTuple):
     """What the policy sees. `engine` is None for a server whose engine load is unknown or stale."""
 
     inflight: Mapping[Role, int]
@@ -229,8 +231,7 @@ class ClassView:
     low: int | None = None
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     backend: Role | None
     reason: Reason
     state: PolicyState
@@ -250,7 +251,9 @@ def backend_load(snapshot: LoadSnapshot, backend: Role, signal: LoadSignal) -> i
 
 
 def total_load(snapshot: LoadSnapshot, signal: LoadSignal) -> int:
-    return sum(backend_load(snapshot, b, signal) for b in ROLES)
+    # The two roles spelled out: this runs for every request, and a generator over ROLES costs more
+    # than the sum.
+    return backend_load(snapshot, Role.SPECULATIVE, signal) + backend_load(snapshot, Role.BASELINE, signal)
 
 
 def next_mode(load: int, state: PolicyState, cfg: PolicyConfig, now: float = 0.0) -> PolicyState:
@@ -355,8 +358,8 @@ def _settled(
 
 
 def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:
-    load = total_load(snapshot, cfg.load_signal)
     spec_load = backend_load(snapshot, Role.SPECULATIVE, cfg.load_signal)
+    load = spec_load + backend_load(snapshot, Role.BASELINE, cfg.load_signal)
     fresh = accept_fresh(snapshot.speculative_idle_since, snapshot.now, cfg)
     was_probing = state.probing
     state, held = _settled(load, spec_load, state, cfg, snapshot.now, fresh)
@@ -372,7 +375,7 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
         if cfg.probe_shadow:
             # A shadow is a session of its own; the request itself goes on as decided.
             shadow = dataclasses.replace(state, probes=probes, probing=False)
-            return dataclasses.replace(_checked(choice, reason, shadow, snapshot, load), shadow=True)
+            return _checked(choice, reason, shadow, snapshot, load)._replace(shadow=True)
         state = _probe_sent(dataclasses.replace(state, probes=probes, probing=True), was_probing)
         return Decision(Role.SPECULATIVE, "probe", state, load)
     return _checked(choice, reason, state, snapshot, load)

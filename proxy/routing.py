@@ -16,7 +16,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .adaptive import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig, stream_accept
 from .affinity import Held, Outcome, keep
@@ -192,10 +192,11 @@ class Router:
             read = False
             loads = 0
             for s in names:
-                batch = t.batch(s)
-                ours += t.count(s) - batch
+                counters = t.load_of(s)
+                batch = counters.batch
+                ours += counters.count - batch
                 up = up or views[s].healthy
-                if t.was_read(s):
+                if counters.read_at is not None:
                     read = True
                 if not local:
                     loads += self.server_load(s) - batch
@@ -455,8 +456,7 @@ class Router:
             self._publish_mode()
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     """Where a new request goes: the group's router and its decision (the server is picked at
     admission, `Router.admit`)."""
 
