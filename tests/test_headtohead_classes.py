@@ -135,6 +135,9 @@ def test_goodput_verdicts_against_the_better_fixed_target() -> None:
     assert goodput_verdict(cell(10, 8, 9.6, split=False), "features") == "missed"
     assert goodput_verdict(cell(10, 8, 20, split=True, conclusive=False), "features") == "unknown"
     assert cell(10, 8, 11, split=True, conclusive=False).split() is None
+    # A split that cost nothing: A's 2.0 on all-base plus B's 3.0 on all-spec, over all-spec's 10.
+    assert cell(10, 8, 11, split=True).split_bound() == pytest.approx(0.5)
+    assert cell(10, 8, 11, split=True, conclusive=False).split_bound() is None
 
 
 def test_hit_verdict_within_five_points_of_the_oracle() -> None:
@@ -148,7 +151,7 @@ def test_hit_verdict_within_five_points_of_the_oracle() -> None:
 
 def test_table_and_parser() -> None:
     text = table(ClassPlan(), [cell(10, 8, 11, split=True)])
-    assert "1.10x (met)" in text and "| yes |" in text
+    assert "1.10x (met)" in text and "| yes | 0.50x |" in text
     args = build_parser().parse_args(["headtohead-classes", "--contexts", "1k", "--sessions", "8,32"])
     assert args.contexts == (1000,) and args.sessions == (8, 32)
 

@@ -227,6 +227,18 @@ class ClassCell:
             return None
         return t.goodput_req_s / o.goodput_req_s
 
+    def split_bound(self) -> float | None:
+        """Each class's goodput on the fixed target it does best on, summed, over the better fixed
+        target's (None when either is inconclusive or has none): a split that left each class as
+        well off as it was there. A split beats it only where each class does better beside the
+        other than it did on either fixed target: on GPUs of their own (a pool), not where the two
+        servers time-slice one."""
+        best = self.best_fixed()
+        if best is None or best < NO_GOODPUT:
+            return None
+        spec, base = self.class_goodput["all-spec"], self.class_goodput["all-base"]
+        return sum(max(spec.get(c, 0.0), base.get(c, 0.0)) for c in spec.keys() | base.keys()) / best
+
     def split(self) -> bool | None:
         """Whether the classes should be split: class B has more goodput on all-spec, class A on
         all-base, each beyond TIE; None when either fixed target is inconclusive."""
@@ -374,7 +386,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
     head = (
         "| ctx | sessions | scale | "
         + " | ".join(f"goodput {n}" for n in plan.targets)
-        + " | A/B spec | A/B base | split? | "
+        + " | A/B spec | A/B base | split? | free split | "
         + " | ".join(f"{n} / best" for n in GATES)
         + " | features / adaptive | hit "
         + " / ".join(plan.targets)
@@ -390,7 +402,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
             f"| {context_label(c.context)} | {c.sessions} | {c.time_scale:g} | "
             + " | ".join(gp)
             + f" | {_pair(cg['all-spec'])} | {_pair(cg['all-base'])} | "
-            f"{'unknown' if split is None else 'yes' if split else 'no'} | "
+            f"{'unknown' if split is None else 'yes' if split else 'no'} | {_ratio(c.split_bound())} | "
             + " | ".join(f"{_ratio(c.ratio(n))} ({goodput_verdict(c, n)})" for n in GATES)
             + f" | {_ratio(c.versus('features', 'adaptive'))} | "
             + " / ".join(_hit(c.targets[n].prefix_cache_hit_rate) if n in c.targets else "-" for n in plan.targets)
@@ -399,8 +411,10 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
     lines.append(
         f"\n(simulated time; goodput: requests a second finishing within TTFT <= {plan.slo_ttft_ms:g} ms and TPOT "
         f"<= {plan.slo_tpot_ms:g} ms; A/B: each class's goodput; split?: B gains on all-spec and A on all-base, "
-        f"each beyond {TIE:.0%}; X / best: X's goodput over the better of all-spec and all-base, (met/missed) "
-        f">= {SPLIT_GAIN:g}x where split, else >= {FLOOR:g}x; * inconclusive)"
+        f"each beyond {TIE:.0%}; free split: each class on its better fixed target, summed, over the better "
+        f"fixed target (a split that left each class as well off as it was there); X / best: X's goodput over "
+        f"the better of all-spec and all-base, (met/missed) >= {SPLIT_GAIN:g}x where split, else >= {FLOOR:g}x; "
+        "* inconclusive)"
     )
     return "\n".join(lines)
 
