@@ -22,11 +22,6 @@ RATES = ("adaptive_max_step_per_s",)
 MIN_SCRAPE_INTERVAL_S = 0.1  # specgate's floor for SPECGATE_SCRAPE_INTERVAL_S
 
 
-def default_over(name: str, time_scale: float) -> float:
-    """A specgate time setting's default, divided by the time scale."""
-    return float(Settings.model_fields[name].default) / time_scale
-
-
 def specgate_env(
     port: int,
     speculative: str,
@@ -47,18 +42,12 @@ def specgate_env(
         "SPECGATE_LOG_LEVEL": log_level,
     }
     if time_scale is not None:
-        env |= {f"SPECGATE_{n.upper()}": f"{default_over(n, time_scale):g}" for n in scaled_defaults(settings)}
-        env |= {
-            f"SPECGATE_{n.upper()}": f"{float(Settings.model_fields[n].default) * time_scale:g}"
-            for n in RATES
-            if n not in settings
-        }
+        for name in (*DURATIONS, *RATES):
+            if name not in settings:
+                factor = time_scale if name in RATES else 1 / time_scale
+                env[f"SPECGATE_{name.upper()}"] = f"{float(Settings.model_fields[name].default) * factor:g}"
         if settings.get("load_signal", "local") != "local" and "scrape_interval_s" not in settings:
             # The engine signal's own default (0.5 s), scaled; under `local` it follows the health poll.
             every = max(MIN_SCRAPE_INTERVAL_S, ENGINE_SCRAPE_INTERVAL_S / time_scale)
             env["SPECGATE_SCRAPE_INTERVAL_S"] = f"{every:g}"
     return env
-
-
-def scaled_defaults(settings: dict[str, object]) -> tuple[str, ...]:
-    return tuple(n for n in DURATIONS if n not in settings)
