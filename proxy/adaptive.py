@@ -31,7 +31,6 @@ The watermark then moves toward the estimate at a bounded rate and stays in a cl
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import itertools
 import math
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .calibration import Calibration
-from .policy import ROLES, Role
+from .policy import ROLES, Curves, Role, interpolate
 
 # Without a calibration, observations go to the nearest of these levels (streams on one server).
 BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
@@ -49,17 +48,6 @@ MAX_CORRECTION = 2.0  # observed speed vs calibration, bounded to [1/2, 2]
 CLIP_LOG = 0.35  # one observation moves a level's estimate by at most ~40% of the way
 MIN_WEIGHT_NO_PRIOR = 3.0  # without a calibration, a level counts after this many observations
 MIN_STREAM_EVENTS = 4  # a stream's acceptance is read from at least this many content events
-
-
-def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Linear between points, flat outside them (NaN points are not skipped: callers avoid them)."""
-    if x <= xs[0]:
-        return ys[0]
-    if x >= xs[-1]:
-        return ys[-1]
-    i = bisect.bisect_right(xs, x)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def hysteresis_low(high: int) -> int:
@@ -379,6 +367,8 @@ class AdaptiveConfig:
     # Leave speculation where the baseline is ahead by this share, come back where speculation
     # is: two servers this close do not pull traffic back and forth.
     margin: float
+    # Prompt tokens a second a server prefills: what a paired group's switch costs (policy.py).
+    prefill_tok_s: float
 
 
 class Adaptive:
@@ -408,6 +398,21 @@ class Adaptive:
     def watermarks(self) -> tuple[int, int]:
         """(high, low) in effect."""
         return watermarks(self.wm)
+
+    def curves(self) -> Curves | None:
+        """The estimate's curves at the levels where both are known (None: at none)."""
+        e = self.estimate
+        if e.high is None or e.crossover is None:
+            return None  # the curves conclude nothing yet: no switch is priced on them
+        points = [
+            (c, s, b)
+            for c, s, b in zip(e.levels, e.speculative_tok_s, e.baseline_tok_s, strict=True)
+            if math.isfinite(s) and math.isfinite(b)
+        ]
+        if not points:
+            return None
+        levels, spec, base = zip(*points, strict=True)
+        return Curves(tuple(map(float, levels)), spec, base)
 
     def watermarks_at(self, accept: float, now: float) -> tuple[int, int] | None:
         """(high, low) the curves as believed now call for at acceptance `accept` (a traffic

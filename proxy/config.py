@@ -94,6 +94,10 @@ class Settings(BaseSettings):
     adaptive_probe_tokens: int = Field(160, ge=1)
     # Leave speculation where the baseline is ahead by this share, return where speculation is.
     adaptive_margin: float = Field(0.05, ge=0, le=0.5)
+    # adaptive, paired groups: prompt tokens a second a server prefills, which prices a switch's
+    # re-prefill of every conversation (policy.py). Lower is more cautious; 20,000 is under what
+    # an 8B model does on one H100 or H200. 0: switches are not priced.
+    prefill_tok_s: float = Field(20_000.0, ge=0, le=1e9)
     # Engine gauges frozen this long are taken as an idle server (SGLang keeps them when idle).
     engine_stale_s: float = Field(10.0, gt=0)
     # Which engine's metrics to read: detected from each server's /metrics names, or fixed.
@@ -255,6 +259,7 @@ class Settings(BaseSettings):
             half_life_s=self.adaptive_half_life_s,
             probe_tokens=self.adaptive_probe_tokens,
             margin=self.adaptive_margin,
+            prefill_tok_s=self.prefill_tok_s,
         )
 
     @model_validator(mode="after")

@@ -100,6 +100,10 @@ class Router:
         self._class_views: dict[tuple[bool | None, float], ClassView] = {}
         # The model policy's step-time model: None without a fit (the adaptive rule then, as it is).
         self.speed: StepModel | None = None
+        # 1 / (P * H), which prices a switch of a paired group per token it re-prefills
+        # (policy.switch_pays; 0: not priced, as in a pool, whose conversations stay where their
+        # cache is between the watermarks).
+        self._switch_per_token = 0.0
         if cfg.policy in LEARNING:
             if adaptive is None:
                 raise ValueError("the adaptive policy needs its AdaptiveConfig")
@@ -107,6 +111,9 @@ class Router:
             self.adaptive = Adaptive(adaptive, calibration, static, clock())
             high, low = self.adaptive.watermarks()
             self.cfg = dataclasses.replace(cfg, high_watermark=high, low_watermark=low)
+            if not pooled and adaptive.prefill_tok_s > 0:
+                self._switch_per_token = 1.0 / (adaptive.prefill_tok_s * adaptive.half_life_s)
+                self.cfg = dataclasses.replace(self.cfg, curves=self.adaptive.curves())
             if cfg.policy == "model" and calibration is not None and calibration.model is not None:
                 limits = ModelLimits(
                     min_watermark=adaptive.min_watermark, max_watermark=adaptive.max_watermark, margin=adaptive.margin
@@ -205,7 +212,15 @@ class Router:
             # Never read: the policy counts ours (backend_load). Under the local signal a server's
             # load is ours (server_load), so the sum is the count.
             engine[role] = (ours if local else loads) if read else None
-        return LoadSnapshot(counts, engine, healthy, self._clock(), self._spec_idle_since)
+        return LoadSnapshot(counts, engine, healthy, self._clock(), self._spec_idle_since, self.switch_margin())
+
+    def switch_margin(self) -> float:
+        """The gain a switch of the group's mode needs (LoadSnapshot.switch_margin): the tokens its
+        requests hold (each one's next turn resends them to the other server), priced; 0 where
+        switches are not priced."""
+        if not self._switch_per_token:
+            return 0.0
+        return sum(self.role_tokens(role) for role in ROLES) * self._switch_per_token
 
     @property
     def load(self) -> int:
@@ -411,7 +426,7 @@ class Router:
         if self.speed is not None:
             self._model_watermarks()
         fresh = accept_fresh(self._spec_idle_since, now, self.cfg)
-        self._set_state(settle(load, spec_load, self.state, self.cfg, now, fresh))
+        self._set_state(settle(load, spec_load, self.state, self.cfg, now, fresh, self.switch_margin()))
 
     def _update(self, now: float) -> None:
         a = self.adaptive
@@ -426,6 +441,8 @@ class Router:
             high, low = a.watermarks()
             log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
             self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)
+        if self._switch_per_token:
+            self.cfg = dataclasses.replace(self.cfg, curves=a.curves())
         if self.speed is not None:
             self._model_watermarks()
         self._publish_watermarks()

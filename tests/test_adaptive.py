@@ -24,7 +24,7 @@ from proxy.adaptive import (
 )
 from proxy.calibration import Calibration, Curve
 from proxy.metrics import Metrics
-from proxy.policy import LoadSnapshot, PolicyState, Role, decide, dwell_mode
+from proxy.policy import Curves, LoadSnapshot, PolicyState, Role, decide, dwell_mode, settle
 from proxy.probe import shadow_body
 from proxy.routing import Fleet, Router
 from proxy.servers import Health
@@ -211,6 +211,59 @@ def test_dwell_holds_a_switch_until_the_mode_is_old_enough() -> None:
     # The threshold policy has no dwell: exactly as before.
     t = decide(snap(12, 0, 0.1, None), PolicyState(Role.SPECULATIVE, since=0.0), policy_cfg("threshold", 10, 7))
     assert (t.backend, t.reason) == ("baseline", "heavy_load")
+
+
+# The servers tie at 20 streams; the baseline gives 1.5x at 40, speculation 1.25x at 10.
+TIE_AT_20 = Curves((10.0, 20.0, 40.0), (1000.0, 1500.0, 1600.0), (800.0, 1500.0, 2400.0))
+
+
+def test_a_paired_switch_waits_until_its_gain_pays_for_the_re_prefill() -> None:
+    cfg = policy_cfg("adaptive", 20, 15, curves=TIE_AT_20)
+    spec = PolicyState(Role.SPECULATIVE)
+    # At the tie a switch that must gain 10% to win back its re-prefill waits on speculation.
+    d = decide(snap(20, 0, 0.0, None)._replace(switch_margin=0.1), spec, cfg)
+    assert (d.backend, d.reason, d.state.mode) == ("speculative", "switch_cost", "speculative")
+    # The baseline 1.5x ahead at 40: worth it.
+    d = decide(snap(40, 0, 0.0, None)._replace(switch_margin=0.1), spec, cfg)
+    assert (d.backend, d.reason, d.state.mode) == ("baseline", "heavy_load", "baseline")
+    # Not priced (no tokens held, or no curves): the watermark alone decides, as before.
+    assert decide(snap(20, 0, 0.0, None), spec, cfg).reason == "heavy_load"
+    no_curves = dataclasses.replace(cfg, curves=None)
+    assert decide(snap(20, 0, 0.0, None)._replace(switch_margin=0.1), spec, no_curves).reason == "heavy_load"
+    # And back to speculation, with no request to place: 1.25x at 10 streams pays 20%, not 30%.
+    base = PolicyState(Role.BASELINE)
+    assert settle(10, 0, base, cfg, 0.0, True, 0.3).mode == "baseline"
+    assert settle(10, 0, base, cfg, 0.0, True, 0.2).mode == "speculative"
+    # A held switch leaves the dwell's clock alone: it goes the moment it pays.
+    held, why = dwell_mode(20, spec, cfg, 0.0, switch_margin=0.1)
+    assert (held, why) == (spec, "switch_cost")
+
+
+def test_curves_give_a_switch_gain_between_and_beyond_their_levels() -> None:
+    assert TIE_AT_20.gain(Role.BASELINE, 30.0) == pytest.approx(1950 / 1550 - 1)
+    assert TIE_AT_20.gain(Role.SPECULATIVE, 5.0) == pytest.approx(0.25)  # flat below the first level
+    assert TIE_AT_20.gain(Role.BASELINE, 80.0) == pytest.approx(0.5)  # and above the last
+    assert Curves((1.0,), (0.0,), (5.0,)).gain(Role.BASELINE, 1.0) == math.inf  # nothing to lose
+
+
+@pytest.mark.parametrize(
+    ("topology", "prefill", "margin"),
+    [("paired", 1000.0, 0.2), ("paired", 0.0, 0.0), ("pooled", 1000.0, 0.0)],
+)
+def test_a_router_prices_a_switch_by_the_tokens_its_group_holds(topology: str, prefill: float, margin: float) -> None:
+    r = rig(topology=topology)
+    policy = policy_cfg("adaptive", 16, 8)
+    adaptive = adaptive_cfg(margin=0.0, prefill_tok_s=prefill, half_life_s=10.0)
+    (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, calibration(), clock=Clock()).routers
+    assert router.snapshot().switch_margin == 0
+    lease = router.admit(Role.SPECULATIVE, tokens=1500)
+    other = router.admit(Role.BASELINE, tokens=500)
+    # 2,000 tokens over 1,000 tok/s of prefill times a 10 s half-life: a switch must gain 20%.
+    assert router.snapshot().switch_margin == pytest.approx(margin)
+    assert (router.cfg.curves is not None) == (margin > 0)
+    lease.release()
+    assert router.snapshot().switch_margin == pytest.approx(margin / 4)
+    other.release()
 
 
 def test_probes_go_to_the_idle_speculative_server_at_doubling_intervals() -> None:

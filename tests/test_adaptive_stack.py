@@ -25,12 +25,14 @@ CALIBRATION = {
     "accept_length": 3.0,
     "recommendation": {"high_watermark": 20, "low_watermark": 15, "verdict": "crosses"},
 }
+# The rule acts at once (no dwell, no probes, no band from a margin, no price on a switch).
 FAST = {
     "policy": "adaptive",
     "adaptive_max_step_per_s": 1000,
     "adaptive_min_dwell_s": 0,
     "adaptive_probe_s": 0,
     "adaptive_margin": 0,
+    "prefill_tok_s": 0,
 }
 SIM = {"profile": "crossover"}
 

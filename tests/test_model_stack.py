@@ -16,13 +16,14 @@ from .test_speedmodel import MODEL
 
 pytestmark = pytest.mark.anyio
 
-# The model's rule acts at once (no dwell, no probes, no band from a margin).
+# The model's rule acts at once (no dwell, no probes, no band from a margin, no price on a switch).
 FAST = {
     "policy": "model",
     "adaptive_max_step_per_s": 1000,
     "adaptive_min_dwell_s": 0,
     "adaptive_probe_s": 0,
     "adaptive_margin": 0,
+    "prefill_tok_s": 0,
 }
 
 

@@ -18,7 +18,7 @@ DURATIONS = (
     "adaptive_probe_s",
     "adaptive_probe_max_s",
 )
-RATES = ("adaptive_max_step_per_s",)
+RATES = ("adaptive_max_step_per_s", "prefill_tok_s")
 MIN_SCRAPE_INTERVAL_S = 0.1  # specgate's floor for SPECGATE_SCRAPE_INTERVAL_S
 
 
