@@ -77,6 +77,7 @@ def describe(gate: Gate) -> dict[str, Any]:
             "tokens": tracker.tokens(name),
             "engine_tokens": h.engine_tokens,
             "engine_kv_usage": h.engine_kv_usage,
+            "engine_kv_capacity": h.engine_kv_capacity,
             "engine_cache_hit_rate": h.engine_cache_hit_rate,
             # Requests not this gateway's, as last read (the engine's count minus ours then).
             "others": tracker.others(name),
@@ -111,6 +112,10 @@ def describe(gate: Gate) -> dict[str, Any]:
             "mode": g.state.mode,
             "load": g.load,
             "watermarks": {"high": g.cfg.high_watermark, "low": g.cfg.low_watermark},
+            # Streams the speculative role holds before its KV pool is full (None: unknown), and
+            # the watermarks in effect, capped to it.
+            "kv_capacity_streams": g.kv_streams,
+            "watermarks_in_effect": {"high": g.policy_cfg().high_watermark, "low": g.policy_cfg().low_watermark},
             "servers": {role: list(g.group.of(role)) for role in ROLES},
             **({"adaptive": g.adaptive.describe(g.now())} if g.adaptive is not None else {}),
             **({"model": g.speed.describe()} if g.speed is not None else {}),

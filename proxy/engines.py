@@ -114,6 +114,7 @@ class Reading:
     accept_counters: tuple[float, float] | None  # (accepted tokens, drafts) so far
     kv_tokens: int | None = None  # tokens in the KV cache; None when the engine does not say
     kv_usage: float | None = None  # the KV pool's fraction in use (summed over ranks); None: not said
+    kv_capacity: int | None = None  # the KV pool's size in tokens; None: not said
     cache_hit_rate: float | None = None  # from a gauge; None without one
     cache_counters: tuple[float, float] | None = None  # (prompt tokens found cached, looked up) so far
 
@@ -129,9 +130,10 @@ class Engine:
     accept_gauge: str | None = None
     accepted_counter: str | None = None
     drafts_counter: str | None = None
-    # The KV cache in use: in tokens, and as the pool's fraction.
+    # The KV cache in use: in tokens, and as the pool's fraction; and the pool's size in tokens.
     kv_tokens: str | None = None
     kv_usage: str | None = None
+    kv_capacity: str | None = None
     # The prefix cache's hit rate: a gauge (SGLang), or counters of hits and queries to take a rate of.
     cache_hit_gauge: str | None = None
     cache_hits_counter: str | None = None
@@ -162,6 +164,7 @@ class Engine:
             self.drafts_counter,
             self.kv_tokens,
             self.kv_usage,
+            self.kv_capacity,
             self.cache_hit_gauge,
             self.cache_hits_counter,
             self.cache_queries_counter,
@@ -178,6 +181,7 @@ class Engine:
             self._counters(values),
             self._kv_tokens(values),
             self._kv_usage(values),
+            self._kv_capacity(values),
             self._hit_gauge(values),
             self._hit_counters(values),
         )
@@ -263,6 +267,12 @@ class Engine:
         value = self._checked(values, self.kv_tokens, 0.0, MAX_KV_TOKENS)
         return None if value is None else int(value)
 
+    def _kv_capacity(self, values: Mapping[str, float]) -> int | None:
+        if self.kv_capacity is None:
+            return None
+        value = self._checked(values, self.kv_capacity, 0.0, MAX_KV_TOKENS)
+        return None if not value else int(value)
+
     def _kv_usage(self, values: Mapping[str, float]) -> float | None:
         if self.kv_usage is None:
             return None
@@ -305,6 +315,7 @@ SGLANG = Engine(
     accept_gauge="spec_accept_length",
     kv_tokens="num_used_tokens",
     kv_usage="token_usage",
+    kv_capacity="max_total_num_tokens",
     cache_hit_gauge="cache_hit_rate",
     freezes_when_idle=True,
     gauge_refresh_steps=40,

@@ -233,6 +233,7 @@ class HealthMonitor:
         self._on_reading(backend, found.load)
         h.spec_accept_length = found.accept_length
         h.engine_tokens, h.engine_kv_usage = found.kv_tokens, found.kv_usage
+        h.engine_kv_capacity = found.kv_capacity
         h.engine_cache_hit_rate = found.cache_hit_rate
         if h.engine_signal_up is not True:
             h.engine_signal_up, h.engine_signal_error = True, None
@@ -243,6 +244,7 @@ class HealthMonitor:
         h = srv.health
         h.engine_load, h.reading_at, h.activity, h.spec_accept_length = None, None, None, None
         h.engine_tokens, h.engine_kv_usage, h.engine_cache_hit_rate = None, None, None
+        h.engine_kv_capacity = None
         was_up = h.engine_signal_up
         h.engine_signal_up, h.engine_signal_error = False, error
         self._metrics.publish_reading(srv, self._roles[srv.role])

@@ -51,6 +51,25 @@ H200 with 8k-token chats at 32 sessions, a switch half-way through a 12 s window
 about 256k tokens (some 8 s of the GPU) and took the window's goodput to 0.58-0.79x of either fixed
 choice. With short contexts R / P is a fraction of a second, and the rule changes little.
 
+the speculative server's memory, under the policies that learn (adaptive, model): its KV pool holds
+K tokens (the engine's own figure, SGLang's max_total_num_tokens), the group's requests t tokens
+each on average (prompts and output so far, this gateway's), so past K / t streams its requests
+queue for memory and its prefix cache is evicted, however fast its steps are. So
+
+    high' = min(high, floor(K / t))      low' = min(low, high' - max(1, ceil(high' / 4)))
+
+(K summed over a pool's speculative servers), a class's high_c is capped alike, and a switch off
+speculation at K / t is not held for its re-prefill: staying re-prefills what the full pool evicts
+at every turn, a switch once. On a shared GPU the speculative server's pool is the smaller (the
+draft's weights and KV take their share): on the simulated H200, 229k tokens against the
+baseline's 419k, so 8k-token chats fill it at about 27 streams, where the curves, which measure
+step times, put the crossover near 40. Measured there at 32 sessions over 48 s: 2.81 requests a
+second of goodput with the cap against 2.46 all-baseline and 1.37 all-speculative (new
+conversations, still short, go to speculation until they grow); 0.71-0.94 with the cap's switch
+priced like any other, whose switches came late and re-prefilled everything. In 12 s windows
+from a cold start the switch's one re-prefill is most of the window (0.15-0.22x). threshold routes
+by its watermarks as configured.
+
 batch requests (x-specgate-priority: batch), whatever the policy:
 
     backend = baseline                                          (reason batch)
@@ -208,6 +227,9 @@ class PolicyConfig:
     # adaptive, paired group: the curves as believed now (the Router replaces them), which price a
     # switch against its re-prefill (LoadSnapshot.switch_margin); None: switches are not priced.
     curves: Curves | None = None
+    # Streams the speculative role holds before its KV pool is full, K / t (the Router's; None:
+    # unknown, or beyond the high watermark): the watermarks above are capped to it already.
+    capacity: int | None = None
 
 
 class Curves(NamedTuple):
@@ -220,8 +242,9 @@ class Curves(NamedTuple):
     def gain(self, to: Role, load: float) -> float:
         """The throughput `to` gives at `load` over the other role's, less 1 (infinite where the
         other gives none: nothing to lose)."""
-        new = interpolate(self.levels, self.speculative if to == Role.SPECULATIVE else self.baseline, load)
-        old = interpolate(self.levels, self.baseline if to == Role.SPECULATIVE else self.speculative, load)
+        spec = interpolate(self.levels, self.speculative, load)
+        base = interpolate(self.levels, self.baseline, load)
+        new, old = (spec, base) if to == Role.SPECULATIVE else (base, spec)
         return new / old - 1 if old > 0 else math.inf
 
 
@@ -330,8 +353,11 @@ def return_held(load: int, state: PolicyState, cfg: PolicyConfig) -> bool:
 
 
 def switch_pays(to: Role, load: int, cfg: PolicyConfig, margin: float) -> bool:
-    """Whether a switch to `to` gains at least `margin` (LoadSnapshot.switch_margin) at `load`."""
+    """Whether a switch to `to` gains at least `margin` (LoadSnapshot.switch_margin) at `load`; a
+    switch off speculation whose KV pool is full always does."""
     if margin <= 0 or cfg.curves is None:
+        return True
+    if to == Role.BASELINE and cfg.capacity is not None and load >= cfg.capacity:
         return True
     return cfg.curves.gain(to, load) >= margin
 
@@ -484,7 +510,7 @@ def class_choice(
         return _ranked_choice(decision, view.gains, cfg, healthy)
     reason: Reason
     choice: Role
-    if spec_load >= view.high:
+    if spec_load >= (view.high if cfg.capacity is None else min(view.high, cfg.capacity)):
         choice, reason = Role.BASELINE, "class"
     elif spec_load <= view.low or held is None or not healthy.get(held, False):
         choice, reason = Role.SPECULATIVE, "class"

@@ -37,6 +37,7 @@ class Found:
     kv_tokens: int | None = None
     kv_usage: float | None = None
     cache_hit_rate: float | None = None
+    kv_capacity: int | None = None
 
 
 def read(
@@ -73,7 +74,7 @@ def read(
         load = 0
         kv_tokens = None if kv_tokens is None else 0
         kv_usage = None if kv_usage is None else 0.0
-    return Found(found, load, accept, kv_tokens, kv_usage, hit_rate)
+    return Found(found, load, accept, kv_tokens, kv_usage, hit_rate, reading.kv_capacity)
 
 
 def _hit_rate(h: Health, counters: tuple[float, float]) -> float | None:

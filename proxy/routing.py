@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from .adaptive import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig, stream_accept
+from .adaptive import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig, hysteresis_low, stream_accept
 from .affinity import Held, Outcome, keep
-from .calibration import Calibration
+from .calibration import MAX_WATERMARK, Calibration
 from .engines import ENGINES
 from .evidence import AcceptanceEvidence
 from .inflight import InflightTracker, Lease
@@ -104,6 +104,11 @@ class Router:
         # (policy.switch_pays; 0: not priced, as in a pool, whose conversations stay where their
         # cache is between the watermarks).
         self._switch_per_token = 0.0
+        # Streams the speculative role holds before its KV pool is full (capacity(), re-read at
+        # most every UPDATE_EVERY_S), and the configuration capped to it, for the one it capped.
+        self.kv_streams: int | None = None
+        self._kv_read_at = -math.inf
+        self._capped: tuple[PolicyConfig, int, PolicyConfig] | None = None
         if cfg.policy in LEARNING:
             if adaptive is None:
                 raise ValueError("the adaptive policy needs its AdaptiveConfig")
@@ -255,7 +260,9 @@ class Router:
             decision = decide_batch(snapshot, self.state, self.cfg)
             self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
             return decision
-        cfg = self.cfg if can_probe or self.cfg.probe_s <= 0 else dataclasses.replace(self.cfg, probe_s=0.0)
+        cfg = self.policy_cfg()
+        if not can_probe and cfg.probe_s > 0:
+            cfg = dataclasses.replace(cfg, probe_s=0.0)
         decision = decide(snapshot, self.state, cfg)
         if klass is not None and self._pooled:
             spec = backend_load(snapshot, Role.SPECULATIVE, cfg.load_signal)
@@ -425,8 +432,41 @@ class Router:
         self._update(now)
         if self.speed is not None:
             self._model_watermarks()
+        if now - self._kv_read_at >= UPDATE_EVERY_S:
+            self._kv_read_at, self.kv_streams = now, self.capacity()
         fresh = accept_fresh(self._spec_idle_since, now, self.cfg)
-        self._set_state(settle(load, spec_load, self.state, self.cfg, now, fresh, self.switch_margin()))
+        self._set_state(settle(load, spec_load, self.state, self.policy_cfg(), now, fresh, self.switch_margin()))
+
+    def capacity(self) -> int | None:
+        """Streams the speculative role holds before its KV pool is full (policy.py): its servers'
+        pools over the tokens this gateway's streams in the group hold on average; None while a
+        pool's size or the streams' tokens are unknown."""
+        pools = 0
+        for s in self.group.of(Role.SPECULATIVE):
+            pool = self._servers[s].kv_capacity
+            if pool is None:
+                return None
+            pools += pool
+        streams = sum(self.tracker.count(s) for role in ROLES for s in self.group.of(role))
+        tokens = sum(self.role_tokens(role) for role in ROLES)
+        if not streams or tokens <= 0:
+            return None
+        return min(pools * streams // tokens, MAX_WATERMARK)
+
+    def policy_cfg(self) -> PolicyConfig:
+        """The configuration the policy runs with: under a learning policy, the watermarks capped
+        to the speculative role's KV capacity where it is below the high one (policy.py), else as
+        they are."""
+        cap, cfg = self.kv_streams, self.cfg
+        if cap is None or cap >= cfg.high_watermark or cfg.policy not in LEARNING:
+            return cfg
+        done = self._capped
+        if done is not None and done[0] is cfg and done[1] == cap:
+            return done[2]
+        low = min(cfg.low_watermark, hysteresis_low(cap))
+        capped = dataclasses.replace(cfg, high_watermark=cap, low_watermark=low, capacity=cap)
+        self._capped = (cfg, cap, capped)
+        return capped
 
     def _update(self, now: float) -> None:
         a = self.adaptive

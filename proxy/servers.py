@@ -22,6 +22,11 @@ from .topology import Topology
 ACCEPT_WINDOW_S = 10.0
 
 
+# A KV pool's size is read from its use only past this fraction: below it the gauge's rounding and
+# refresh lag make the quotient noise.
+MIN_USAGE_TO_SIZE = 0.05
+
+
 @dataclass
 class Health:
     """What the health loops know of one server (written by HealthMonitor only)."""
@@ -37,6 +42,8 @@ class Health:
     # The engine's KV cache in use, in tokens and as the pool's fraction (None: not reported).
     engine_tokens: int | None = None
     engine_kv_usage: float | None = None
+    # The engine's KV pool in tokens (None: not reported).
+    engine_kv_capacity: int | None = None
     # The engine's prefix cache hit rate (None: not reported), and its counters as last read.
     engine_cache_hit_rate: float | None = None
     cache_counters: tuple[float, float] | None = field(default=None, repr=False)
@@ -96,6 +103,17 @@ class Server:
     def spec_accept_length(self) -> float | None:
         return self.health.spec_accept_length
 
+    @property
+    def kv_capacity(self) -> int | None:
+        """The engine's KV pool in tokens: as it reports it, else its tokens in use over the pool's
+        fraction in use (once that says enough); None: unknown."""
+        h = self.health
+        if h.engine_kv_capacity is not None:
+            return h.engine_kv_capacity
+        if h.engine_tokens and h.engine_kv_usage is not None and h.engine_kv_usage >= MIN_USAGE_TO_SIZE:
+            return round(h.engine_tokens / h.engine_kv_usage)
+        return None
+
 
 class ServerView(Protocol):
     """What routing reads of a server."""
@@ -112,6 +130,8 @@ class ServerView(Protocol):
     def engine_load(self) -> int | None: ...
     @property
     def spec_accept_length(self) -> float | None: ...
+    @property
+    def kv_capacity(self) -> int | None: ...
 
 
 def servers_of(topology: Topology) -> dict[str, Server]:

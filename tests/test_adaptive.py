@@ -237,6 +237,10 @@ def test_a_paired_switch_waits_until_its_gain_pays_for_the_re_prefill() -> None:
     # A held switch leaves the dwell's clock alone: it goes the moment it pays.
     held, why = dwell_mode(20, spec, cfg, 0.0, switch_margin=0.1)
     assert (held, why) == (spec, "switch_cost")
+    # Speculation's KV pool full at 20 streams (its watermark capped there): staying would
+    # re-prefill what it evicts at every turn, so the switch is not held for its cost.
+    full = dataclasses.replace(cfg, capacity=20)
+    assert decide(snap(20, 0, 0.0, None)._replace(switch_margin=0.6), spec, full).reason == "heavy_load"
 
 
 def test_curves_give_a_switch_gain_between_and_beyond_their_levels() -> None:
@@ -516,3 +520,36 @@ def test_router_pools_a_request_probe_sessions_streams() -> None:
     clock.t += 60
     assert r.decide(can_probe=False).reason == "heavy_load"
     assert r.decide().reason == "probe"
+
+
+def test_a_routers_watermarks_are_capped_to_what_the_speculative_kv_pool_holds() -> None:
+    r = rig()
+    clock = Clock()
+    policy = policy_cfg("adaptive", 16, 8)
+    (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive_cfg(), clock=clock).routers
+    r.health["speculative"].engine_kv_capacity = 10_000
+    leases = []
+    for _ in range(4):
+        clock.t += 1  # the capacity is re-read at most every UPDATE_EVERY_S
+        leases.append(router.admit(Role.SPECULATIVE, tokens=1000))
+    # 10,000 tokens of pool over 1,000 a stream: 10 streams, the low watermark a quarter below.
+    assert router.kv_streams == 10
+    cfg = router.policy_cfg()
+    assert (cfg.high_watermark, cfg.low_watermark, cfg.capacity) == (10, 7, 10)
+    assert router.cfg.high_watermark == 16  # the configured ones stand
+    assert router.policy_cfg() is cfg  # built once for as long as it holds
+    for _ in range(6):
+        assert router.decide().backend == Role.SPECULATIVE
+        clock.t += 1
+        leases.append(router.admit(Role.SPECULATIVE, tokens=1000))
+    d = router.decide()
+    assert (d.backend, d.reason) == (Role.BASELINE, "heavy_load")
+    # A pool's size unknown, or nothing in flight to size a stream by: the watermarks as configured.
+    for lease in leases:
+        clock.t += 1
+        lease.release()
+    assert router.capacity() is None and router.policy_cfg() is router.cfg
+    # threshold routes by its watermarks as configured.
+    (plain,) = Fleet(r.topology, r.servers, policy_cfg("threshold", 16, 8), r.metrics, clock=clock).routers
+    plain.kv_streams = 10
+    assert plain.policy_cfg() is plain.cfg

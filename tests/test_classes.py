@@ -123,6 +123,11 @@ def test_a_pools_class_with_watermarks_of_its_own_keeps_speculation_as_long_as_i
     assert pooled(probe, weak, 30) is probe
     assert class_choice(at(6), weak, policy_cfg("spillover", high=20, low=15), UP, True, 4) == at(6)
     assert class_choice(at(30), weak, cfg, UP, pooled=False, spec_load=30) == at(30)
+    # The speculative pool's KV capacity caps the strong class's own watermark too.
+    full = policy_cfg(high=20, low=15, capacity=30)
+    assert class_choice(at(90, base), strong, full, UP, pooled=True, spec_load=29).backend == Role.SPECULATIVE
+    d = class_choice(at(90, base), strong, full, UP, pooled=True, spec_load=30)
+    assert (d.backend, d.reason) == (Role.BASELINE, "class")
 
 
 def test_a_classs_watermarks_are_the_groups_curves_at_its_acceptance() -> None:

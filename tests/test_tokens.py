@@ -86,16 +86,36 @@ def test_the_engine_adapters_read_the_kv_cache_in_use() -> None:
             "sglang:token_usage": 0.25,
         }
     )
-    assert (sglang.kv_tokens, sglang.kv_usage) == (5120, 0.25)
+    assert (sglang.kv_tokens, sglang.kv_usage, sglang.kv_capacity) == (5120, 0.25, None)
+    pool = ENGINES["sglang"].read({"sglang:num_running_reqs": 0, "sglang:num_queue_reqs": 0,
+                                   "sglang:max_total_num_tokens": 229_376})  # fmt: skip
+    assert pool.kv_capacity == 229_376
     vllm = ENGINES["vllm"].read(
         {"vllm:num_requests_running": 1, "vllm:num_requests_waiting": 0, "vllm:kv_cache_usage_perc": 0.5}
     )
     assert (vllm.kv_tokens, vllm.kv_usage) == (None, 0.5)
     llama = ENGINES["llamacpp"].read({"llamacpp:requests_processing": 1, "llamacpp:requests_deferred": 0})
     assert (llama.kv_tokens, llama.kv_usage) == (None, None)
-    for bad in ({"sglang:num_used_tokens": -1}, {"sglang:num_used_tokens": float("inf")}, {"sglang:token_usage": 1e9}):
+    for bad in (
+        {"sglang:num_used_tokens": -1},
+        {"sglang:num_used_tokens": float("inf")},
+        {"sglang:token_usage": 1e9},
+        {"sglang:max_total_num_tokens": float("nan")},
+    ):
         with pytest.raises(BadReading):
             ENGINES["sglang"].read({"sglang:num_running_reqs": 0, "sglang:num_queue_reqs": 0, **bad})
+
+
+def test_a_servers_kv_pool_is_its_engines_figure_else_read_from_its_use() -> None:
+    def server(tokens: int | None, usage: float | None, pool: int | None = None) -> Server:
+        s = Server("s", Role.SPECULATIVE, "http://127.0.0.1:1", "group-0")
+        s.health.engine_tokens, s.health.engine_kv_usage, s.health.engine_kv_capacity = tokens, usage, pool
+        return s
+
+    assert server(None, None).kv_capacity is None
+    assert server(5120, 0.25).kv_capacity == 20480
+    assert server(5120, 0.01).kv_capacity is None  # too little in use to size the pool by
+    assert server(5120, 0.01, 30000).kv_capacity == 30000
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,3 +215,40 @@ async def test_the_estimate_is_scaled_by_what_the_servers_report(gateway: StartG
     async with gw.client.stream("POST", "/v1/completions", json={**LONG, "prompt": "\u00e9" * 400}) as r:
         await anext(r.aiter_lines())
         assert (await _tokens(gw))["speculative"] >= round(100 * ratio)
+
+
+@pytest.mark.anyio
+async def test_speculation_takes_no_more_streams_than_its_kv_pool_holds(gateway: StartGateway) -> None:
+    # A pool of 6,000 tokens and prompts of about 750: some 8 streams fill it, though the
+    # watermark would let 16 speculate.
+    # adaptive with no calibration: the watermarks as set until both servers were seen; no dwell.
+    gw = await gateway(sim={"time_scale": 1}, spec={"max_total_tokens": 6000}, policy="adaptive", high_watermark=16,
+                       low_watermark=8, adaptive_min_dwell_s=0, adaptive_probe_s=0)  # fmt: skip
+
+    async def pool_read() -> bool:
+        return bool((await gw.routing())["servers"]["speculative"]["engine_kv_capacity"] == 6000)
+
+    await wait_until(pool_read)
+    body = {"model": "m", "prompt": "lorem ipsum " * 250, "max_tokens": 200, "stream": True}
+    sent = 0
+    async with contextlib.AsyncExitStack() as held:
+        for _ in range(16):
+            r = await held.enter_async_context(gw.stream(body))
+            if r.headers["x-specgate-backend"] == "baseline":
+                break
+            sent += 1
+
+            async def capacity_known() -> bool:
+                return (await gw.routing())["groups"][0]["kv_capacity_streams"] is not None
+
+            await wait_until(capacity_known)
+        group = (await gw.routing())["groups"][0]
+        assert 6 <= sent <= 9, sent
+        assert group["watermarks"]["high"] == 16
+        assert group["watermarks_in_effect"]["high"] == group["kv_capacity_streams"] <= sent
+        assert r.headers["x-specgate-reason"] == "heavy_load"
+
+    async def uncapped() -> bool:
+        return bool((await gw.routing())["groups"][0]["watermarks_in_effect"]["high"] == 16)
+
+    await wait_until(uncapped)  # nothing in flight: nothing to size a stream by
