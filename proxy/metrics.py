@@ -124,6 +124,13 @@ class Metrics:
         self.group_watermark = Gauge(
             "specgate_group_watermark", "Each group's watermarks in effect.", ["group", "level"], registry=r
         )
+        self.group_kv_streams = Gauge(
+            "specgate_group_kv_capacity_streams",
+            "Learning policies: the streams each group's speculative KV pool holds at the tokens a stream "
+            "holds now, which caps its watermarks (NaN: unknown).",
+            ["group"],
+            registry=r,
+        )
         self.group_crossover = Gauge(
             "specgate_group_crossover_estimate",
             "Adaptive policy: each group's crossover estimate (see specgate_crossover_estimate).",

@@ -433,7 +433,9 @@ class Router:
         if self.speed is not None:
             self._model_watermarks()
         if now - self._kv_read_at >= UPDATE_EVERY_S:
-            self._kv_read_at, self.kv_streams = now, self.capacity()
+            before, self._kv_read_at, self.kv_streams = self.kv_streams, now, self.capacity()
+            if self.kv_streams != before:
+                self._publish_watermarks()
         fresh = accept_fresh(self._spec_idle_since, now, self.cfg)
         self._set_state(settle(load, spec_load, self.state, self.policy_cfg(), now, fresh, self.switch_margin()))
 
@@ -488,7 +490,7 @@ class Router:
         self._publish_watermarks()
 
     def _publish_watermarks(self) -> None:
-        m, c = self._metrics, self.cfg
+        m, c = self._metrics, self.policy_cfg()
         for level, value in (("high", c.high_watermark), ("low", c.low_watermark)):
             m.child(m.group_watermark, self.group.name, level).set(value)
         if self.adaptive is not None:
@@ -645,8 +647,10 @@ class Fleet:
         m.load.set_function(lambda: sum(r.last_load for r in routers))
         # The share of groups in speculative mode: 1 or 0 as with one group, between with several.
         m.mode.set_function(lambda: sum(r.state.mode == Role.SPECULATIVE for r in routers) / n)
-        m.watermark.labels("high").set_function(lambda: sum(r.cfg.high_watermark for r in routers) / n)
-        m.watermark.labels("low").set_function(lambda: sum(r.cfg.low_watermark for r in routers) / n)
+        m.watermark.labels("high").set_function(lambda: sum(r.policy_cfg().high_watermark for r in routers) / n)
+        m.watermark.labels("low").set_function(lambda: sum(r.policy_cfg().low_watermark for r in routers) / n)
+        for r in routers:
+            m.child(m.group_kv_streams, r.group.name).set_function(lambda r=r: _nan(r.kv_streams))
         m.watermark.labels("spillover").set(routers[0].cfg.spillover_limit)
         if any(r.adaptive is not None for r in routers):
             m.crossover_estimate.set_function(lambda: _mean_crossover(routers))

@@ -538,6 +538,10 @@ def test_a_routers_watermarks_are_capped_to_what_the_speculative_kv_pool_holds()
     assert (cfg.high_watermark, cfg.low_watermark, cfg.capacity) == (10, 7, 10)
     assert router.cfg.high_watermark == 16  # the configured ones stand
     assert router.policy_cfg() is cfg  # built once for as long as it holds
+    # What operators see: the capacity and the watermarks in effect, capped.
+    assert gauge(r.metrics, "specgate_group_kv_capacity_streams", group="group-0") == 10
+    assert gauge(r.metrics, "specgate_group_watermark", group="group-0", level="high") == 10
+    assert gauge(r.metrics, "specgate_watermark", level="high") == 10
     for _ in range(6):
         assert router.decide().backend == Role.SPECULATIVE
         clock.t += 1
