@@ -217,7 +217,8 @@ class Router:
             # Never read: the policy counts ours (backend_load). Under the local signal a server's
             # load is ours (server_load), so the sum is the count.
             engine[role] = (ours if local else loads) if read else None
-        return LoadSnapshot(counts, engine, healthy, self._clock(), self._spec_idle_since, self.switch_margin())
+        margin = self.switch_margin() if self._switch_per_token else 0.0
+        return LoadSnapshot(counts, engine, healthy, self._clock(), self._spec_idle_since, margin)
 
     def switch_margin(self) -> float:
         """The gain a switch of the group's mode needs (LoadSnapshot.switch_margin): the tokens its
@@ -260,7 +261,7 @@ class Router:
             decision = decide_batch(snapshot, self.state, self.cfg)
             self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
             return decision
-        cfg = self.policy_cfg()
+        cfg = self.cfg if self.kv_streams is None else self.policy_cfg()
         if not can_probe and cfg.probe_s > 0:
             cfg = dataclasses.replace(cfg, probe_s=0.0)
         decision = decide(snapshot, self.state, cfg)
