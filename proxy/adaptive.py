@@ -231,6 +231,9 @@ class Estimate:
     high: int | None  # the watermarks the estimate calls for (None: nothing concluded)
     low: int | None
     why: str
+    # TPOT (ms) the curves imply at each level (NaN: not measured).
+    speculative_tpot: tuple[float, ...] = ()
+    baseline_tpot: tuple[float, ...] = ()
 
 
 def _watermarks_with_margin(
@@ -316,7 +319,7 @@ def estimate(
         why = f"speculation stops paying at about {crossover:.1f} streams ({a})"
     if high is not None and margin > 0:
         why += f"; {margin:.0%} margin: leave at {high}, come back at {low}"
-    return Estimate(levels, spec, base, accept_live, tp, lat, crossover, high, low, why)
+    return Estimate(levels, spec, base, accept_live, tp, lat, crossover, high, low, why, tpot_spec, tpot_base)
 
 
 @dataclass(frozen=True)
@@ -405,14 +408,18 @@ class Adaptive:
         if e.high is None or e.crossover is None:
             return None  # the curves conclude nothing yet: no switch is priced on them
         points = [
-            (c, s, b)
-            for c, s, b in zip(e.levels, e.speculative_tok_s, e.baseline_tok_s, strict=True)
+            (c, s, b, ts, tb)
+            for c, s, b, ts, tb in zip(
+                e.levels, e.speculative_tok_s, e.baseline_tok_s, e.speculative_tpot, e.baseline_tpot, strict=True
+            )
             if math.isfinite(s) and math.isfinite(b)
         ]
         if not points:
             return None
-        levels, spec, base = zip(*points, strict=True)
-        return Curves(tuple(map(float, levels)), spec, base)
+        levels, spec, base, t_spec, t_base = zip(*points, strict=True)
+        if not all(math.isfinite(t) for t in (*t_spec, *t_base)):
+            t_spec = t_base = ()  # TPOT unmeasured at some level: throughput alone
+        return Curves(tuple(map(float, levels)), spec, base, t_spec, t_base)
 
     def watermarks_at(self, accept: float, now: float) -> tuple[int, int] | None:
         """(high, low) the curves as believed now call for at acceptance `accept` (a traffic

@@ -233,19 +233,30 @@ class PolicyConfig:
 
 
 class Curves(NamedTuple):
-    """Each role's throughput (output tok/s) at a few group loads (streams), increasing."""
+    """Each role's throughput (output tok/s) and TPOT (ms; NaN where not measured) at a few group
+    loads (streams), increasing."""
 
     levels: tuple[float, ...]
     speculative: tuple[float, ...]
     baseline: tuple[float, ...]
+    speculative_tpot: tuple[float, ...] = ()
+    baseline_tpot: tuple[float, ...] = ()
 
     def gain(self, to: Role, load: float) -> float:
-        """The throughput `to` gives at `load` over the other role's, less 1 (infinite where the
-        other gives none: nothing to lose)."""
+        """What `to` gives at `load` over the other role, less 1, by the better of throughput and
+        TPOT, as the watermarks are set by the earlier of their crossings (infinite where the other
+        gives nothing: nothing to lose)."""
         spec = interpolate(self.levels, self.speculative, load)
         base = interpolate(self.levels, self.baseline, load)
         new, old = (spec, base) if to == Role.SPECULATIVE else (base, spec)
-        return new / old - 1 if old > 0 else math.inf
+        gain = new / old - 1 if old > 0 else math.inf
+        if self.speculative_tpot and self.baseline_tpot:
+            t_spec = interpolate(self.levels, self.speculative_tpot, load)
+            t_base = interpolate(self.levels, self.baseline_tpot, load)
+            t_new, t_old = (t_spec, t_base) if to == Role.SPECULATIVE else (t_base, t_spec)
+            if t_new > 0 and math.isfinite(t_old / t_new):
+                gain = max(gain, t_old / t_new - 1)
+        return gain
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

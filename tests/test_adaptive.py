@@ -248,6 +248,11 @@ def test_curves_give_a_switch_gain_between_and_beyond_their_levels() -> None:
     assert TIE_AT_20.gain(Role.SPECULATIVE, 5.0) == pytest.approx(0.25)  # flat below the first level
     assert TIE_AT_20.gain(Role.BASELINE, 80.0) == pytest.approx(0.5)  # and above the last
     assert Curves((1.0,), (0.0,), (5.0,)).gain(Role.BASELINE, 1.0) == math.inf  # nothing to lose
+    # With TPOT curves, the better of the two gains: the watermarks follow the earlier crossing.
+    tpot = TIE_AT_20._replace(speculative_tpot=(10.0, 20.0, 40.0), baseline_tpot=(12.0, 16.0, 20.0))
+    assert tpot.gain(Role.BASELINE, 20.0) == pytest.approx(20 / 16 - 1)
+    assert tpot.gain(Role.BASELINE, 40.0) == pytest.approx(1.0)
+    assert tpot.gain(Role.SPECULATIVE, 10.0) == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize(
