@@ -39,9 +39,10 @@ so that the speculative server's acceptance on today's traffic stays known while
 a paired group (the two servers on one GPU), where a switch moves every conversation to the other
 server, which must prefill it again:
 
-    a switch to role r waits while  X_r(L) / X_m(L) - 1  <  R / (P * H)          (reason switch_cost)
+    a switch to role r waits while  G_r(L)  <  R / (P * H)                        (reason switch_cost)
 
-X the curves' throughput at L (adaptive.py; m the mode now), R the tokens the group's requests hold
+G_r(L) what r gives at L over the mode now, less 1, by the better of the curves' throughput and
+TPOT (adaptive.py), as the watermarks follow the earlier of their crossings; R the tokens the group's requests hold
 now (prompts and what they generated: each one's next turn resends them), P the prefill rate
 (SPECGATE_PREFILL_TOK_S; 0: switches are not priced), H the curves' half-life
 (SPECGATE_ADAPTIVE_HALF_LIFE_S): the span the estimate that calls for the switch weighs, taken as
@@ -283,7 +284,7 @@ class LoadSnapshot(NamedTuple):
     # this gateway (None: it has some now).
     now: float = 0.0
     speculative_idle_since: float | None = None
-    # adaptive, paired group: the relative gain in throughput a switch needs to win back the
+    # adaptive, paired group: the relative gain (Curves.gain) a switch needs to win back the
     # re-prefill of the group's conversations on the other server, R / (P * H) (0: not priced).
     switch_margin: float = 0.0
 

@@ -226,7 +226,7 @@ class Router:
         switches are not priced."""
         if not self._switch_per_token:
             return 0.0
-        return sum(self.role_tokens(role) for role in ROLES) * self._switch_per_token
+        return self.group_tokens() * self._switch_per_token
 
     @property
     def load(self) -> int:
@@ -349,13 +349,21 @@ class Router:
         """Tokens this gateway's requests hold on the group's servers of `role`."""
         return sum(self.tracker.tokens(s) for s in self.group.of(role))
 
+    def group_tokens(self) -> int:
+        """Tokens this gateway's requests hold on the group's servers."""
+        return self.role_tokens(Role.SPECULATIVE) + self.role_tokens(Role.BASELINE)
+
+    def group_streams(self) -> int:
+        """This gateway's requests in flight on the group's servers, batch ones included."""
+        return self.role_count(Role.SPECULATIVE) + self.role_count(Role.BASELINE)
+
     def _model_watermarks(self, prompt_tokens: int = 0, new: bool = False) -> None:
         """The model policy's watermarks for the group as it is, or with a new request of
         `prompt_tokens` (`new`): its context is the mean over this gateway's streams in the group."""
         speed = self.speed
         assert speed is not None
-        streams = sum(self.tracker.count(s) for role in ROLES for s in self.group.of(role)) + new
-        tokens = sum(self.role_tokens(role) for role in ROLES) + max(0, prompt_tokens)
+        streams = self.group_streams() + new
+        tokens = self.group_tokens() + max(0, prompt_tokens)
         accept, source = self.accept_live(self._clock())
         high, low = speed.watermarks(self.last_load, tokens, streams, accept, source)
         if (high, low) != (self.cfg.high_watermark, self.cfg.low_watermark):
@@ -450,8 +458,7 @@ class Router:
             if pool is None:
                 return None
             pools += pool
-        streams = sum(self.tracker.count(s) for role in ROLES for s in self.group.of(role))
-        tokens = sum(self.role_tokens(role) for role in ROLES)
+        streams, tokens = self.group_streams(), self.group_tokens()
         if not streams or tokens <= 0:
             return None
         return min(pools * streams // tokens, MAX_WATERMARK)
