@@ -9,7 +9,7 @@ left cached there:
     key = x-session-id if the client sent one,
           else the body's `user` (OpenAI's end-user id),
           else a hash of the prompt's leading part: the system prompt and first user message (chat,
-               Responses), the first CHARS characters (completions)
+               Responses), the first CHARS characters (completions), each part cut at CHARS
 
 in a bounded LRU table (SPECGATE_AFFINITY_ENTRIES). A turn stays with the server that holds its
 cache (or that server's group) unless that server's load exceeds the best alternative's by more
@@ -53,8 +53,8 @@ def conversation_key(session: bytes | None, payload: dict[str, Any], endpoint: E
     lead = _leading_text(payload, endpoint)
     if not lead:
         return None
-    # The table is this process's own: Python's string hash (64 bits, salted per process) serves,
-    # at a third of a cryptographic hash's cost on every request.
+    # The table is this process's own: Python's hash of the parts (64 bits, salted per process)
+    # serves, at a third of a cryptographic hash's cost, and hashing the tuple spares joining them.
     return b"p:%x" % (hash(lead) & 0xFFFFFFFFFFFFFFFF)
 
 
@@ -62,29 +62,30 @@ def _short(value: bytes) -> bytes:
     return value if len(value) <= MAX_ID_BYTES else hashlib.blake2b(value, digest_size=16).digest()
 
 
-def _leading_text(payload: dict[str, Any], endpoint: Endpoint) -> str:
-    """The part of a prompt every turn of its conversation starts with."""
+def _leading_text(payload: dict[str, Any], endpoint: Endpoint) -> tuple[str, ...]:
+    """The parts of a prompt every turn of its conversation starts with (empty: none)."""
     if endpoint == "chat":
         return _lead_of_messages(payload.get("messages"))
     if endpoint == "responses":
         instructions = payload.get("instructions")
         given = payload.get("input")
-        head = instructions if isinstance(instructions, str) else ""
+        head = (instructions[:CHARS],) if isinstance(instructions, str) and instructions else ()
         if isinstance(given, str):
-            return (head + "\n" + given)[:CHARS]
-        return (head + "\n" + _lead_of_messages(given))[:CHARS]
+            return (*head, given[:CHARS]) if given else head
+        return (*head, *_lead_of_messages(given))
     if endpoint in ("completions", "generate"):
         prompt = payload.get("prompt") if endpoint == "completions" else payload.get("text")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
-        return prompt[:CHARS] if isinstance(prompt, str) else ""
-    return ""
+        return (prompt[:CHARS],) if isinstance(prompt, str) and prompt else ()
+    return ()
 
 
-def _lead_of_messages(messages: object) -> str:
-    """The system messages and the first user message: what a conversation's later turns resend first."""
+def _lead_of_messages(messages: object) -> tuple[str, ...]:
+    """The system messages and the first user message, each role then the first CHARS characters
+    of its text: what a conversation's later turns resend first."""
     if not isinstance(messages, list):
-        return ""
+        return ()
     parts: list[str] = []
     for message in messages[:8]:
         if not isinstance(message, dict):
@@ -94,10 +95,12 @@ def _lead_of_messages(messages: object) -> str:
             content = "".join(p["text"] for p in content[:8] if isinstance(p, dict) and isinstance(p.get("text"), str))
         if not isinstance(content, str):
             continue
-        parts.append(f"{message.get('role')}:{content[:CHARS]}")
-        if message.get("role") not in ("system", "developer"):
+        role = message.get("role")
+        parts.append(role if isinstance(role, str) else "")
+        parts.append(content[:CHARS])
+        if role not in ("system", "developer"):
             break
-    return "\n".join(parts)[:CHARS]
+    return tuple(parts)
 
 
 def keep(held_load: float, best_load: float, cached_tokens: int, slack: float) -> bool:

@@ -8,11 +8,14 @@ see zeros instead of missing series.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
 
 from .kinds import ENDPOINTS, ERROR_KINDS, REJECTIONS
 from .policy import REASONS, ROLES, other
@@ -37,6 +40,43 @@ def code_class(status: int) -> str:
     return f"{min(max(status // 100, 2), 5)}xx"
 
 
+class Tally(Collector):
+    """A labelled counter for the per-request decision: a plain dict of counts, read when scraped.
+    A prometheus_client Counter's child takes a lock and checks its amount on every `inc`, a
+    third of a microsecond of a decision's ten (loadtest/decisions.py); the event loop is the only
+    writer here, and a scrape copies the counts before reading them. Exported as a Counter is
+    (`NAME_total`, `NAME_created`)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self.counts: dict[tuple[str, ...], int] = {}
+        self._created = time.time()
+        registry.register(self)
+
+    def inc(self, *labels: str) -> None:
+        counts = self.counts
+        counts[labels] = counts.get(labels, 0) + 1
+
+    def prime(self, *labels: str) -> None:
+        """A series exported as 0 until counted (the module's rule: zeros, not missing series)."""
+        self.counts.setdefault(labels, 0)
+
+    def value(self, *labels: str) -> int:
+        return self.counts.get(labels, 0)
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = self._family()
+        for labels, count in list(self.counts.items()):
+            family.add_metric(labels, count, created=self._created)
+        yield family
+
+
 class Metrics:
     """Every metric, in one registry per app. `servers` and `groups` are the configured names
     (proxy/topology.py): a bounded set, so labels by them are safe."""
@@ -50,11 +90,8 @@ class Metrics:
             ["backend", "endpoint", "code"],
             registry=r,
         )
-        self.decisions = Counter(
-            "specgate_routing_decisions",
-            "Routing decisions by chosen backend and reason.",
-            ["backend", "reason"],
-            registry=r,
+        self.decisions = Tally(
+            "specgate_routing_decisions", "Routing decisions by chosen backend and reason.", ["backend", "reason"], r
         )
         self.inflight = Gauge("specgate_inflight_requests", "Requests in flight.", ["backend"], registry=r)
         self.load = Gauge("specgate_load", "The load the policy compares with the watermarks.", registry=r)
@@ -285,12 +322,12 @@ class Metrics:
             self.mode_switches.labels(b)
             for reason in REASONS:
                 if reason != "no_healthy_backend":
-                    self.decisions.labels(b, reason)
+                    self.decisions.prime(b, reason)
             for kind in ERROR_KINDS:
                 self.upstream_errors.labels(b, kind)
             for ep in ENDPOINTS:
                 self.duration.labels(b, ep)
-        self.decisions.labels("none", "no_healthy_backend")
+        self.decisions.prime("none", "no_healthy_backend")
         for why in REJECTIONS:
             self.client_rejections.labels(why)
         for label in REQUEST_BACKENDS:

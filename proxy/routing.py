@@ -87,6 +87,11 @@ class Router:
         self.last_load = 0
         self.state = PolicyState()  # no dwell before the first switch
         self.tracker = tracker
+        # Each role's servers with their views and in-flight counters, for the per-request snapshot
+        # (the group's membership is fixed, as is each server's counters object).
+        self._members = tuple(
+            (role, tuple((s, servers[s], tracker.load_of(s)) for s in group.of(role))) for role in ROLES
+        )
         self._spec_idle_since: float | None = clock()
         # Acceptance measured from probe streams, pooled by client (evidence.py): it stands while
         # the newest reading is younger than accept_fresh_s, then the engine's reading (which
@@ -197,23 +202,20 @@ class Router:
         counts: dict[Role, int] = {}
         engine: dict[Role, int | None] = {}
         healthy: dict[Role, bool] = {}
-        t, views, local = self.tracker, self._servers, self.cfg.load_signal == "local"
-        for role in ROLES:
-            names = self.group.of(role)
-            ours = up = 0
-            read = False
-            loads = 0
-            for s in names:
-                counters = t.load_of(s)
+        local = self.cfg.load_signal == "local"
+        for role, members in self._members:
+            ours = loads = 0
+            up = read = False
+            for name, view, counters in members:
                 batch = counters.batch
                 ours += counters.count - batch
-                up = up or views[s].healthy
+                up = up or view.healthy
                 if counters.read_at is not None:
                     read = True
                 if not local:
-                    loads += self.server_load(s) - batch
+                    loads += self.server_load(name) - batch
             counts[role] = ours
-            healthy[role] = bool(up)
+            healthy[role] = up
             # Never read: the policy counts ours (backend_load). Under the local signal a server's
             # load is ours (server_load), so the sum is the count.
             engine[role] = (ours if local else loads) if read else None
@@ -259,7 +261,7 @@ class Router:
         snapshot = self.snapshot()
         if batch:
             decision = decide_batch(snapshot, self.state, self.cfg)
-            self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
+            self._metrics.decisions.inc(decision.backend or "none", decision.reason)
             return decision
         cfg = self.cfg if self.kv_streams is None else self.policy_cfg()
         if not can_probe and cfg.probe_s > 0:
@@ -271,7 +273,7 @@ class Router:
         if held is not None and decision.reason not in ("class", "affinity"):
             decision = affinity_choice(decision, held, cfg, snapshot.healthy, self._pooled)
         self._set_state(decision.state)
-        self._metrics.child(self._metrics.decisions, decision.backend or "none", decision.reason).inc()
+        self._metrics.decisions.inc(decision.backend or "none", decision.reason)
         return decision
 
     def class_view(self, gains: bool | None, accept: float | None) -> ClassView:
@@ -321,13 +323,13 @@ class Router:
         """The decision for a request that must go to `server` (it holds what the request
         continues): no policy runs, and the mode's state is left as it is."""
         role = self._servers[server].role
-        self._metrics.child(self._metrics.decisions, role, "stored_response").inc()
+        self._metrics.decisions.inc(role, "stored_response")
         return Decision(role, "stored_response", self.state, self.last_load)
 
     def failover(self, lease: Lease, to: Role) -> Lease:
         """Move a request that failed before its first byte to the group's other role."""
         self._metrics.failovers.labels(lease.role, to).inc()
-        self._metrics.decisions.labels(to, "failover").inc()
+        self._metrics.decisions.inc(to, "failover")
         new = self.admit(to, tokens=lease.tokens, batch=lease.batch)
         lease.release()
         return new
