@@ -117,6 +117,14 @@ def test_a_pools_class_with_watermarks_of_its_own_keeps_speculation_as_long_as_i
     assert (held.backend, held.reason) == (Role.BASELINE, "affinity")
     assert pooled(at(70, base), strong, 44, held=Role.BASELINE).backend == Role.SPECULATIVE
     assert pooled(at(70, base), strong, 60, held=Role.SPECULATIVE).backend == Role.BASELINE
+    # Between them with nothing cached, a new conversation starts where the class's rank points:
+    # one that gains least on the baseline, where the next rise would send it, the others on speculation.
+    for gains, role in ((False, Role.BASELINE), (True, Role.SPECULATIVE), (None, Role.SPECULATIVE)):
+        d = pooled(at(12), ClassView(gains, 10, 2), 5)
+        assert (d.backend, d.reason) == (role, "class")
+    d = pooled(at(12), ClassView(False, 10, 2), 5, held=Role.SPECULATIVE)
+    assert (d.backend, d.reason) == (Role.SPECULATIVE, "affinity")
+    assert pooled(at(12), ClassView(False, 10, 2), 2).backend == Role.SPECULATIVE  # at its low: room for it
     # The other role down, a probe, spillover, a pair: the decision stands.
     assert class_choice(at(6), weak, cfg, {**UP, Role.BASELINE: False}, pooled=True, spec_load=4) == at(6)
     probe = Decision(Role.SPECULATIVE, "probe", spec, 30)
