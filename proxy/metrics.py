@@ -8,7 +8,6 @@ see zeros instead of missing series.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -45,12 +44,11 @@ class Tally(Collector):
     A prometheus_client Counter's child takes a lock and checks its amount on every `inc`, a
     third of a microsecond of a decision's ten (loadtest/decisions.py); the event loop is the only
     writer here, and a scrape copies the counts before reading them. Exported as a Counter is
-    (`NAME_total`, `NAME_created`)."""
+    (`NAME_total`), without the `_created` series the process turns off for every metric."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
         self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
         self.counts: dict[tuple[str, ...], int] = {}
-        self._created = time.time()
         registry.register(self)
 
     def inc(self, *labels: str) -> None:
@@ -73,7 +71,7 @@ class Tally(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = self._family()
         for labels, count in list(self.counts.items()):
-            family.add_metric(labels, count, created=self._created)
+            family.add_metric(labels, count)
         yield family
 
 
