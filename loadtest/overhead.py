@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -480,6 +481,10 @@ class Measured:
     not_measured: dict[str, str] = field(default_factory=dict)
 
 
+# How long a target whose sample had errors is given to finish exiting, if it is exiting.
+EXIT_GRACE_S = 2.0
+
+
 def run_overhead(
     reps: int = 3,
     nginx: bool = True,
@@ -506,6 +511,12 @@ def run_overhead(
                             if t.name in gone:
                                 continue
                             sample = uvloop.run(_run(t, sc))
+                            if t.proc is not None and sample.errors and t.proc.alive():
+                                # A target that died mid-sample may still be exiting when its
+                                # client sees the broken connection: wait for it, bounded.
+                                # Still alive after it: its errors are its own, and counted.
+                                with contextlib.suppress(subprocess.TimeoutExpired):
+                                    t.proc.popen.wait(timeout=EXIT_GRACE_S)
                             if t.proc is not None and not t.proc.alive():
                                 # Its errors would read as a slow proxy: the sample is dropped, the
                                 # target measured no further.
