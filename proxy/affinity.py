@@ -50,7 +50,7 @@ def conversation_key(session: bytes | None, payload: dict[str, Any], endpoint: E
     user = payload.get("user")
     if isinstance(user, str) and user:
         return b"u:" + _short(user.encode("utf-8", "surrogatepass"))
-    lead = _leading_text(payload, endpoint)
+    lead = _leading_parts(payload, endpoint)
     if not lead:
         return None
     # The table is this process's own: Python's hash of the parts (64 bits, salted per process)
@@ -62,7 +62,7 @@ def _short(value: bytes) -> bytes:
     return value if len(value) <= MAX_ID_BYTES else hashlib.blake2b(value, digest_size=16).digest()
 
 
-def _leading_text(payload: dict[str, Any], endpoint: Endpoint) -> tuple[str, ...]:
+def _leading_parts(payload: dict[str, Any], endpoint: Endpoint) -> tuple[str, ...]:
     """The parts of a prompt every turn of its conversation starts with (empty: none)."""
     if endpoint == "chat":
         return _lead_of_messages(payload.get("messages"))

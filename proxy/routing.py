@@ -352,12 +352,13 @@ class Router:
         return sum(self.tracker.tokens(s) for s in self.group.of(role))
 
     def group_tokens(self) -> int:
-        """Tokens this gateway's requests hold on the group's servers."""
-        return self.role_tokens(Role.SPECULATIVE) + self.role_tokens(Role.BASELINE)
+        """Tokens this gateway's requests hold on the group's servers (read for every request
+        where switches are priced: switch_margin)."""
+        return sum(counters.tokens for _, members in self._members for _, _, counters in members)
 
     def group_streams(self) -> int:
         """This gateway's requests in flight on the group's servers, batch ones included."""
-        return self.role_count(Role.SPECULATIVE) + self.role_count(Role.BASELINE)
+        return sum(counters.count for _, members in self._members for _, _, counters in members)
 
     def _model_watermarks(self, prompt_tokens: int = 0, new: bool = False) -> None:
         """The model policy's watermarks for the group as it is, or with a new request of

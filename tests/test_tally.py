@@ -7,9 +7,9 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from proxy.metrics import Metrics, Tally
 
 
-def _lines(registry: CollectorRegistry, suffix: str) -> list[str]:
+def _lines(registry: CollectorRegistry, name: str) -> list[str]:
     text = generate_latest(registry).decode()
-    return sorted(line for line in text.splitlines() if "_created" not in line and suffix in line)
+    return sorted(line for line in text.splitlines() if "_created" not in line and name in line)
 
 
 def test_a_tally_is_exported_as_a_counter_with_the_same_counts() -> None:
