@@ -10,7 +10,8 @@ token included). So
     speculative_tok_s(c) = c * v_spec(c) * A_live       v_spec: per-stream speed per unit of A
     baseline_tok_s(c)    = c * v_base(c)
 
-where the v's start from the calibration file (v_spec = tok_s / c / A_calibrated at each level)
+where the v's start from the calibration file (v_spec = tok_s / c / A_calibrated at each level;
+between levels, tok_s interpolated over c)
 and are corrected by the per-stream decode speeds specgate measures on relayed streams, at the
 loads traffic actually visits. The crossover is the first level where the speculative curve no
 longer beats the baseline (and, as `loadtest calibrate` does, where its TPOT no longer beats the
@@ -113,6 +114,15 @@ class Prior:
     tpot_base: tuple[float, ...]
     accept: tuple[float, ...]  # acceptance at each level (1.0 where the file has none)
 
+    @property
+    def tok_s_spec(self) -> tuple[float, ...]:
+        """Throughput per unit of acceptance at each level."""
+        return tuple(v * c for v, c in zip(self.v_spec, self.levels, strict=True))
+
+    @property
+    def tok_s_base(self) -> tuple[float, ...]:
+        return tuple(v * c for v, c in zip(self.v_base, self.levels, strict=True))
+
     @classmethod
     def of(cls, cal: Calibration) -> Prior:
         accept = tuple(cal.accept_at(i) or 1.0 for i in range(len(cal.levels)))
@@ -158,7 +168,14 @@ class SpeedModel:
         p = self.prior
         if p is None:
             return None
-        return interpolate(p.levels, p.v_spec if backend == Role.SPECULATIVE else p.v_base, c)
+        v = p.v_spec if backend == Role.SPECULATIVE else p.v_base
+        if c <= p.levels[0]:
+            return v[0]
+        # Between levels the throughput is what runs straight, not the per-stream speed: where
+        # throughput flattens, per-stream speed falls as 1/c, and a line between two levels' speeds
+        # expects 35-40% too much halfway from 64 to 256 streams. Past the last level, flat.
+        tok_s = p.tok_s_spec if backend == Role.SPECULATIVE else p.tok_s_base
+        return interpolate(p.levels, tok_s, c) / c
 
     def _nearest(self, c: float) -> int:
         # On a log scale: speed changes with the ratio of loads, not their difference.

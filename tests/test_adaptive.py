@@ -127,6 +127,19 @@ def test_observations_correct_the_level_they_were_made_at_and_no_other() -> None
     assert e.baseline_tok_s[4] == pytest.approx(1500) and e.baseline_tok_s[6] == pytest.approx(2500)
 
 
+def test_a_load_between_levels_is_judged_by_the_calibrations_throughput_there() -> None:
+    model = SpeedModel(Prior.of(calibration()))
+    # The baseline's throughput at 60 streams, halfway between 50 and 70, is 2650 tok/s: 44.2 a
+    # stream. (A line between the levels' per-stream speeds, 50 and 40, would expect 45.)
+    for i in range(40):
+        model.observe(Role.BASELINE, 60, 2650.0 / 60, None, now=float(i))
+    for level in (50, 70):
+        assert model.correction(Role.BASELINE, level, 40.0)[0] == pytest.approx(0.0, abs=1e-9)
+    # Past the last level, throughput stays where it was: a stream at 140 runs at 2800 / 140.
+    model.observe(Role.BASELINE, 140, 20.0, None, now=41.0)
+    assert model.correction(Role.BASELINE, 70, 41.0)[0] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_an_outlier_moves_little_and_corrections_are_bounded() -> None:
     model = SpeedModel(Prior.of(calibration()))
     model.observe(Role.BASELINE, 10, 88.0, None, now=0.0)  # exactly as calibrated
