@@ -33,6 +33,7 @@ The watermark then moves toward the estimate at a bounded rate and stays in a cl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -114,12 +115,12 @@ class Prior:
     tpot_base: tuple[float, ...]
     accept: tuple[float, ...]  # acceptance at each level (1.0 where the file has none)
 
-    @property
+    @functools.cached_property
     def tok_s_spec(self) -> tuple[float, ...]:
         """Throughput per unit of acceptance at each level."""
         return tuple(v * c for v, c in zip(self.v_spec, self.levels, strict=True))
 
-    @property
+    @functools.cached_property
     def tok_s_base(self) -> tuple[float, ...]:
         return tuple(v * c for v, c in zip(self.v_base, self.levels, strict=True))
 
