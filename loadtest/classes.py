@@ -66,6 +66,11 @@ class ClassSummary:
     prefix_cache_hit_rate: float | None
     cache_reported: int
     mean_prompt_tokens: float
+    # The good requests' output tokens and content events (the stream's events that carried text),
+    # each request's first event (from prefill) and its token set aside, as specgate counts them: on
+    # a speculative server that sends one event a decode step, their ratio is the class's acceptance.
+    decode_tokens: int = 0
+    decode_events: int = 0
 
 
 def summarise_by_class(
@@ -86,6 +91,7 @@ def summarise_class(name: str, results: Sequence[RequestResult], t0: float, t1: 
     reported = [r for r in ok if r.cached_tokens is not None]
     cached = sum(r.cached_tokens or 0 for r in reported)
     good_finished = sum(1 for r in results if t0 <= r.finished <= t1 and slo.met(r))
+    stepped = [r for r in ok if len(r.chunk_times) >= 2 and r.output_tokens >= len(r.chunk_times)]
     return ClassSummary(
         name=name,
         completed=len(ok),
@@ -101,4 +107,6 @@ def summarise_class(name: str, results: Sequence[RequestResult], t0: float, t1: 
         prefix_cache_hit_rate=ratio(cached, sum(r.prompt_tokens for r in reported)) if reported else None,
         cache_reported=len(reported),
         mean_prompt_tokens=mean([r.prompt_tokens for r in ok]),
+        decode_tokens=sum(r.output_tokens - 1 for r in stepped),
+        decode_events=sum(len(r.chunk_times) - 1 for r in stepped),
     )

@@ -14,6 +14,8 @@ still read):
      "inconclusive_levels": [70],                        # measured, left out of the curves
      "recommendation": {"high_watermark": 19, "low_watermark": 14, "verdict": "crosses",
                         "explanation": "..."},
+     "classes": {"chat": {"accept_length": 1.3},          # optional: each traffic class's acceptance, by
+                 "code": {"accept_length": 3.0}},         # the names calibrate --class gave (classes.py)
      "model": {"form": "step_s = a + b*B + c*T",           # optional: the speed model (speedmodel.py)
                "prompt_tokens": [380, 4096],             # mean prompt tokens of each sweep fitted
                "max_tokens": 512, "accept_length": 2.9,  # the sweeps' output tokens and acceptance
@@ -22,7 +24,9 @@ still read):
                "baseline": {...}}}
 
 Only conclusive levels make the curves. A file without "model" (or with it null) has no speed
-model: SPECGATE_POLICY=model then routes as `adaptive` does. `mean_tpot_ms` entries may be null (not measured).
+model: SPECGATE_POLICY=model then routes as `adaptive` does. A file without "classes" (or with it
+empty) leaves every traffic class to be learnt from live traffic; with it, a class named there is
+known from its first request (classes.py). Older readers ignore it. `mean_tpot_ms` entries may be null (not measured).
 
 Bounds. A file that passes load() must not be able to break serving later: the adaptive policy
 divides by levels and acceptance and floors crossovers it interpolates from these numbers, so
@@ -39,6 +43,7 @@ every value is finite, positive and within a physical range, wide enough for any
     MAX_WATERMARK   1,000,000         recommendation's watermarks; SPECGATE_*_WATERMARK too
     MAX_STEP_COEF   1e3               model coefficients a, b, c: seconds, >= 0, a + b > 0
     MAX_PROMPT      10,000,000        model.prompt_tokens and max_tokens
+    MAX_CLASSES     256               classes; a name is 1-64 printable characters (a metric label)
 
 Within them the per-stream speeds (tok_s / level / acceptance) lie in [1.5e-11, 1e7]: no
 product, quotient or crossover computed from them overflows, underflows to 0 or leaves
@@ -71,6 +76,8 @@ MAX_LEVEL = 1_000_000
 MAX_WATERMARK = 1_000_000
 MAX_STEP_COEF = 1e3
 MAX_PROMPT = 10_000_000
+MAX_CLASSES = 256
+MAX_CLASS_NAME = 64
 
 
 class CalibrationError(ValueError):
@@ -131,6 +138,8 @@ class Calibration:
     settings: Mapping[str, Any] = field(default_factory=dict)
     created: str = ""
     model: ModelFit | None = None
+    # Each traffic class's acceptance as calibrate measured it, by class name.
+    classes: Mapping[str, float] = field(default_factory=dict)
 
     def accept_at(self, i: int) -> float | None:
         """The acceptance the speculative server reported at level i, else the sweep's mean."""
@@ -230,7 +239,23 @@ def parse(data: object) -> Calibration:
         settings=settings if isinstance(settings, dict) else {},
         created=str(data.get("created", "")),
         model=_model(data.get("model")),
+        classes=_classes(data.get("classes")),
     )
+
+
+def _classes(raw: object) -> dict[str, float]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > MAX_CLASSES:
+        raise CalibrationError(f"classes: must be an object of at most {MAX_CLASSES} classes")
+    out = {}
+    for name, entry in raw.items():
+        if not 0 < len(name) <= MAX_CLASS_NAME or not name.isprintable() or '"' in name or "\\" in name:
+            raise CalibrationError(f"classes: {name[:80]!r} is not 1-{MAX_CLASS_NAME} printable characters")
+        if not isinstance(entry, dict):
+            raise CalibrationError(f"classes.{name}: not an object")
+        out[name] = _float(entry.get("accept_length"), f"classes.{name}.accept_length", (MIN_ACCEPT, MAX_ACCEPT))
+    return out
 
 
 def _model(raw: object) -> ModelFit | None:
@@ -309,6 +334,7 @@ def to_json(cal: Calibration) -> dict[str, Any]:
             "verdict": cal.verdict,
             "explanation": cal.explanation,
         },
+        **({"classes": {n: {"accept_length": a} for n, a in cal.classes.items()}} if cal.classes else {}),
         "model": None if cal.model is None else model_json(cal.model),
     }
 

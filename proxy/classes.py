@@ -12,6 +12,10 @@ half-life of CLASS_HALF_LIFE_S:
                                                         engine sends one content event a step)
 
 and a class whose traffic has faded below FORGET_WEIGHT is forgotten, making room for a new one.
+A class the calibration file names (`classes`, what calibrate measured per class) starts, when its
+first request arrives, with PRIOR_STEPS decode steps at that acceptance: known from its first
+request rather than after its first streams end, so its first conversations start where they will
+stay (each later move re-prefills one); a few streams of live evidence outweigh it.
 The classes that gain most from speculation are the top half of the traffic, ranked by acceptance:
 
     gains_c  iff  traffic of the classes above c + traffic_c / 2  <=  total traffic / 2
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,6 +41,9 @@ CLASS_HALF_LIFE_S = 300.0
 FORGET_WEIGHT = 0.05
 # Decode steps a class needs before its acceptance counts (a few streams' worth).
 MIN_STEPS = 32
+# Decode steps a calibration's acceptance for a class counts as: enough to count for one half-life
+# without live evidence (it decays like the rest), a few streams' worth.
+PRIOR_STEPS = 2 * MIN_STEPS
 # The ranking is recomputed at most this often: it changes as slowly as traffic does, and walking
 # every class on every request would cost more than the rest of the decision.
 RANK_EVERY_S = 0.5
@@ -87,9 +95,13 @@ class ClassStats:
 class ClassBook:
     """The tracked classes and what is known of each."""
 
-    def __init__(self, max_classes: int, half_life_s: float = CLASS_HALF_LIFE_S) -> None:
+    def __init__(
+        self, max_classes: int, half_life_s: float = CLASS_HALF_LIFE_S, priors: Mapping[str, float] | None = None
+    ) -> None:
         self.max_classes = max_classes
         self.half_life_s = half_life_s
+        # Acceptance by class name, from the calibration file.
+        self.priors = dict(priors or {})
         self.stats: dict[str, ClassStats] = {}
         # Classes forgotten since the last `take_forgotten` (their metric series go with them).
         self._forgotten: list[str] = []
@@ -110,6 +122,9 @@ class ClassBook:
         s = self.stats.get(name)
         if s is None:
             s = ClassStats(at=now)
+            prior = self.priors.get(name) if name != OTHER else None
+            if prior is not None:
+                s.tokens, s.steps = prior * PRIOR_STEPS, float(PRIOR_STEPS)
             self.stats[name] = s
         s.decay(now, self.half_life_s)
         s.traffic += 1.0

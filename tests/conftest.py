@@ -98,6 +98,7 @@ TEST_TIERS = {
     "test_responses::test_openai_sdk_responses_streamed_and_not_and_continued": "loopback",
     "test_responses::test_openai_sdk_responses_errors_and_a_client_that_leaves": "loopback",
     "test_calibration_file::test_save_writes_the_curves_acceptance_settings_and_recommendation": "loopback",
+    "test_calibration_file::test_save_measures_each_classs_acceptance": "loopback",
     "test_calibration_file::test_a_server_without_metrics_gives_null_acceptance_and_still_a_file": "loopback",
     "test_calibration_file::test_a_server_without_speculation_gives_null_acceptance": "loopback",
     "test_calibration_file::test_save_into_a_missing_directory_fails_before_measuring": "loopback",

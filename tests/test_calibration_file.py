@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -15,10 +17,11 @@ import pytest
 from aiohttp import web
 
 from loadtest.acceptance import AcceptanceMeter, level_acceptance
-from loadtest.calibrate import Recommendation, calibration_file
+from loadtest.calibrate import Recommendation, calibration_file, class_acceptance
+from loadtest.classes import ClassSummary
 from loadtest.procs import free_port
 from loadtest.stats import LevelStats
-from proxy.calibration import load, parse, to_json
+from proxy.calibration import MAX_CLASSES, CalibrationError, load, parse, to_json
 from proxy.engines import LLAMACPP, SGLANG, VLLM
 
 from .conftest import StartSim
@@ -29,8 +32,10 @@ SIM = ("--profile", "crossover", "--time-scale", "20")
 KEY = "sk-calibration-secret"
 
 
-def calibrate(spec: str, base: str, save: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "loadtest", "calibrate", "--speculative", spec, "--baseline", base, *QUICK,
+def calibrate(
+    spec: str, base: str, save: Path, *args: str, quick: Sequence[str] = QUICK
+) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "loadtest", "calibrate", "--speculative", spec, "--baseline", base, *quick,
            "--save", str(save), *args]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
@@ -108,6 +113,24 @@ def test_save_writes_the_curves_acceptance_settings_and_recommendation(simulator
     assert "not measured" not in proc.stderr
 
 
+def test_save_measures_each_classs_acceptance(simulator: StartSim, tmp_path: Path) -> None:
+    # The speculative simulator accepts by the prompt: varied text about 1 token a step, text that
+    # repeats itself up to 3.2.
+    spec = simulator("speculative", *SIM, "--accept-from-prompt", "--max-accept-length", "3.2")
+    base = simulator("baseline", *SIM)
+    save = tmp_path / "calibration.json"
+    classes = ("--class", "prose:0.5:diverse", "--class", "code:0.5:repetitive")
+    quick = [a for a in QUICK if a not in ("--prompts", "fixed")]  # the classes choose the prompts
+    proc = calibrate(
+        spec.url, base.url, save, "--concurrency", "1,10", "--prompt-tokens", "none", *classes, quick=quick
+    )
+    assert proc.returncode == 0, proc.stderr
+    cal = load(str(save))
+    assert set(cal.classes) == {"prose", "code"}, cal.classes
+    assert cal.classes["code"] > 2.2 > 1.5 > cal.classes["prose"] >= 1.0, cal.classes
+    assert f"class code {cal.classes['code']:.2f}" in proc.stdout
+
+
 def test_a_server_without_metrics_gives_null_acceptance_and_still_a_file(simulator: StartSim, tmp_path: Path) -> None:
     spec = simulator("speculative", *SIM, "--no-metrics")
     base = simulator("baseline", *SIM, "--no-metrics")
@@ -171,6 +194,56 @@ def test_the_file_keeps_conclusive_levels_and_their_acceptance() -> None:
     assert data["speculative"]["mean_tpot_ms"] == [2.0, None]
     assert data["speculative"]["accept_length"] == [3.0, None]
     assert parse(json.loads(json.dumps(data))) == cal
+
+
+def with_classes(row: LevelStats, **per_class: tuple[int, int]) -> LevelStats:
+    """`row` with, per class, its good requests' decode tokens and content events."""
+    nan = math.nan
+    classes = {name: ClassSummary(name, 10, 0, 5, nan, nan, nan, nan, 1.0, None, None, None, 0, nan, tokens, events)
+               for name, (tokens, events) in per_class.items()}  # fmt: skip
+    return dataclasses.replace(row, classes=classes)
+
+
+def test_each_class_gets_its_acceptance_as_specgate_measures_it() -> None:
+    spec = [
+        with_classes(level(1, 200.0), chat=(130, 100), code=(300, 100)),
+        with_classes(level(10, 1500.0), chat=(260, 200), code=(900, 300)),
+        # Left out: an inconclusive level's requests are too few to trust.
+        with_classes(level(30, 900.0, conclusive=False), chat=(900, 100), code=(100, 100)),
+    ]
+    # Tokens over events, summed over the conclusive levels.
+    assert class_acceptance(spec, True) == {"chat": 1.3, "code": 3.0}
+    # Unknown where the engine's events are not its steps, with one class (its mean is the file's)
+    # or none.
+    assert class_acceptance(spec, False) == {}
+    assert class_acceptance([with_classes(level(1, 200.0), all=(300, 100))], True) == {}
+    assert class_acceptance([level(1, 200.0)], True) == {}
+    # The file carries them, and specgate reads them back.
+    cal = calibration_file(spec, spec, REC, {1: 2.2}, {}, "", classes=class_acceptance(spec, True))
+    data = json.loads(json.dumps(to_json(cal)))
+    assert data["classes"] == {"chat": {"accept_length": 1.3}, "code": {"accept_length": 3.0}}
+    assert parse(data).classes == {"chat": 1.3, "code": 3.0}
+
+
+def test_a_files_classes_are_optional_and_checked() -> None:
+    spec = [level(1, 200.0)]
+    data = to_json(calibration_file(spec, spec, REC, {1: 2.0}, {}, ""))
+    assert "classes" not in data and parse(data).classes == {}
+    assert parse({**data, "classes": None}).classes == {}
+    for bad, says in (
+        ([1.3], "classes: must be an object"),
+        ({f"c{i}": {"accept_length": 2.0} for i in range(MAX_CLASSES + 1)}, "classes: must be an object"),
+        ({"": {"accept_length": 2.0}}, "is not 1-64 printable"),
+        ({"x" * 65: {"accept_length": 2.0}}, "is not 1-64 printable"),
+        ({"a\nb": {"accept_length": 2.0}}, "is not 1-64 printable"),
+        ({"chat": 1.3}, "classes.chat: not an object"),
+        ({"chat": {}}, "classes.chat.accept_length"),
+        ({"chat": {"accept_length": 0.5}}, "classes.chat.accept_length"),
+        ({"chat": {"accept_length": math.inf}}, "classes.chat.accept_length"),
+        ({"chat": {"accept_length": True}}, "classes.chat.accept_length"),
+    ):
+        with pytest.raises(CalibrationError, match=re.escape(says)):
+            parse({**data, "classes": bad})
 
 
 def test_no_conclusive_level_makes_no_file() -> None:

@@ -9,9 +9,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
-from proxy.classes import MIN_STEPS, NAME_CHARS, OTHER, ClassBook, class_of
+from proxy.classes import CLASS_HALF_LIFE_S, MIN_STEPS, NAME_CHARS, OTHER, ClassBook, class_of
 from proxy.policy import ClassView, Decision, PolicyState, Role, class_choice
 from proxy.routing import Fleet
 
@@ -71,6 +72,31 @@ def test_the_book_is_bounded_learns_and_forgets() -> None:
     book.tracked("a", later)
     assert book.tracked("c", later) == "c" and book.take_forgotten() == ["b"]
     assert book.take_forgotten() == []
+
+
+def test_a_class_the_calibration_measured_is_known_from_its_first_request() -> None:
+    book = ClassBook(2, priors={"code": 3.0, "chat": 1.3, OTHER: 2.0})
+    assert book.stats == {}  # a class named in the file takes no room before it is seen
+    book.tracked("chat", 0.0)
+    assert book.accept("chat") == 1.3 and book.gains_most("chat", 0.0) is None  # one class known: no rank
+    book.tracked("code", 0.0)
+    assert book.ranked(0.0) == {"code": True, "chat": False}
+    # A third class has no room; the pooled rest have no prior, whatever the file says.
+    assert book.tracked("prose", 0.0) == OTHER and book.accept(OTHER) is None
+    # The prior fades as evidence does: still known a half-life on, unknown after it without
+    # live evidence.
+    assert book.describe(CLASS_HALF_LIFE_S)["chat"]["accept_length"] == 1.3
+    assert book.describe(CLASS_HALF_LIFE_S + 1)["chat"]["accept_length"] is None
+    # A few streams of live evidence outweigh it.
+    fresh = ClassBook(2, priors={"chat": 1.3})
+    fresh.tracked("chat", 0.0)
+    for _ in range(3):
+        fresh.measured("chat", 256, 128, 0.0)  # 2.0 a step
+    a = fresh.accept("chat")
+    assert a is not None and 1.8 < a < 2.0
+    # A class the file does not name is learnt as before.
+    fresh.tracked("new", 0.0)
+    assert fresh.accept("new") is None
 
 
 def test_without_a_speed_model_a_pools_classes_are_ranked_below_the_high_watermark() -> None:
@@ -270,6 +296,35 @@ async def test_classes_off_and_bounded(gateway: StartGateway) -> None:
     assert set(tracked) == {"a", "b", OTHER}
     text = await small.metrics_text()
     assert 'class="c"' not in text and 'specgate_class_requests_total{backend="speculative",class="other"} 2.0' in text
+
+
+def _calibration_with_classes(tmp_path: Path, **accept: float) -> str:
+    path = Path(calibration_file(tmp_path))
+    data = orjson.loads(path.read_bytes())
+    path.write_bytes(orjson.dumps({**data, "classes": {n: {"accept_length": a} for n, a in accept.items()}}))
+    return str(path)
+
+
+@pytest.mark.anyio
+async def test_classes_the_calibration_measured_are_routed_from_their_first_request(
+    gateway: StartGateway, tmp_path: Path
+) -> None:
+    gw = await gateway(
+        sim={"time_scale": 20, "profile": "crossover"},
+        spec={"accept_from_prompt": True},
+        calibration=_calibration_with_classes(tmp_path, code=3.0, chat=1.05),
+        topology="pooled",
+        scrape_interval_s=0.1,
+        affinity_entries=0,
+        **{**FAST, "adaptive_max_step_per_s": 0.001},
+    )
+    await wait_until(lambda: _engine_known(gw))
+    # Nothing of either class has run: the calibration's acceptance places their first requests.
+    async with _holding(gw, 3):
+        assert await _ask(gw, "code", REPEATED, stream=False) == ("speculative", "class")
+        assert await _ask(gw, "chat", VARIED, stream=False) == ("baseline", "class")
+    tracked = (await gw.routing())["classes"]["tracked"]
+    assert (tracked["chat"]["accept_length"], tracked["code"]["accept_length"]) == (1.05, 3.0), tracked
 
 
 @pytest.mark.anyio

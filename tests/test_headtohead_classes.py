@@ -4,6 +4,8 @@ ratios and verdicts against issue 28's targets."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from loadtest.__main__ import build_parser
@@ -15,8 +17,10 @@ from loadtest.headtohead.twoclass import (
     gate_settings,
     goodput_verdict,
     hit_verdict,
+    oracle_gap,
     oracle_hit_rate,
     smg_argv,
+    summary_lines,
     table,
 )
 from loadtest.kit.settings import DURATIONS, specgate_env
@@ -147,6 +151,24 @@ def test_hit_verdict_within_five_points_of_the_oracle() -> None:
     assert hit_verdict(c, "features") == "met"
     c.oracle_hit["features"] = None
     assert hit_verdict(c, "features") == "unknown"
+
+
+def test_features_hit_rate_against_smgs_each_against_its_own_oracle() -> None:
+    c = cell(10, 8, 11, split=True)
+    c.targets["features"] = dataclasses.replace(c.targets["features"], prefix_cache_hit_rate=0.70)
+    c.targets["smg"] = dataclasses.replace(tc("smg", 9), prefix_cache_hit_rate=0.71)
+    c.oracle_hit.update(features=0.72, smg=0.74)
+    assert oracle_gap(c, "features") == pytest.approx(0.02) and oracle_gap(c, "smg") == pytest.approx(0.03)
+    # Below smg's hit rate, yet nearer its own oracle: smg's requests were easier to hit.
+    assert summary_lines([c])[-1] == (
+        "features against smg: hit rate at least smg's in 0 of 1 cells where both are known; "
+        "no further from its own oracle than smg from its own in 1"
+    )
+    assert "| +2.0 / +3.0 |" in table(ClassPlan(smg="/x/smg"), [c])
+    # Without smg, or with either unknown, nothing is said.
+    c.oracle_hit["smg"] = None
+    assert oracle_gap(c, "smg") is None and not summary_lines([c])[-1].startswith("features against smg")
+    assert "short of own oracle" not in table(ClassPlan(), [cell(10, 8, 11, split=True)])
 
 
 def test_table_and_parser() -> None:

@@ -6,6 +6,7 @@ loopback test against the simulator (TEST_TIERS)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -565,3 +566,13 @@ async def test_later_turns_of_a_conversation_report_cached_tokens(simulator: Sta
     # The code class's edits repeat themselves: the simulator accepts more of its drafts.
     speeds = {name: c.p50_tpot_ms for name, c in hit.items()}
     assert speeds["code"] is not None and speeds["chat"] is not None and speeds["code"] < speeds["chat"]
+
+
+def test_a_classs_decode_tokens_and_events_set_each_requests_first_event_aside() -> None:
+    # 11 tokens in 11 events (one a token), then 31 tokens in 11 events (3 a step after the first).
+    one_each = result("chat", 1.0, out=11)
+    three = dataclasses.replace(result("code", 1.0, out=11), output_tokens=31)
+    failed = result("code", 2.0, ok=False)
+    by = summarise_by_class([one_each, three, failed], 0.0, 10.0)
+    assert (by["chat"].decode_tokens, by["chat"].decode_events) == (10, 10)
+    assert (by["code"].decode_tokens, by["code"].decode_events) == (30, 10)

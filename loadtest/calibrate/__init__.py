@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from proxy.adaptive import crossing, hysteresis_low
-from proxy.calibration import Calibration, Curve, ModelFit
+from proxy.calibration import MAX_ACCEPT, Calibration, Curve, ModelFit
 from proxy.speedmodel import Point, fit_step
 
 from ..stats import LevelStats
@@ -279,6 +279,7 @@ def calibration_file(
     settings: Mapping[str, Any],
     created: str,
     model: ModelFit | None = None,
+    classes: Mapping[str, float] | None = None,
 ) -> Calibration:
     """The reusable calibration: both servers' curves over the levels both measured conclusively (a
     level without a positive throughput on either is left out too), the speculative server's
@@ -319,7 +320,32 @@ def calibration_file(
         settings=dict(settings),
         created=created,
         model=model,
+        classes=dict(classes or {}),
     )
+
+
+def class_acceptance(speculative: Sequence[LevelStats], one_event_a_step: bool) -> dict[str, float]:
+    """Each traffic class's acceptance on the speculative server, measured as specgate measures it
+    live (proxy/observe.py's ClassLearning): its good requests' output tokens over their content
+    events at the conclusive levels, each request's first event and token set aside,
+
+        accept_c = decode_tokens_c / decode_events_c
+
+    Empty where the engine does not send one event a decode step (`one_event_a_step`, its adapter's
+    `stream_steps`: the ratio is not acceptance there), or with fewer than two classes (the sweep's
+    mean says it all)."""
+    tokens: dict[str, int] = {}
+    events: dict[str, int] = {}
+    for level in speculative:
+        if not level.conclusive:
+            continue
+        for name, c in level.classes.items():
+            tokens[name] = tokens.get(name, 0) + c.decode_tokens
+            events[name] = events.get(name, 0) + c.decode_events
+    known = [n for n in tokens if events[n] > 0 and tokens[n] >= events[n]]
+    if not one_event_a_step or len(known) < 2:
+        return {}
+    return {n: round(min(tokens[n] / events[n], MAX_ACCEPT), 3) for n in sorted(known)}
 
 
 @dataclass(frozen=True)

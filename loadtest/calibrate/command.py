@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -21,7 +22,15 @@ from ..kit.sweeps import add_load_options, default_prompts, max_duration, settin
 from ..report import calibration_text, compare_table, write_json
 from ..stats import LevelStats
 from ..sweep import first_model
-from . import EXIT_NO_RECOMMENDATION, ContextSweep, Recommendation, calibrate, calibration_file, model_fit
+from . import (
+    EXIT_NO_RECOMMENDATION,
+    ContextSweep,
+    Recommendation,
+    calibrate,
+    calibration_file,
+    class_acceptance,
+    model_fit,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -195,6 +204,8 @@ def _save(
     created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     try:
         cal = calibration_file(sweeps["speculative"], sweeps["baseline"], rec, meter.by_level, settings, created, model)
+        per_event = meter.engine is not None and meter.engine.stream_steps
+        cal = dataclasses.replace(cal, classes=class_acceptance(sweeps["speculative"], per_event))
     except ValueError as exc:
         print(f"loadtest: {path} not written: {exc}", file=sys.stderr)
         return 1
@@ -204,6 +215,7 @@ def _save(
     Path(tmp).write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
     os.replace(tmp, path)
     accept = "not measured" if cal.accept_length is None else f"{cal.accept_length:.2f}"
+    accept += "".join(f"; class {n} {a:.2f}" for n, a in cal.classes.items())
     print(f"\ncalibration saved: {path} (levels {', '.join(map(str, cal.levels))}; acceptance length {accept})")
     print(
         f"use it: SPECGATE_CALIBRATION={path} (with SPECGATE_POLICY=threshold it applies the recommended "

@@ -22,7 +22,8 @@ one pair per target:
 
 specgate's watermarks and curves come from a fresh pair calibrated per context with the same two
 classes (`loadtest calibrate --save`, no think time) at 4, 16, 64 and 256 streams, up to the first
-that reaches the top --sessions, so that the crossover is bracketed. Scoring per cell, in simulated time: goodput
+that reaches the top --sessions, so that the crossover is bracketed; so does each class's
+acceptance (the file's `classes`). Scoring per cell, in simulated time: goodput
 (requests finishing in the window within --slo-ttft-ms 1000 and --slo-tpot-ms 50), each specgate
 variant's over the better of all-spec and all-base, each class's goodput, the prefix-cache hit rate
 (cached_tokens) and the oracle's (`oracle_hit_rate`: every turn back on the server of its last turn,
@@ -272,6 +273,18 @@ def hit_verdict(cell: ClassCell, target: str) -> Verdict:
     return "met" if t.prefix_cache_hit_rate >= oracle - HIT_POINTS else "missed"
 
 
+def oracle_gap(cell: ClassCell, target: str) -> float | None:
+    """How far the target's hit rate falls short of the oracle's on its own requests (negative: above
+    it, the oracle counting whole pages only); None: unknown. Two targets' raw hit rates differ by
+    their requests too (a faster one has more first turns in the window, which find only the system
+    prompt); their gaps to their own oracles differ only by where they sent them."""
+    t = cell.targets.get(target)
+    oracle = cell.oracle_hit.get(target)
+    if t is None or not t.conclusive or t.prefix_cache_hit_rate is None or oracle is None:
+        return None
+    return oracle - t.prefix_cache_hit_rate
+
+
 # ---------------------------------------------------------------------------------------------
 # Running
 
@@ -391,6 +404,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         + " | features / adaptive | hit "
         + " / ".join(plan.targets)
         + " | oracle (features) | features to spec |"
+        + (" short of own oracle, features / smg |" if "smg" in plan.targets else "")
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in cells:
@@ -407,6 +421,11 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
             + f" | {_ratio(c.versus('features', 'adaptive'))} | "
             + " / ".join(_hit(c.targets[n].prefix_cache_hit_rate) if n in c.targets else "-" for n in plan.targets)
             + f" | {_hit(c.oracle_hit.get('features'))} | {'-' if share is None else f'{share:.0%}'} |"
+            + (
+                f" {_points(oracle_gap(c, 'features'))} / {_points(oracle_gap(c, 'smg'))} |"
+                if "smg" in plan.targets
+                else ""
+            )
         )
     lines.append(
         f"\n(simulated time; goodput: requests a second finishing within TTFT <= {plan.slo_ttft_ms:g} ms and TPOT "
@@ -419,6 +438,10 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
     return "\n".join(lines)
 
 
+def _points(gap: float | None) -> str:
+    return "unknown" if gap is None else f"{gap * 100:+.1f}"
+
+
 def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
     out = []
     for n in GATES:
@@ -429,7 +452,24 @@ def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
             f"{gv.count('unknown')} of {len(cells)} cells; hit rate within {HIT_POINTS:.0%} of the oracle in "
             f"{hv.count('met')}, missed in {hv.count('missed')}, unknown in {hv.count('unknown')}"
         )
+    known = [c for c in cells if oracle_gap(c, "features") is not None and oracle_gap(c, "smg") is not None]
+    if known:
+        raw = sum(_hit_of(c, "features") >= _hit_of(c, "smg") for c in known)
+        gap = sum(_gap_of(c, "features") <= _gap_of(c, "smg") for c in known)
+        out.append(
+            f"features against smg: hit rate at least smg's in {raw} of {len(known)} cells where both are known; "
+            f"no further from its own oracle than smg from its own in {gap}"
+        )
     return out
+
+
+def _hit_of(cell: ClassCell, target: str) -> float:
+    return cell.targets[target].prefix_cache_hit_rate or 0.0
+
+
+def _gap_of(cell: ClassCell, target: str) -> float:
+    gap = oracle_gap(cell, target)
+    return 0.0 if gap is None else gap
 
 
 # ---------------------------------------------------------------------------------------------
