@@ -185,6 +185,7 @@ class ClassBook:
                 "traffic": round(s.traffic, 3),
                 "accept_length": None if a is None else round(a, 3),
                 "decode_steps": round(s.steps, 1),
+                "calibrated_accept_length": self.priors.get(name) if name != OTHER else None,
                 "gains_most": ranks.get(name),
             }
         return out

@@ -325,6 +325,7 @@ async def test_classes_the_calibration_measured_are_routed_from_their_first_requ
         assert await _ask(gw, "chat", VARIED, stream=False) == ("baseline", "class")
     tracked = (await gw.routing())["classes"]["tracked"]
     assert (tracked["chat"]["accept_length"], tracked["code"]["accept_length"]) == (1.05, 3.0), tracked
+    assert tracked["chat"]["calibrated_accept_length"] == 1.05
 
 
 @pytest.mark.anyio
