@@ -305,20 +305,29 @@ def _calibration_with_classes(tmp_path: Path, **accept: float) -> str:
     return str(path)
 
 
-@pytest.mark.anyio
-async def test_classes_the_calibration_measured_are_routed_from_their_first_request(
-    gateway: StartGateway, tmp_path: Path
-) -> None:
+async def _calibrated_pool(gateway: StartGateway, calibration: str) -> Gateway:
+    """A pooled gateway under the adaptive policy on `calibration`, its speculative server judging
+    acceptance by the prompt; the group's own watermarks held where the calibration puts them
+    (20/15), whatever the speculative server's live acceptance does between one class's streams and
+    the other's."""
     gw = await gateway(
         sim={"time_scale": 20, "profile": "crossover"},
         spec={"accept_from_prompt": True},
-        calibration=_calibration_with_classes(tmp_path, code=3.0, chat=1.05),
+        calibration=calibration,
         topology="pooled",
         scrape_interval_s=0.1,
         affinity_entries=0,
         **{**FAST, "adaptive_max_step_per_s": 0.001},
     )
     await wait_until(lambda: _engine_known(gw))
+    return gw
+
+
+@pytest.mark.anyio
+async def test_classes_the_calibration_measured_are_routed_from_their_first_request(
+    gateway: StartGateway, tmp_path: Path
+) -> None:
+    gw = await _calibrated_pool(gateway, _calibration_with_classes(tmp_path, code=3.0, chat=1.05))
     # Nothing of either class has run: the calibration's acceptance places their first requests.
     async with _holding(gw, 3):
         assert await _ask(gw, "code", REPEATED, stream=False) == ("speculative", "class")
@@ -332,18 +341,7 @@ async def test_classes_the_calibration_measured_are_routed_from_their_first_requ
 async def test_under_the_adaptive_policy_each_class_has_its_own_watermarks(
     gateway: StartGateway, tmp_path: Path
 ) -> None:
-    gw = await gateway(
-        sim={"time_scale": 20, "profile": "crossover"},
-        spec={"accept_from_prompt": True},
-        calibration=calibration_file(tmp_path),
-        topology="pooled",
-        scrape_interval_s=0.1,
-        affinity_entries=0,
-        # The group's own watermarks held where the calibration puts them (20/15), whatever the
-        # speculative server's live acceptance does between one class's streams and the other's.
-        **{**FAST, "adaptive_max_step_per_s": 0.001},
-    )
-    await wait_until(lambda: _engine_known(gw))
+    gw = await _calibrated_pool(gateway, calibration_file(tmp_path))
     await _learn(gw)
     routing = await gw.routing()
     tracked = routing["classes"]["tracked"]
