@@ -452,24 +452,20 @@ def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
             f"{gv.count('unknown')} of {len(cells)} cells; hit rate within {HIT_POINTS:.0%} of the oracle in "
             f"{hv.count('met')}, missed in {hv.count('missed')}, unknown in {hv.count('unknown')}"
         )
-    known = [c for c in cells if oracle_gap(c, "features") is not None and oracle_gap(c, "smg") is not None]
+    known = raw = closer = 0
+    for c in cells:
+        f, s = oracle_gap(c, "features"), oracle_gap(c, "smg")
+        if f is None or s is None:
+            continue
+        hit_f, hit_s = c.targets["features"].prefix_cache_hit_rate, c.targets["smg"].prefix_cache_hit_rate
+        known, closer = known + 1, closer + (f <= s)
+        raw += hit_f is not None and hit_s is not None and hit_f >= hit_s
     if known:
-        raw = sum(_hit_of(c, "features") >= _hit_of(c, "smg") for c in known)
-        gap = sum(_gap_of(c, "features") <= _gap_of(c, "smg") for c in known)
         out.append(
-            f"features against smg: hit rate at least smg's in {raw} of {len(known)} cells where both are known; "
-            f"no further from its own oracle than smg from its own in {gap}"
+            f"features against smg: hit rate at least smg's in {raw} of {known} cells where both are known; "
+            f"no further from its own oracle than smg from its own in {closer}"
         )
     return out
-
-
-def _hit_of(cell: ClassCell, target: str) -> float:
-    return cell.targets[target].prefix_cache_hit_rate or 0.0
-
-
-def _gap_of(cell: ClassCell, target: str) -> float:
-    gap = oracle_gap(cell, target)
-    return 0.0 if gap is None else gap
 
 
 # ---------------------------------------------------------------------------------------------
