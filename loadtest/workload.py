@@ -106,6 +106,9 @@ class WorkloadSpec:
     prompt_tokens_max: int = 100_000
     # multiturn and longctx: stream i's sessions all of class i mod len(classes), whatever the shares.
     classes_by_stream: bool = False
+    # multiturn and longctx: each stream's first request waits a draw uniform in [0, stagger_s), so
+    # the streams do not open their conversations in step (0: all at once).
+    stagger_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_classes(self.classes)
@@ -115,6 +118,8 @@ class WorkloadSpec:
             raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}")
         if self.system_tokens < 0 or self.turns < 1 or self.user_tokens < 1 or self.think_time_s < 0:
             raise ValueError("--system-tokens >= 0, --turns >= 1, --user-tokens >= 1 and --think-time-s >= 0")
+        if not 0 <= self.stagger_s < math.inf:
+            raise ValueError("--stagger-s must be a finite number >= 0")
         if self.prompt_tokens_spread < 0:
             raise ValueError("--prompt-tokens-spread must be >= 0")
         if not MIN_TOKENS <= self.prompt_tokens_mean <= self.prompt_tokens_max:
@@ -226,7 +231,14 @@ class Workload:
             tokens = draw_tokens(rng, spec.prompt_tokens_mean, spec.prompt_tokens_spread, MIN_TOKENS,
                                  spec.prompt_tokens_max)  # fmt: skip
             text = self.text(rng, cls.kind, tokens_to_chars(tokens))
-            yield Turn(chat_prompt([_user(text)]), cls.name, f"{index}.{n}")
+            yield Turn(chat_prompt([_user(text)]), cls.name, f"{index}.{n}", think_s=self._stagger(index, n))
+
+    def _stagger(self, index: int, session: int) -> float:
+        """The wait before stream `index`'s `session` (counted from 1): only the first waits, a draw
+        from a generator of its own, so a stagger leaves every stream's prompts as they were."""
+        if session > 1 or not self.spec.stagger_s:
+            return 0.0
+        return random.Random(f"stagger-{self.spec.seed}-{index}").uniform(0.0, self.spec.stagger_s)
 
     def text(self, rng: random.Random, kind: ClassKind, chars: int) -> str:
         if kind == "repetitive":
@@ -258,7 +270,7 @@ class Workload:
                 chars = tokens_to_chars(tokens)
                 text = repeat(piece, chars) if piece else self.text(rng, cls.kind, chars)
                 messages.append(_user(text))
-                think = draw_think(rng, spec.think_time_s) if k > 1 else 0.0
+                think = draw_think(rng, spec.think_time_s) if k > 1 else self._stagger(index, n)
                 reply = yield Turn(chat_prompt(messages), cls.name, session, k, think, keep_reply=True)
                 if reply is None:
                     break

@@ -12,6 +12,7 @@ from loadtest.__main__ import build_parser
 from loadtest.client import RequestResult, Target
 from loadtest.headtohead.twoclass import (
     CLASSES,
+    MAX_STAGGER_S,
     ClassCell,
     ClassPlan,
     gate_settings,
@@ -176,6 +177,17 @@ def test_table_and_parser() -> None:
     assert "1.10x (met)" in text and "| yes | 0.50x |" in text
     args = build_parser().parse_args(["headtohead-classes", "--contexts", "1k", "--sessions", "8,32"])
     assert args.contexts == (1000,) and args.sessions == (8, 32)
+
+
+def test_the_streams_first_sessions_are_staggered_on_the_simulators_clock() -> None:
+    plan = ClassPlan(stagger_s=12.0)
+    assert plan.workload(8000, 32).stagger_s == pytest.approx(12.0 / plan.time_scale(32, 8000))
+    assert ClassPlan().stagger_s > 0  # by default: the conversations do not open at once
+    assert ClassPlan(stagger_s=0.0).workload(1000, 8).stagger_s == 0.0
+    with pytest.raises(ValueError, match="--stagger-s"):
+        ClassPlan(stagger_s=MAX_STAGGER_S + 1)
+    args = build_parser().parse_args(["headtohead-classes", "--stagger-s", "0"])
+    assert args.stagger_s == 0.0
 
 
 def test_calibration_brackets_the_top_sessions_and_smg_is_a_sixth_target() -> None:

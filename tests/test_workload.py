@@ -34,6 +34,7 @@ from loadtest.textbank import TextBank
 from loadtest.workload import (
     THINK_MAX_FACTOR,
     TrafficClass,
+    Turn,
     Workload,
     WorkloadSpec,
     draw_think,
@@ -148,10 +149,43 @@ def test_turns_after_the_first_wait_a_think_time(bank: TextBank) -> None:
 def test_think_time_is_divided_by_the_commands_time_scale() -> None:
     from loadtest.kit.sweeps import workload_spec
 
-    demo = build_parser().parse_args(["demo", "--time-scale", "4", "--think-time-s", "2", "--workload", "multiturn"])
-    assert workload_spec(demo).think_time_s == 0.5
+    demo = build_parser().parse_args(["demo", "--time-scale", "4", "--think-time-s", "2", "--workload", "multiturn",
+                                      "--stagger-s", "8"])  # fmt: skip
+    assert (workload_spec(demo).think_time_s, workload_spec(demo).stagger_s) == (0.5, 2.0)
     sweep = build_parser().parse_args(["sweep", "--url", "http://x", "--think-time-s", "2"])
-    assert workload_spec(sweep).think_time_s == 2.0
+    assert (workload_spec(sweep).think_time_s, workload_spec(sweep).stagger_s) == (2.0, 0.0)
+
+
+def first_requests(w: Workload, streams: int, sessions: int) -> list[list[Turn]]:
+    """Each stream's turns over its first `sessions` sessions."""
+    out = []
+    for i in range(streams):
+        script, turns = w.stream(i), []
+        turn = next(script)
+        while int(turn.session.split(".")[1]) <= sessions:
+            turns.append(turn)
+            turn = script.send("r")
+        out.append(turns)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["multiturn", "longctx"])
+def test_a_stagger_spreads_each_streams_first_request_and_nothing_else(bank: TextBank, kind: str) -> None:
+    fields = {"turns": 3, "think_time_s": 0.5, "user_tokens": 32, "prompt_tokens_mean": 64}
+    plain = first_requests(Workload(WorkloadSpec(kind, **fields), bank), 64, 3)  # type: ignore[arg-type]
+    spread = first_requests(Workload(WorkloadSpec(kind, stagger_s=6.0, **fields), bank), 64, 3)  # type: ignore[arg-type]
+    firsts = [turns[0].think_s for turns in spread]
+    assert all(0 <= t < 6.0 for t in firsts) and len(set(firsts)) == 64
+    assert statistics.fmean(firsts) == pytest.approx(3.0, abs=0.6)  # uniform over [0, 6), not bunched
+    assert all(turns[0].think_s == 0.0 for turns in plain)
+    for a, b in zip(plain, spread, strict=True):
+        # Every later request waits as it did, and every prompt is the one it was.
+        assert [t.think_s for t in a[1:]] == [t.think_s for t in b[1:]]
+        assert [t.prompt for t in a] == [t.prompt for t in b]
+    again = first_requests(Workload(WorkloadSpec(kind, stagger_s=6.0, **fields), bank), 64, 1)  # type: ignore[arg-type]
+    assert [turns[0].think_s for turns in again] == firsts  # seeded
+    with pytest.raises(ValueError, match="--stagger-s"):
+        WorkloadSpec(kind, stagger_s=-1.0)  # type: ignore[arg-type]
 
 
 # --- long contexts ---------------------------------------------------------------------------------
@@ -461,6 +495,7 @@ def test_workload_flags_are_parsed() -> None:
         (["--turns", "0"], "must be at least 1"),
         (["--system-tokens", "-1"], "must be at least 0"),
         (["--think-time-s", "-2"], "must be >= 0"),
+        (["--stagger-s", "-1"], "must be >= 0"),
         (["--prompt-tokens-spread", "-0.1"], "must be >= 0"),
         (["--slo-ttft-ms", "0"], "must be > 0"),
     ],

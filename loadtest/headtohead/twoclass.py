@@ -62,7 +62,7 @@ from .plan import (
     default_time_scale,
     sizes_for,
 )
-from .run import Servers, measure_cell
+from .run import MAX_WAIT_S, Servers, measure_cell
 from .score import NO_GOODPUT, TIE, TargetCell, target_cell
 
 TARGETS = ("all-spec", "all-base", "threshold", "adaptive", "features")
@@ -73,6 +73,8 @@ CLASSES = (TrafficClass("A", 0.5, "mixed"), TrafficClass("B", 0.5, "repetitive")
 SPLIT_GAIN = 1.10
 FLOOR = 0.97
 HIT_POINTS = 0.05
+# The most a stream's first session may wait (--stagger-s): well inside the warm-up's bound.
+MAX_STAGGER_S = MAX_WAIT_S / 2
 # The simulator's prefix cache keeps whole pages of this many tokens (radix.py's default).
 PAGE_TOKENS = 16
 # smg's metrics would default to port 29000; a worker's health is checked this often (s).
@@ -86,6 +88,9 @@ class ClassPlan:
     turns: int = 4
     max_tokens: int = 128
     think_time_s: float = 0.5  # simulated
+    # Each stream's first session starts this far in at most (a uniform draw), so the window sees
+    # conversations at every turn, not 32 opened at once and turning in step.
+    stagger_s: float = 20.0  # simulated
     window_s: float = 6.0  # simulated
     max_window_s: float = 60.0  # simulated
     slo_ttft_ms: float = 1000.0  # simulated
@@ -105,6 +110,9 @@ class ClassPlan:
     def __post_init__(self) -> None:
         if not 0 < self.window_s <= self.max_window_s:
             raise ValueError("--window-s must be positive and at most --max-window-s")
+        if not 0 <= self.stagger_s <= MAX_STAGGER_S:
+            # The warm-up waits for every stream's first reply, and gives up after run.MAX_WAIT_S.
+            raise ValueError(f"--stagger-s must be in [0, {MAX_STAGGER_S:g}]")
         for c in self.contexts:
             sizes_for(c, self.turns, self.max_tokens)
 
@@ -145,6 +153,7 @@ class ClassPlan:
             turns=s.turns,
             user_tokens=s.user_tokens,
             think_time_s=self.think_time_s / self.time_scale(sessions, context),
+            stagger_s=self.stagger_s / self.time_scale(sessions, context),
         )
 
     def pair(self, time_scale: float, spec_port: int, base_port: int) -> list[str]:
@@ -499,6 +508,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--turns", type=count, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--think-time-s", type=non_negative, default=0.5, help="simulated seconds (default 0.5)")
+    p.add_argument("--stagger-s", type=non_negative, default=ClassPlan.stagger_s,
+                   help="each stream's first session starts a draw uniform in [0, this) simulated seconds in, so the "
+                   f"conversations do not run in step (default {ClassPlan.stagger_s:g}; 0: all at once)")  # fmt: skip
     p.add_argument("--window-s", type=positive, default=6.0, help="simulated seconds (default 6)")
     p.add_argument("--max-window-s", type=positive, default=60.0, help="simulated seconds (default 60)")
     p.add_argument("--slo-ttft-ms", type=positive, default=1000.0, help="simulated ms (default 1000)")
@@ -521,7 +533,8 @@ def cmd_headtohead_classes(args: argparse.Namespace) -> int:
     check_max_tokens(args.max_tokens)
     plan = ClassPlan(
         contexts=args.contexts, sessions=args.sessions, turns=args.turns, max_tokens=args.max_tokens,
-        think_time_s=args.think_time_s, window_s=args.window_s, max_window_s=max(args.max_window_s, args.window_s),
+        think_time_s=args.think_time_s, stagger_s=args.stagger_s, window_s=args.window_s,
+        max_window_s=max(args.max_window_s, args.window_s),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, min_requests=args.min_requests,
         smg=args.smg, topology=args.topology, classes=args.classes,
     )  # fmt: skip

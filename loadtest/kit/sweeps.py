@@ -124,6 +124,14 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
         f"divided by --time-scale where the command has one (default {d.think_time_s:g})",
     )
     g.add_argument(
+        "--stagger-s",
+        type=non_negative,
+        default=d.stagger_s,
+        help="multiturn and longctx: each stream's first request waits a draw uniform in [0, this), so the "
+        "streams do not open their conversations in step; divided by --time-scale where the command has one "
+        f"(default {d.stagger_s:g}: all at once)",
+    )
+    g.add_argument(
         "--prompt-tokens-mean",
         type=count,
         default=d.prompt_tokens_mean,
@@ -169,6 +177,7 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
         turns=args.turns,
         user_tokens=args.user_tokens,
         think_time_s=args.think_time_s / getattr(args, "time_scale", 1.0),
+        stagger_s=args.stagger_s / getattr(args, "time_scale", 1.0),
         prompt_tokens_mean=args.prompt_tokens_mean,
         prompt_tokens_spread=args.prompt_tokens_spread,
         prompt_tokens_max=args.prompt_tokens_max,
