@@ -120,6 +120,8 @@ class WorkloadSpec:
             raise ValueError("--system-tokens >= 0, --turns >= 1, --user-tokens >= 1 and --think-time-s >= 0")
         if not 0 <= self.stagger_s < math.inf:
             raise ValueError("--stagger-s must be a finite number >= 0")
+        if self.stagger_s and self.kind == "single":
+            raise ValueError("--stagger-s applies to --workload multiturn and longctx")
         if self.prompt_tokens_spread < 0:
             raise ValueError("--prompt-tokens-spread must be >= 0")
         if not MIN_TOKENS <= self.prompt_tokens_mean <= self.prompt_tokens_max:

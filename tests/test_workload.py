@@ -515,6 +515,7 @@ def test_bad_flag_values_are_refused_naming_them(
         (["--class", "a:0.5:diverse", "--class", "b:0.4:diverse"], "the shares sum to 0.9, not 1"),
         (["--class", "a:0.5:diverse", "--class", "a:0.5:repetitive"], "a name is given twice"),
         (["--workload", "multiturn", "--prompts", "fixed"], "--prompts applies to --workload single"),
+        (["--stagger-s", "5"], "--stagger-s applies to --workload multiturn and longctx"),
         (["--class", "a:1:diverse", "--prompts", "short"], "--prompts applies to --workload single"),
         (["--workload", "longctx", "--prompt-tokens-mean", "9", "--prompt-tokens-max", "100"], "must be in [16,"),
         (["--workload", "longctx", "--prompt-tokens-mean", "200", "--prompt-tokens-max", "100"], "must be in [16,"),
