@@ -94,6 +94,12 @@ def test_time_scale_per_level_and_slos_in_wall_time() -> None:
     # A simulated 100 ms lasts 400 wall ms at a quarter speed.
     assert slo.tpot_ms == pytest.approx(400.0) and slo.ttft_ms == pytest.approx(8000.0)
     assert plan.workload(1000, 64).think_time_s == pytest.approx(plan.think_time_s / 0.25)
+    # The streams open at once unless staggered (as the documented runs did); a stagger is on the
+    # simulators' clock too, and bounded by the warm-up's wait.
+    assert plan.workload(1000, 64).stagger_s == 0.0
+    assert HeadPlan(sessions=(1, 64), time_scales=(1.0, 0.25), stagger_s=5.0).workload(1000, 64).stagger_s == 20.0
+    with pytest.raises(ValueError, match="--stagger-s"):
+        HeadPlan(stagger_s=1000.0)
     # The calibration drives one server at a time: twice the cells' scale at its top level.
     assert HeadPlan().calibration_scale(1000) == pytest.approx(2 * default_time_scale(256, 1000))
     with pytest.raises(ValueError, match="one per"):
@@ -111,7 +117,8 @@ def test_the_command_line_builds_the_plan() -> None:
     )
     plan = plan_of(args)
     assert plan.accept_lengths == (2.0,) and plan.contexts == (2000,) and plan.sessions == (2, 8)
-    assert plan.time_scale(8, 2000) == 0.5
+    assert plan.time_scale(8, 2000) == 0.5 and plan.stagger_s == 0.0
+    assert plan_of(build_parser().parse_args(["headtohead", "--stagger-s", "12"])).stagger_s == 12.0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["headtohead", "--accept-lengths", "0.5"])
 

@@ -10,9 +10,9 @@ import pytest
 
 from loadtest.__main__ import build_parser
 from loadtest.client import RequestResult, Target
+from loadtest.headtohead.plan import MAX_STAGGER_S
 from loadtest.headtohead.twoclass import (
     CLASSES,
-    MAX_STAGGER_S,
     ClassCell,
     ClassPlan,
     gate_settings,

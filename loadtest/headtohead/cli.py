@@ -180,6 +180,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens a turn (default 128)")
     p.add_argument("--think-time-s", type=non_negative, default=0.5,
                    help="mean think time between turns, simulated seconds (default 0.5)")  # fmt: skip
+    p.add_argument("--stagger-s", type=non_negative, default=0.0,
+                   help="each stream's first session starts a draw uniform in [0, this) simulated seconds in, so the "
+                        "conversations do not run in step (default 0: all at once)")  # fmt: skip
     p.add_argument("--window-s", type=positive, default=6.0,
                    help="measurement window per cell, simulated seconds (default 6)")  # fmt: skip
     p.add_argument("--max-window-s", type=positive, default=60.0,
@@ -205,6 +208,7 @@ def plan_of(args: argparse.Namespace) -> HeadPlan:
         turns=args.turns,
         max_tokens=args.max_tokens,
         think_time_s=args.think_time_s,
+        stagger_s=args.stagger_s,
         window_s=args.window_s,
         max_window_s=max(args.max_window_s, args.window_s),
         slo_ttft_ms=args.slo_ttft_ms,

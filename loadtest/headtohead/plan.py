@@ -38,6 +38,11 @@ MAX_TIME_SCALE = 4.0
 # server at a time, not three: its time scale is CALIBRATION_SPEEDUP times the cells' at its top level.
 CALIBRATE_LEVELS = (4, 16, 64, 256)
 CALIBRATE_WINDOW_S = 2.0
+# The warm-up (until every session finished a turn) and the drain each wait at most this long, in
+# simulated seconds: long contexts at many sessions queue for the KV pool that long.
+MAX_WAIT_S = 90.0
+# The most a stream's first session may wait (--stagger-s): well inside the warm-up's bound.
+MAX_STAGGER_S = MAX_WAIT_S / 2
 CALIBRATION_SPEEDUP = 2.0
 
 
@@ -115,6 +120,13 @@ def context_label(tokens: int) -> str:
     return f"{tokens / 1000:g}k" if tokens % 100 == 0 and tokens >= 1000 else str(tokens)
 
 
+def check_stagger(stagger_s: float) -> None:
+    """--stagger-s within [0, MAX_STAGGER_S]: the warm-up waits for every stream's first reply and
+    gives up after MAX_WAIT_S."""
+    if not 0 <= stagger_s <= MAX_STAGGER_S:
+        raise ValueError(f"--stagger-s must be in [0, {MAX_STAGGER_S:g}]")
+
+
 @dataclass(frozen=True)
 class HeadPlan:
     accept_lengths: tuple[float, ...] = (1.5, 2.5)
@@ -125,6 +137,9 @@ class HeadPlan:
     turns: int = 4
     max_tokens: int = 128
     think_time_s: float = 0.5  # simulated seconds
+    # Each stream's first session starts this far in at most (0: all at once, as in the results of
+    # docs/headtohead.md).
+    stagger_s: float = 0.0  # simulated seconds
     window_s: float = 6.0  # simulated seconds
     max_window_s: float = 60.0  # simulated seconds
     slo_ttft_ms: float = 2000.0  # simulated
@@ -143,6 +158,7 @@ class HeadPlan:
             raise ValueError("time scales must be positive")
         if not 0 < self.window_s <= self.max_window_s:
             raise ValueError("--window-s must be positive and at most --max-window-s")
+        check_stagger(self.stagger_s)
         for c in self.contexts:
             self.sizes(c)  # raises where a context cannot be built
 
@@ -184,6 +200,7 @@ class HeadPlan:
             turns=s.turns,
             user_tokens=s.user_tokens,
             think_time_s=self.think_time_s / self.time_scale(sessions, context),
+            stagger_s=self.stagger_s / self.time_scale(sessions, context),
         )
 
     def common_flags(self, accept: float, time_scale: float) -> list[str]:

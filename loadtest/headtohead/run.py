@@ -24,11 +24,8 @@ from ..production import WorkloadRun
 from ..sweep import LevelPlan, first_model, make_session, measure_level
 from ..textbank import TextBank
 from ..workload import Workload, WorkloadSpec
-from .plan import CALIBRATE_WINDOW_S, HeadPlan, context_label
+from .plan import CALIBRATE_WINDOW_S, MAX_WAIT_S, HeadPlan, context_label
 
-# The warm-up (until every session finished a turn) and the drain each wait at most this long, in
-# simulated seconds: long contexts at many sessions queue for the KV pool that long.
-MAX_WAIT_S = 90.0
 # Gauges are read this often, in wall seconds.
 SAMPLE_S = 1.0
 QUEUE = "sglang:num_queue_reqs"

@@ -57,12 +57,13 @@ from .plan import (
     CALIBRATE_LEVELS,
     MAX_TIME_SCALE,
     PROFILE,
+    check_stagger,
     context_label,
     context_list,
     default_time_scale,
     sizes_for,
 )
-from .run import MAX_WAIT_S, Servers, measure_cell
+from .run import Servers, measure_cell
 from .score import NO_GOODPUT, TIE, TargetCell, target_cell
 
 TARGETS = ("all-spec", "all-base", "threshold", "adaptive", "features")
@@ -73,8 +74,6 @@ CLASSES = (TrafficClass("A", 0.5, "mixed"), TrafficClass("B", 0.5, "repetitive")
 SPLIT_GAIN = 1.10
 FLOOR = 0.97
 HIT_POINTS = 0.05
-# The most a stream's first session may wait (--stagger-s): well inside the warm-up's bound.
-MAX_STAGGER_S = MAX_WAIT_S / 2
 # The simulator's prefix cache keeps whole pages of this many tokens (radix.py's default).
 PAGE_TOKENS = 16
 # smg's metrics would default to port 29000; a worker's health is checked this often (s).
@@ -110,9 +109,7 @@ class ClassPlan:
     def __post_init__(self) -> None:
         if not 0 < self.window_s <= self.max_window_s:
             raise ValueError("--window-s must be positive and at most --max-window-s")
-        if not 0 <= self.stagger_s <= MAX_STAGGER_S:
-            # The warm-up waits for every stream's first reply, and gives up after run.MAX_WAIT_S.
-            raise ValueError(f"--stagger-s must be in [0, {MAX_STAGGER_S:g}]")
+        check_stagger(self.stagger_s)
         for c in self.contexts:
             sizes_for(c, self.turns, self.max_tokens)
 
