@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -203,9 +202,11 @@ def _save(
 ) -> int:
     created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     try:
-        cal = calibration_file(sweeps["speculative"], sweeps["baseline"], rec, meter.by_level, settings, created, model)
         per_event = meter.engine is not None and meter.engine.stream_steps
-        cal = dataclasses.replace(cal, classes=class_acceptance(sweeps["speculative"], per_event))
+        classes = class_acceptance(sweeps["speculative"], per_event)
+        cal = calibration_file(
+            sweeps["speculative"], sweeps["baseline"], rec, meter.by_level, settings, created, model, classes
+        )
     except ValueError as exc:
         print(f"loadtest: {path} not written: {exc}", file=sys.stderr)
         return 1

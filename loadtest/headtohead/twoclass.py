@@ -272,11 +272,10 @@ def goodput_verdict(cell: ClassCell, target: str) -> Verdict:
 
 def hit_verdict(cell: ClassCell, target: str) -> Verdict:
     """met/missed: the target's hit rate within HIT_POINTS of the oracle's on its own requests."""
-    t = cell.targets[target]
-    oracle = cell.oracle_hit.get(target)
-    if not t.conclusive or t.prefix_cache_hit_rate is None or oracle is None:
+    gap = oracle_gap(cell, target)
+    if gap is None:
         return "unknown"
-    return "met" if t.prefix_cache_hit_rate >= oracle - HIT_POINTS else "missed"
+    return "met" if gap <= HIT_POINTS else "missed"
 
 
 def oracle_gap(cell: ClassCell, target: str) -> float | None:
