@@ -22,7 +22,21 @@ gives exactly the calibration's recommendation.
 Observations are robust and forgetful: each is a log ratio to the current estimate at the
 nearest level, clipped (a few outliers move it little), averaged with weights that halve every
 `half_life_s` (old traffic fades), shrunk toward the calibration by a prior of PRIOR_WEIGHT
-observations, and the resulting correction is bounded to [1/MAX_CORRECTION, MAX_CORRECTION].
+observations, and the resulting correction is bounded to [1/MAX_CORRECTION, MAX_CORRECTION]. A
+level's correction also draws on what the same server showed at the other levels, each of their
+observations counting sqrt(c_low / c_high) of one (half at four times the load, an eighth at 64
+times):
+
+    log k(c) = sum_l s(c, l) W_l m_l / (sum_l s(c, l) W_l + PRIOR_WEIGHT)      s(c, l) = sqrt(min/max)
+
+W_l and m_l the decayed weight and mean log ratio seen at level l. A server slower than its
+calibration at one load (a busier host, another model revision) is slower at its neighbours too, and
+a server is seen only at the loads its mode gives it: the baseline of a pair at the high ones. With
+each level on its own, the levels it was never seen at kept the calibration's speed; measured on the
+simulated H200 (1k-token chats at 128 sessions, both servers running at about half their calibrated
+speed on a loaded host), the baseline seen at 64 streams only and the speculative server at 16 and
+64, the curves crossed at 9 streams instead of about 80, and the mode stayed on the baseline where
+speculation was the better choice.
 Without a calibration file there is no prior: levels are fixed buckets, estimates are what was
 observed, and the crossover is known only where both servers were seen at neighbouring levels;
 until then the static watermarks stay.
@@ -201,14 +215,21 @@ class SpeedModel:
         self.observations += 1
 
     def correction(self, backend: Role, level: int, now: float) -> tuple[float, float]:
-        """(log correction vs the prior, decayed weight) at a level; (0, 0) when unseen."""
-        cell = self.cells[backend].get(level)
-        if cell is None:
+        """(log correction vs the prior, the decayed weight behind it) at a level: its own
+        observations' and, at sqrt(c_low / c_high) of theirs, every other level's (the module's
+        rule); (0, 0) when the server was seen nowhere."""
+        total = weighted = 0.0
+        for at, cell in self.cells[backend].items():
+            w = cell.decayed(now, self.half_life_s)
+            if at != level:
+                w *= math.sqrt(min(at, level) / max(at, level))
+            total += w
+            weighted += w * cell.mean
+        if total <= 0.0:
             return 0.0, 0.0
-        w = cell.decayed(now, self.half_life_s)
-        shrunk = cell.mean * w / (w + PRIOR_WEIGHT)
+        shrunk = weighted / (total + PRIOR_WEIGHT)
         bound = math.log(MAX_CORRECTION)
-        return min(max(shrunk, -bound), bound), w
+        return min(max(shrunk, -bound), bound), total
 
     def v(self, backend: Role, i: int, now: float) -> float:
         """Per-stream speed at the i-th level (speculative: per unit of acceptance); NaN if unknown."""

@@ -13,6 +13,7 @@ import pytest
 from loadtest.calibrate import find_crossover, recommend
 from proxy.adaptive import (
     MAX_CORRECTION,
+    PRIOR_WEIGHT,
     Prior,
     SpeedModel,
     WatermarkState,
@@ -118,14 +119,23 @@ def test_tpot_curves_scale_with_the_same_acceptance() -> None:
     assert e.high == math.floor(e.latency.at) and e.crossover == e.latency.at
 
 
-def test_observations_correct_the_level_they_were_made_at_and_no_other() -> None:
+def test_observations_correct_their_level_and_its_neighbours_by_how_near() -> None:
     model = SpeedModel(Prior.of(calibration()), half_life_s=60.0)
     # The baseline streams at 30 run at 80% of the calibrated per-stream speed (1950 / 30 = 65).
     for i in range(40):
         model.observe(Role.BASELINE, 30, 0.8 * 65.0, None, now=float(i))
     e = estimate(model, 3.0, now=40.0)
     assert e.baseline_tok_s[5] == pytest.approx(0.8 * 1950, rel=0.03)
-    assert e.baseline_tok_s[4] == pytest.approx(1500) and e.baseline_tok_s[6] == pytest.approx(2500)
+    # The levels it was not seen at take the slowdown at sqrt(c_low / c_high) of its weight: with
+    # some thirty observations' worth, nearly all of it, against the prior's PRIOR_WEIGHT.
+    w = model.correction(Role.BASELINE, 30, 40.0)[1]
+    for i, level in ((4, 20), (6, 50), (0, 1)):
+        s = math.sqrt(min(level, 30) / max(level, 30))
+        expected = 0.8 ** (s * w / (s * w + PRIOR_WEIGHT))
+        assert e.baseline_tok_s[i] == pytest.approx(BASE[i] * expected, rel=1e-3)
+    assert e.baseline_tok_s[0] > 0.8 * BASE[0] * 1.01  # far off, a little less of it
+    # The other server is not moved.
+    assert e.speculative_tok_s == pytest.approx(SPEC)
 
 
 def test_a_load_between_levels_is_judged_by_the_calibrations_throughput_there() -> None:
