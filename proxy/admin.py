@@ -145,6 +145,8 @@ def describe(gate: Gate) -> dict[str, Any]:
             "key": s.class_key,
             "max": s.max_classes,
             "tracked": _classes(gate.classes.describe(first.now()), first),
+            # The traffic's acceptance by its classes, and the share of the traffic that stands for.
+            "mix": _mix(gate.classes.mix(first.now())),
         },
         "watermarks": {"high": first.cfg.high_watermark, "low": first.cfg.low_watermark},
         "calibration": s.calibration,
@@ -198,3 +200,7 @@ def _classes(tracked: dict[str, dict[str, Any]], router: Router) -> dict[str, di
         known = view.high is not None and view.low is not None
         info["watermarks"] = {"high": view.high, "low": view.low} if known else None
     return tracked
+
+
+def _mix(mix: tuple[float, float] | None) -> dict[str, float] | None:
+    return None if mix is None else {"accept_length": round(mix[0], 3), "share": round(mix[1], 3)}

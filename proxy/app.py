@@ -50,6 +50,7 @@ async def running(settings: Settings, tracer_provider: TracerProvider | None = N
     servers = servers_of(topology)
     metrics = Metrics(topology.names(), [g.name for g in topology.groups])
     calibration = settings.load_calibration()
+    classes = ClassBook(settings.max_classes, priors=calibration.classes if calibration is not None else None)
     fleet = Fleet(
         topology,
         servers,
@@ -58,6 +59,7 @@ async def running(settings: Settings, tracer_provider: TracerProvider | None = N
         settings.adaptive_config(),
         calibration,
         affinity_slack=settings.affinity_slack,
+        classes=classes,
     )
     tracing = Tracing.of(topology, settings.allowed_paths, tracer_provider)
     # Connections open on first use.
@@ -79,7 +81,6 @@ async def running(settings: Settings, tracer_provider: TracerProvider | None = N
     metrics.stored_responses.set_function(stored.__len__)
     affinity = AffinityTable(settings.affinity_entries)
     metrics.affinity_entries.set_function(affinity.__len__)
-    classes = ClassBook(settings.max_classes, priors=calibration.classes if calibration is not None else None)
     gate = Gate(settings, metrics, upstream, health, fleet, prober, stored, tracing, affinity=affinity, classes=classes)
     await health.poll_once()  # so /ready and routing are right from the first request
     poller = asyncio.get_running_loop().create_task(health.run(), name="specgate-health")

@@ -21,7 +21,22 @@ The classes that gain most from speculation are the top half of the traffic, ran
     gains_c  iff  traffic of the classes above c + traffic_c / 2  <=  total traffic / 2
 
 (of two classes with equal traffic, the better; a class of most of the traffic only if it is the
-best). policy.class_choice says where that decides. Pure but for the book.
+best). policy.class_choice says where that decides.
+
+The traffic's acceptance, for a rule that decides for all of it (a paired group's mode, which no class
+splits; a group's watermarks), is its classes' mix:
+
+    A_mix = sum_c traffic_c * accept_c / sum_c traffic_c      over the classes whose acceptance is known
+    share = sum_c traffic_c / (traffic of every class + traffic_none)
+
+traffic_none the requests of no class, decayed alike (counted once a class has been seen). What the
+speculative server's engine reports, or a probe reads, is the acceptance of what that server served
+last: once the mode left speculation, its last streams, or one probe's conversation, of whichever
+class it was (measured on the simulated H200, a pair with classes accepting 1.25 and 3.0: the
+engine's gauge read 1.25 after the switch, and the watermarks fell to 0 for good, though
+speculation was the better choice for the mix). The classes' figures are each read from their own
+streams and are kept while they do not run. Router.accept_live weighs the two by `share`.
+Pure but for the book.
 """
 
 from __future__ import annotations
@@ -107,6 +122,10 @@ class ClassBook:
         self._forgotten: list[str] = []
         self._ranked: dict[str, bool] = {}
         self._ranked_at = -math.inf
+        # Requests of no class, once a class has been seen (a weight, decayed as a class's).
+        self.none = ClassStats()
+        self._mix: tuple[float, float] | None = None
+        self._mix_at = -math.inf
 
     def tracked(self, name: str, now: float) -> str:
         """A request of class `name` arrived: the name it is counted under, itself while there is
@@ -129,6 +148,34 @@ class ClassBook:
         s.decay(now, self.half_life_s)
         s.traffic += 1.0
         return name
+
+    def unclassed(self, now: float) -> None:
+        """A request of no class arrived: counted, once any class is tracked, in the share of the
+        traffic the classes' mix stands for."""
+        if self.stats:
+            self.none.decay(now, self.half_life_s)
+            self.none.traffic += 1.0
+
+    def mix(self, now: float) -> tuple[float, float] | None:
+        """The traffic's acceptance by its classes (A_mix) and the share of the traffic it stands
+        for, as reckoned at most RANK_EVERY_S ago; None while no class's acceptance is known."""
+        if now - self._mix_at >= RANK_EVERY_S:
+            self._mix, self._mix_at = self._reckon_mix(now), now
+        return self._mix
+
+    def _reckon_mix(self, now: float) -> tuple[float, float] | None:
+        known = total = weighted = 0.0
+        for s in self.stats.values():
+            s.decay(now, self.half_life_s)
+            total += s.traffic
+            a = s.accept
+            if a is not None and s.traffic > 0:
+                known += s.traffic
+                weighted += s.traffic * a
+        if known <= 0:
+            return None
+        self.none.decay(now, self.half_life_s)
+        return weighted / known, known / (total + self.none.traffic)
 
     def _named(self) -> int:
         return len(self.stats) - (OTHER in self.stats)

@@ -173,19 +173,29 @@ class Learning(StreamObserver):
     """What the router learns from a response: its output tokens; a shadow probe's content events,
     read from its own stream (tokens over events, counted at the end: an event may be split between
     reads); and, for the adaptive and model policies, the server's per-stream speed at the load (and
-    the tokens of context) the stream ran at, from streams that ran while the other server had
+    the tokens of context) the stream ran at, at `accept` where its traffic class's acceptance is known,
+    from streams that ran while the other server had
     nothing from this gateway: the curves are of one server alone, and on a shared GPU each slows
     the other (a switch's drain would read as the new server being slow)."""
 
     __slots__ = (
-        "_backend", "_body", "_client", "_count", "_first_at", "_learn", "_router", "_size", "_start_load",
-        "_start_tokens", "_typed",
+        "_accept", "_backend", "_body", "_client", "_count", "_first_at", "_learn", "_router", "_size",
+        "_start_load", "_start_tokens", "_typed",
     )  # fmt: skip
 
     def __init__(
-        self, router: Router, backend: Role, client: str, *, probe: bool, timed: bool, typed: bool = False
+        self,
+        router: Router,
+        backend: Role,
+        client: str,
+        *,
+        probe: bool,
+        timed: bool,
+        typed: bool = False,
+        accept: float | None = None,
     ) -> None:
         self._router = router
+        self._accept = accept
         self._typed = typed
         self._backend = backend
         self._client = client
@@ -225,4 +235,4 @@ class Learning(StreamObserver):
             load = (self._start_load + router.backend_load(backend)) / 2
             # The context its server held, as the load: the mean of its start and its end.
             held = (self._start_tokens + router.role_tokens(backend)) / 2
-            router.observe(backend, load, (tokens - 1) / elapsed, held)
+            router.observe(backend, load, (tokens - 1) / elapsed, held, self._accept)

@@ -129,6 +129,8 @@ class _Relay:
             for gone in gate.classes.take_forgotten():
                 gate.metrics.forget_class(gone)
             klass = (gate.classes.gains_most(name, now), gate.classes.accept(name))
+        elif gate.classes.stats:
+            gate.classes.unclassed(asyncio.get_running_loop().time())
         placed = gate.fleet.decide(
             can_probe=call.endpoint in GENERATIONS and not call.batch,
             server=stored,
@@ -289,7 +291,10 @@ class _Relay:
                 out.append(ClassLearning(lease, mark, per_event, gate.classes, cls, gate.metrics))
             else:
                 out.append(Generated(lease, mark, per_event))
-        out.append(Learning(self.router, backend, call.client, probe=probe, timed=timed, typed=typed))
+        # A stream's speed is read at its own class's acceptance where that is known.
+        cls = self.traffic_class
+        accept = gate.classes.accept(cls) if cls is not None and backend == Role.SPECULATIVE else None
+        out.append(Learning(self.router, backend, call.client, probe=probe, timed=timed, typed=typed, accept=accept))
         return tuple(out)
 
     async def _last(self, data: bytes) -> None:

@@ -21,6 +21,7 @@ from typing import NamedTuple
 from .adaptive import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig, hysteresis_low, stream_accept
 from .affinity import Held, Outcome, keep
 from .calibration import MAX_WATERMARK, Calibration
+from .classes import ClassBook
 from .engines import ENGINES
 from .evidence import AcceptanceEvidence
 from .inflight import InflightTracker, Lease
@@ -58,6 +59,8 @@ log = logging.getLogger("specgate.routing")
 MAX_CLASS_VIEWS = 256
 # A class whose acceptance says nothing more: its rank only.
 _RANKED: dict[bool | None, ClassView] = {g: ClassView(g) for g in (None, True, False)}
+# Where the traffic's acceptance was read, when its classes' mix stands for part of it.
+_MIXED = {s: f"from traffic classes and {s}" for s in ("from probe streams", "live")}
 
 
 class Router:
@@ -76,9 +79,13 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         pooled: bool = False,
+        classes: ClassBook | None = None,
     ) -> None:
         self.cfg = cfg
         self.group = group
+        # The traffic classes' acceptance (classes.py), which the traffic's own is reckoned from
+        # where they know it (accept_live).
+        self._classes = classes
         # A pool's roles run on disjoint GPUs (topology.py): its baseline is idle hardware otherwise.
         self._pooled = pooled
         self._servers = servers
@@ -338,14 +345,20 @@ class Router:
         lease.release()
         return new
 
-    def observe(self, backend: Role, load: float, tok_s: float, tokens: float = 0.0) -> None:
+    def observe(
+        self, backend: Role, load: float, tok_s: float, tokens: float = 0.0, accept: float | None = None
+    ) -> None:
         """A finished stream's decode speed (tokens/s per stream) at `load` streams on its server,
-        which held `tokens` tokens of context meanwhile."""
+        which held `tokens` tokens of context meanwhile; `accept`: its own acceptance where its
+        traffic class's is known (else the traffic's is taken)."""
         a = self.adaptive
         if a is None:
             return
         now = self._clock()
-        accept = self.accept_live(now)[0] if backend == Role.SPECULATIVE else None
+        if backend != Role.SPECULATIVE:
+            accept = None
+        elif accept is None:
+            accept = self.accept_live(now)[0]
         a.model.observe(backend, load, tok_s, accept, now)
         if self.speed is not None:
             self.speed.observe(backend, load, tokens, tok_s, accept)
@@ -427,11 +440,18 @@ class Router:
         self._update(now)
 
     def accept_live(self, now: float) -> tuple[float | None, str]:
-        """The speculative server's acceptance as believed now, and where it was read."""
+        """The traffic's acceptance on the speculative servers as believed now, and where it was
+        read: its traffic classes' mix for the share of the traffic whose class's acceptance is
+        known, and for the rest what probes or the engine read (classes.py)."""
         measured = self.evidence.value(now)
-        if measured is not None:
-            return measured, "from probe streams"
-        return self.engine_accept(), "live"
+        live, source = (measured, "from probe streams") if measured is not None else (self.engine_accept(), "live")
+        mix = self._classes.mix(now) if self._classes is not None else None
+        if mix is None:
+            return live, source
+        accept, share = mix
+        if live is None or share >= 1.0:
+            return accept, "from traffic classes"
+        return share * accept + (1.0 - share) * live, _MIXED[source]
 
     def refresh(self) -> None:
         """Re-apply the policy's rule after load or health changed, so the mode gauge tells the truth."""
@@ -559,6 +579,7 @@ class Fleet:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         affinity_slack: float = 1.0,
+        classes: ClassBook | None = None,
     ) -> None:
         self.topology = topology
         # Requests of load a turn's server may have beyond the best, per thousand tokens it has cached.
@@ -578,6 +599,7 @@ class Fleet:
                 clock,
                 self._rng,
                 topology.kind == "pooled",
+                classes,
             )
             for g in topology.groups
         )

@@ -12,13 +12,13 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.classes import CLASS_HALF_LIFE_S, MIN_STEPS, NAME_CHARS, OTHER, ClassBook, class_of
+from proxy.classes import CLASS_HALF_LIFE_S, MIN_STEPS, NAME_CHARS, OTHER, RANK_EVERY_S, ClassBook, class_of
 from proxy.policy import ClassView, Decision, PolicyState, Role, class_choice
-from proxy.routing import Fleet
+from proxy.routing import Fleet, Router
 
 from .helpers import Clock, adaptive_cfg, policy_cfg, rig, wait_until
 from .inprocess import Gateway, StartGateway
-from .test_adaptive import calibration
+from .test_adaptive import LEVELS, SPEC, calibration
 from .test_adaptive_stack import FAST, calibration_file
 
 UP = {Role.SPECULATIVE: True, Role.BASELINE: True}
@@ -288,7 +288,7 @@ def _value(text: str, series: str) -> float:
 async def test_classes_off_and_bounded(gateway: StartGateway) -> None:
     off = await gateway(class_key="none")
     await _ask(off, "code", "hi", stream=False)
-    assert (await off.routing())["classes"] == {"key": "none", "max": 32, "tracked": {}}
+    assert (await off.routing())["classes"] == {"key": "none", "max": 32, "tracked": {}, "mix": None}
     small = await gateway(max_classes=2)
     for name in ("a", "b", "c", "d"):
         await _ask(small, name, "hi", stream=False)
@@ -353,3 +353,87 @@ async def test_under_the_adaptive_policy_each_class_has_its_own_watermarks(
     async with _holding(gw, 3):
         assert await _ask(gw, "chat", VARIED, stream=False) == ("baseline", "class")
         assert await _ask(gw, "code", REPEATED, stream=False) == ("speculative", "class")
+
+
+# ---------------------------------------------------------------------------------------------
+# The traffic's acceptance, by its classes
+
+
+def test_the_traffics_acceptance_is_its_classes_mix() -> None:
+    book = ClassBook(4, priors={"code": 3.0, "chat": 1.25})
+    assert book.mix(0.0) is None  # nothing seen
+    book.tracked("code", 0.0)
+    book.tracked("chat", 0.0)
+    book.tracked("prose", 0.0)  # no acceptance known yet: not in the mean, but in the traffic
+    assert book.mix(0.1) is None  # reckoned at most every RANK_EVERY_S
+    assert book.mix(RANK_EVERY_S) == pytest.approx((2.125, 2 / 3), rel=1e-3)
+    # Requests of no class lower the share the mix stands for.
+    book.unclassed(RANK_EVERY_S)
+    assert book.mix(2 * RANK_EVERY_S) == pytest.approx((2.125, 2 / 4), rel=1e-3)
+    # Weighted by each class's traffic, decayed alike.
+    for _ in range(2):
+        book.tracked("code", 2 * RANK_EVERY_S)
+    a, share = book.mix(3 * RANK_EVERY_S) or (0.0, 0.0)
+    assert a == pytest.approx((3 * 3.0 + 1.25) / 4, rel=1e-3) and share == pytest.approx(4 / 6, rel=1e-3)
+    # Requests of no class are not counted while no class has been seen.
+    empty = ClassBook(4)
+    empty.unclassed(0.0)
+    assert empty.none.traffic == 0.0 and empty.mix(0.0) is None
+
+
+def _paired_router(clock: Clock, engine_accept: float, book: ClassBook | None) -> Router:
+    r = rig()
+    r.health["speculative"].spec_accept_length = engine_accept
+    policy = policy_cfg("adaptive", 16, 8, probe_s=0.0)
+    adaptive = adaptive_cfg(margin=0.0, min_watermark=0, max_watermark=60, max_step_per_s=1000.0)
+    fleet = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, calibration(), clock=clock, classes=book)
+    return fleet.routers[0]
+
+
+def test_a_group_reads_its_traffics_acceptance_from_its_classes_not_from_what_it_served_last() -> None:
+    clock = Clock()
+    # The speculative engine's gauge says 1.25: what it served last (chat's streams, after the mode
+    # left speculation), though the traffic is half code at 3.0.
+    book = ClassBook(4, priors={"code": 3.0, "chat": 1.25})
+    router = _paired_router(clock, 1.25, book)
+    stale = _paired_router(clock, 1.25, None)
+    assert router.accept_live(clock()) == (1.25, "live")  # no class seen yet: the engine's reading
+    book.tracked("code", clock())
+    book.tracked("chat", clock())
+    clock.t += RANK_EVERY_S  # the mix is reckoned anew at most this often
+    assert router.accept_live(clock()) == (pytest.approx(2.125), "from traffic classes")
+    clock.t += 5.0
+    router.refresh()
+    stale.refresh()
+    described = router.adaptive.describe(clock()) if router.adaptive is not None else {}
+    assert described["accept_length_live"] == pytest.approx(2.125)
+    # Speculation pays the mix to a higher load than the one class it served last.
+    assert router.cfg.high_watermark > stale.cfg.high_watermark
+    # Requests of no class are the engine's to read: half the traffic here.
+    book.unclassed(clock())
+    book.unclassed(clock())
+    clock.t += RANK_EVERY_S
+    assert router.accept_live(clock()) == (
+        pytest.approx(0.5 * 2.125 + 0.5 * 1.25, rel=1e-2),
+        "from traffic classes and live",
+    )
+
+
+def test_a_streams_speed_is_read_at_its_own_classs_acceptance() -> None:
+    clock = Clock()
+    routers = [_paired_router(clock, 1.25, None) for _ in range(2)]
+    # A stream of a class accepting 3.0 decoding just as the calibration says the server does at
+    # 3.0: no correction when read at its own acceptance, a faster server when read at the 1.25
+    # the engine's gauge says.
+    level = LEVELS[1]
+    per_stream = SPEC[1] / level
+    routers[0].observe(Role.SPECULATIVE, level, per_stream, accept=3.0)
+    routers[1].observe(Role.SPECULATIVE, level, per_stream)
+    ratios = [_speed_ratio(r, level) for r in routers]
+    assert ratios[0] == pytest.approx(1.0, abs=0.01) and ratios[1] > 1.05
+
+
+def _speed_ratio(router: Router, level: int) -> float:
+    assert router.adaptive is not None
+    observed = router.adaptive.describe(0.0)["observed"]["speculative"]
+    return float(observed[str(level)]["speed_ratio"])
