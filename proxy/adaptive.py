@@ -35,8 +35,8 @@ a server is seen only at the loads its mode gives it: the baseline of a pair at 
 each level on its own, the levels it was never seen at kept the calibration's speed; measured on the
 simulated H200 (1k-token chats at 128 sessions, both servers running at about half their calibrated
 speed on a loaded host), the baseline seen at 64 streams only and the speculative server at 16 and
-64, the curves crossed at 9 streams instead of about 80, and the mode stayed on the baseline where
-speculation was the better choice.
+64, the curves crossed at 9 streams, where with this rule they cross at 104 (the calibration's own
+crossing is near 100).
 Without a calibration file there is no prior: levels are fixed buckets, estimates are what was
 observed, and the crossover is known only where both servers were seen at neighbouring levels;
 until then the static watermarks stay.
