@@ -98,8 +98,13 @@ def test_adaptive_follows_the_prompt_mix_through_two_shifts(tmp_path: Path) -> N
     # accept ~1: it loses. The adaptive specgate ends each phase on the winner.
     assert [p["mode_at_end"]["adaptive"] for p in phases] == ["speculative", "baseline", "speculative"]
     rep1, div, rep2 = (last_in_phase(samples, p, "accept_live") for p in phases)
-    assert rep1 > 2.5 and rep2 > 2.5 and div < 1.5, (rep1, div, rep2)
-    assert last_in_phase(samples, phases[0], "high") > 10 > last_in_phase(samples, phases[1], "high")
+    # The third phase's reading is its probes' pooled mean (evidence.py) when the mode went back to
+    # speculation, which ends the probes: with the diverse phase's last probe still in it, above 2
+    # (2.35 once speculation's speed seen in the first phase also counts at the levels beside it,
+    # adaptive.py, and the return comes a probe sooner).
+    assert rep1 > 2.5 and rep2 > 2.0 and div < 1.5, (rep1, div, rep2)
+    highs = [last_in_phase(samples, p, "high") for p in phases]
+    assert highs[0] > 10 > highs[1] and highs[2] > 10, highs
     # The static watermarks from this calibration send everything to the baseline, whatever the mix.
     assert [p["mode_at_end"]["static"] for p in phases] == ["baseline"] * 3
     assert all(s["high"] == 0 for s in level["routing"]["static"])
