@@ -164,18 +164,25 @@ class ClassBook:
         return self._mix
 
     def _reckon_mix(self, now: float) -> tuple[float, float] | None:
-        known = total = weighted = 0.0
-        for s in self.stats.values():
+        known, total = self._known(now)
+        weight = sum(w for _, w, _ in known)
+        if weight <= 0:
+            return None
+        self.none.decay(now, self.half_life_s)
+        return sum(a * w for a, w, _ in known) / weight, weight / (total + self.none.traffic)
+
+    def _known(self, now: float) -> tuple[list[tuple[float, float, str]], float]:
+        """The classes with traffic whose acceptance is known, as (acceptance, traffic, name), and
+        the traffic of every class, each decayed to `now`."""
+        known: list[tuple[float, float, str]] = []
+        total = 0.0
+        for name, s in self.stats.items():
             s.decay(now, self.half_life_s)
             total += s.traffic
             a = s.accept
             if a is not None and s.traffic > 0:
-                known += s.traffic
-                weighted += s.traffic * a
-        if known <= 0:
-            return None
-        self.none.decay(now, self.half_life_s)
-        return weighted / known, known / (total + self.none.traffic)
+                known.append((a, s.traffic, name))
+        return known, total
 
     def _named(self) -> int:
         return len(self.stats) - (OTHER in self.stats)
@@ -199,12 +206,7 @@ class ClassBook:
     def ranked(self, now: float) -> dict[str, bool]:
         """Which tracked classes with a known acceptance gain most: ranked by acceptance, a class
         whose share of the traffic has its middle in the top half (empty: fewer than two known)."""
-        known: list[tuple[float, float, str]] = []
-        for name, s in self.stats.items():
-            s.decay(now, self.half_life_s)
-            a = s.accept
-            if a is not None and s.traffic > 0:
-                known.append((a, s.traffic, name))
+        known = self._known(now)[0]
         if len(known) < 2:
             return {}
         known.sort(reverse=True)

@@ -283,16 +283,15 @@ class _Relay:
         if up.status < 500:  # a server that fails everything it gets is no proof of life
             out.append(Liveness(gate.health, lease.server))
         out.append(TokenCounts(gate.metrics, backend))
+        cls = self.traffic_class
         if up.status == 200:
             per_event = (self.router.server_accept(lease.server) if backend == Role.SPECULATIVE else None) or 1.0
             mark = generated_mark(call.endpoint)
-            cls = self.traffic_class
             if cls is not None and call.stream and backend == Role.SPECULATIVE and self.router.counts_steps():
                 out.append(ClassLearning(lease, mark, per_event, gate.classes, cls, gate.metrics))
             else:
                 out.append(Generated(lease, mark, per_event))
         # A stream's speed is read at its own class's acceptance where that is known.
-        cls = self.traffic_class
         accept = gate.classes.accept(cls) if cls is not None and backend == Role.SPECULATIVE else None
         out.append(Learning(self.router, backend, call.client, probe=probe, timed=timed, typed=typed, accept=accept))
         return tuple(out)
