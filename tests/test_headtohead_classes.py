@@ -5,6 +5,9 @@ ratios and verdicts against issue 28's targets."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+from pathlib import Path
 
 import pytest
 
@@ -13,8 +16,10 @@ from loadtest.client import RequestResult, Target
 from loadtest.headtohead.plan import MAX_STAGGER_S
 from loadtest.headtohead.twoclass import (
     CLASSES,
+    SCALE_FILE,
     ClassCell,
     ClassPlan,
+    calibration_scale_of,
     gate_settings,
     goodput_verdict,
     hit_verdict,
@@ -24,10 +29,12 @@ from loadtest.headtohead.twoclass import (
     summary_lines,
     table,
 )
+from loadtest.kit.processes import at_time_scale
 from loadtest.kit.settings import DURATIONS, specgate_env
 from loadtest.prompts import repetitiveness
 from loadtest.textbank import TextBank
 from loadtest.workload import TrafficClass, Workload, WorkloadSpec
+from proxy.calibration import Calibration, Curve, ModelFit, StepFit, load, to_json
 from proxy.config import ENGINE_SCRAPE_INTERVAL_S, Settings
 
 from .test_headtohead import tc
@@ -219,3 +226,36 @@ def test_single_class_and_pooled_runs() -> None:
     assert "--shared-gpu" not in ClassPlan(topology="pooled").pair(1.0, 1, 2)
     args = build_parser().parse_args(["headtohead-classes", "--topology", "pooled", "--classes", "B"])
     assert (args.topology, args.classes) == ("pooled", "B")
+
+
+def test_the_gates_read_the_calibration_in_their_cells_wall_seconds(tmp_path: Path) -> None:
+    """Calibrated at time scale 0.5, read at 0.15: every throughput 0.3 times, every time 1/0.3
+    times; acceptance, classes and watermarks as they were. Before, a cell's gates read a file made
+    at another scale, and saw each server they had measured at 0.3-0.5 of its calibration."""
+    nan = float("nan")
+    cal = Calibration(
+        levels=(4, 64),
+        speculative=Curve((400.0, 3100.0), (10.0, nan), (1.8, 2.2)),
+        baseline=Curve((290.0, 2600.0), (13.0, 20.0)),
+        accept_length=2.0,
+        high_watermark=93,
+        low_watermark=69,
+        verdict="crosses",
+        classes={"A": 1.25, "B": 3.0},
+        model=ModelFit(StepFit(0.006, 1e-4, 3e-8), StepFit(0.005, 8e-5, 3e-8), (1000, 4000), 128, 2.0),
+    )
+    src = tmp_path / "calibration.json"
+    src.write_text(json.dumps(to_json(cal)))
+    out = load(str(at_time_scale(src, 0.5, 0.15, tmp_path / "at.json")))
+    assert out.speculative.output_tok_s == pytest.approx((120.0, 930.0))
+    assert out.baseline.mean_tpot_ms == pytest.approx((13 / 0.3, 20 / 0.3))
+    assert out.speculative.mean_tpot_ms[0] == pytest.approx(10 / 0.3) and math.isnan(out.speculative.mean_tpot_ms[1])
+    assert out.speculative.accept_length == (1.8, 2.2) and out.classes == cal.classes
+    assert (out.high_watermark, out.low_watermark, out.levels) == (93, 69, (4, 64))
+    assert out.model is not None and out.model.speculative.a == pytest.approx(0.02)
+    assert out.model.baseline.b == pytest.approx(8e-5 / 0.3) and out.model.prompt_tokens == (1000, 4000)
+    # The scale a calibration ran at is kept beside it; a file from before, the plan's.
+    plan = ClassPlan()
+    assert calibration_scale_of(plan, src, 1000) == plan.calibration_scale(1000)
+    (tmp_path / SCALE_FILE).write_text(json.dumps({"time_scale": 0.7}))
+    assert calibration_scale_of(plan, src, 1000) == 0.7

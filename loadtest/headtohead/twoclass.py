@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from ..args import count, level_tuple, non_negative, positive
 from ..classes import Slo, summarise_class
 from ..client import RequestResult
 from ..kit.command import add_run_options, check_max_tokens, say
-from ..kit.processes import Fleet, calibrate_fresh_pair, calibrate_options
+from ..kit.processes import Fleet, at_time_scale, calibrate_fresh_pair, calibrate_options
 from ..kit.sampling import cpu_use, self_cpu_s
 from ..kit.settings import specgate_env
 from ..procs import free_port, pair_args
@@ -66,6 +67,8 @@ from .plan import (
 from .run import Servers, measure_cell
 from .score import NO_GOODPUT, TIE, TargetCell, target_cell
 
+# Beside calibration.json: the time scale its simulators ran at.
+SCALE_FILE = "time-scale.json"
 TARGETS = ("all-spec", "all-base", "threshold", "adaptive", "features")
 GATES = ("threshold", "adaptive", "features")
 FIXED = ("all-spec", "all-base")
@@ -306,9 +309,20 @@ def calibrate(plan: ClassPlan, context: int, out_dir: Path, quiet: bool) -> Path
         *(a for c in plan.traffic() for a in ("--class", f"{c.name}:{c.share:g}:{c.kind}")),
     ]  # fmt: skip
     say(f"{context_label(context)} context: calibrating at time scale {t:g}", quiet)
-    return calibrate_fresh_pair(
+    path = calibrate_fresh_pair(
         lambda sp, bp: plan.pair(t, sp, bp), plan.calibration_levels(), extra, 2.0 / t, where, quiet, prompts=None
     )
+    write_json(where / SCALE_FILE, {"time_scale": t})
+    return path
+
+
+def calibration_scale_of(plan: ClassPlan, path: Path, context: int) -> float:
+    """The time scale a calibration ran at: its SCALE_FILE's, else (files from before it was kept)
+    the one this plan would calibrate at."""
+    try:
+        return float(json.loads((path.parent / SCALE_FILE).read_text())["time_scale"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return plan.calibration_scale(context)
 
 
 def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Path) -> Servers:
@@ -487,7 +501,14 @@ def run(plan: ClassPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> dict
                 raise ValueError(f"--calibrations: no {path}")
         else:
             path = calibrate(plan, context, out_dir, quiet)
-        cells += [run_cell(plan, context, s, path, quiet) for s in plan.sessions]
+        measured = calibration_scale_of(plan, path, context)
+        for s in plan.sessions:
+            # The gates read the calibration in the cell's wall seconds, as a user's would read it
+            # on the GPU it was made on.
+            where = out_dir / f"calibration-{context_label(context)}" / f"at-{s}-sessions.json"
+            where.parent.mkdir(parents=True, exist_ok=True)
+            scaled = at_time_scale(path, measured, plan.time_scale(s, context), where)
+            cells.append(run_cell(plan, context, s, scaled, quiet))
         write_json(out_dir / "headtohead-classes.json", {"settings": vars(plan), "cells": cells})
     return {"settings": vars(plan), "cells": cells, "summary": summary_lines(cells)}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -9,8 +10,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proxy.calibration import Calibration, Curve, ModelFit, StepFit, load, to_json
+
 from ..calibrate import EXIT_NO_RECOMMENDATION
 from ..procs import Proc, free_port, http_status, start
+from ..report import write_json
 from .command import say
 
 
@@ -103,3 +107,31 @@ def calibrate_fresh_pair(
     finally:
         pair.stop()
     return path
+
+
+def at_time_scale(path: Path, measured: float, wanted: float, out: Path) -> Path:
+    """The calibration at `path`, measured on simulators at time scale `measured`, as it reads on
+    simulators at `wanted`, written to `out`. A simulated second lasts 1/T wall seconds, and the
+    gateway measures in wall seconds: throughputs scale by wanted / measured, times (TPOT, the
+    speed model's step seconds) by measured / wanted; acceptance and watermarks are unitless. A
+    learning policy handed a file at another scale reads every server as slower or faster than
+    calibrated, but only the roles it has seen, and so compares a corrected role with an
+    uncorrected one."""
+    cal, k = load(str(path)), wanted / measured
+
+    def curve(c: Curve) -> Curve:
+        return dataclasses.replace(
+            c, output_tok_s=tuple(x * k for x in c.output_tok_s), mean_tpot_ms=tuple(x / k for x in c.mean_tpot_ms)
+        )
+
+    def step(f: StepFit) -> StepFit:
+        return dataclasses.replace(f, a=f.a / k, b=f.b / k, c=f.c / k)
+
+    model: ModelFit | None = cal.model
+    if model is not None:
+        model = dataclasses.replace(model, speculative=step(model.speculative), baseline=step(model.baseline))
+    scaled: Calibration = dataclasses.replace(
+        cal, speculative=curve(cal.speculative), baseline=curve(cal.baseline), model=model
+    )
+    write_json(out, to_json(scaled))
+    return out
