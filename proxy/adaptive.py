@@ -50,7 +50,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -302,6 +302,43 @@ def _watermarks_with_margin(
     return high, min(min(lows, default=high), hysteresis_low(high))
 
 
+def held_at_capacity(
+    levels: Sequence[int], tok_s: Sequence[float], tpot: Sequence[float], cap: int | None, grid: Sequence[int]
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """One server's calibrated throughput and TPOT on `grid`, where it holds at most `cap` streams
+    (its KV pool over the context a stream holds now; None: unknown).
+
+    With room in its pool a server's throughput never falls as streams are added (a step costs
+    a + b*c, speedmodel.py); where a calibrated level's falls below a lower level's, the sweep ran
+    the pool dry there (streams waited, or were retracted and prefilled again), and that level says
+    nothing about the loads below it: it is left out. From the cap up the server does what it does
+    at the cap, the rest of the streams waiting. Between the highest level kept (c1) and the cap,
+    the step time (c / tok_s) runs on in a line through the two highest kept (c0, c1), never
+    falling; with one level kept, throughput stays flat past it; without a cap, flat past the
+    highest kept level. Below the lowest level, per-stream speed is the lowest level's. TPOT
+    follows the step time."""
+    keep: list[int] = []
+    for i, x in enumerate(tok_s):
+        if not keep or x >= max(tok_s[j] for j in keep):
+            keep.append(i)
+    ks = [levels[i] for i in keep]
+    xs = [tok_s[i] for i in keep]
+    ts = [tpot[i] for i in keep]
+
+    def at(c: float) -> tuple[float, float]:
+        if c < ks[0]:
+            return xs[0] * c / ks[0], ts[0]
+        if c <= ks[-1] or cap is None:
+            return interpolate(ks, xs, c), interpolate(ks, ts, c)
+        s1 = ks[-1] / xs[-1]
+        slope = max(0.0, (s1 - ks[-2] / xs[-2]) / (ks[-1] - ks[-2])) if len(ks) >= 2 else s1 / ks[-1]
+        s = s1 + slope * (c - ks[-1])
+        return c / s, ts[-1] * s / s1
+
+    points = [at(g if cap is None else min(g, cap)) for g in grid]
+    return tuple(x for x, _ in points), tuple(t for _, t in points)
+
+
 def stream_accept(tokens: int, events: int) -> float | None:
     """Acceptance length of one stream from its output tokens and content events, for engines that
     send one event per decode step; None below MIN_STREAM_EVENTS events. The first and last events
@@ -314,10 +351,16 @@ def stream_accept(tokens: int, events: int) -> float | None:
 
 
 def estimate(
-    model: SpeedModel, accept_live: float | None, now: float, margin: float = 0.0, source: str = "live"
+    model: SpeedModel,
+    accept_live: float | None,
+    now: float,
+    margin: float = 0.0,
+    source: str = "live",
+    caps: Mapping[Role, int] | None = None,
 ) -> Estimate:
     """The two curves as believed now, their crossover, and the watermarks they call for. `source`
-    says where the live acceptance was read, for `why`."""
+    says where the live acceptance was read, for `why`; `caps` the streams each role's server holds
+    before its KV pool is full (held_at_capacity; calibrated curves only)."""
     prior = model.prior
     levels = model.levels
     if accept_live is not None:
@@ -336,6 +379,14 @@ def estimate(
             t * prior.v_spec[i] * prior.accept[i] / (spec[i] / levels[i]) for i, t in enumerate(prior.tpot_spec)
         )
         tpot_base = tuple(t * prior.v_base[i] / (base[i] / levels[i]) for i, t in enumerate(prior.tpot_base))
+    if prior is not None:
+        # Each cap is a level of its own: the curves bend there.
+        caps = {r: c for r, c in (caps or {}).items() if c >= 1}
+        grid = tuple(sorted({*levels, *(c for c in caps.values() if c < levels[-1])}))
+        spec, tpot_spec = held_at_capacity(levels, spec, tpot_spec, caps.get(Role.SPECULATIVE), grid)
+        base, tpot_base = held_at_capacity(levels, base, tpot_base, caps.get(Role.BASELINE), grid)
+        levels = grid
+        tp = crossing(levels, spec, base)
     lat = crossing(levels, tpot_spec, tpot_base, higher_is_better=False)
     open_ends = () if prior is not None else levels
     crossings = [
@@ -424,6 +475,8 @@ class Adaptive:
         self.static_high, self.static_low = static
         self.estimate: Estimate = estimate(self.model, None, now, cfg.margin)
         self.accept_source = "live"
+        # Streams each role's server holds before its KV pool is full, as the router last read them.
+        self.caps: dict[Role, int] = {}
         high, low = self._target()
         self.wm = WatermarkState(self._clamp(high), self._clamp(low), now)
         self.updated_at = now
@@ -464,16 +517,22 @@ class Adaptive:
         """(high, low) the curves as believed now call for at acceptance `accept` (a traffic
         class's), in the live watermarks' range; None where they conclude nothing. The estimate's
         target, not moved at a bounded rate: a class's acceptance is a slow decayed mean already."""
-        e = estimate(self.model, accept, now, self.cfg.margin)
+        e = estimate(self.model, accept, now, self.cfg.margin, caps=self.caps)
         if e.high is None or e.low is None:
             return None
         high = int(self._clamp(e.high))
         return high, min(max(e.low, 0), hysteresis_low(high))
 
-    def update(self, accept_live: float | None, now: float, source: str = "live") -> bool:
-        """Re-estimate and move the watermark; True when the watermarks in effect changed."""
+    def update(
+        self, accept_live: float | None, now: float, source: str = "live", caps: Mapping[Role, int] | None = None
+    ) -> bool:
+        """Re-estimate and move the watermark; True when the watermarks in effect changed. `caps`:
+        each role's streams per server before its KV pool is full, where known (kept until the
+        next)."""
         before = self.watermarks()
-        self.estimate = estimate(self.model, accept_live, now, self.cfg.margin, source)
+        if caps is not None:
+            self.caps = dict(caps)
+        self.estimate = estimate(self.model, accept_live, now, self.cfg.margin, source, self.caps)
         self.accept_source = source
         self.wm = step_watermark(
             self.wm, self._target(), now, self.cfg.max_step_per_s, self.cfg.min_watermark, self.cfg.max_watermark
@@ -507,6 +566,7 @@ class Adaptive:
                 "speculative_tok_s": rounded(e.speculative_tok_s),
                 "baseline_tok_s": rounded(e.baseline_tok_s),
             },
+            "kv_capacity_streams": {str(r): c for r, c in self.caps.items()},
             "observations": self.model.observations,
             "observed": self.model.describe(now),
             "settings": dataclasses.asdict(self.cfg),

@@ -120,6 +120,7 @@ class Router:
         # Streams the speculative role holds before its KV pool is full (capacity(), re-read at
         # most every UPDATE_EVERY_S), and the configuration capped to it, for the one it capped.
         self.kv_streams: int | None = None
+        self._server_caps: dict[Role, int] = {}
         self._kv_read_at = -math.inf
         self._capped: tuple[PolicyConfig, int, PolicyConfig] | None = None
         if cfg.policy in LEARNING:
@@ -490,6 +491,19 @@ class Router:
             return None
         return min(pools * streams // tokens, MAX_WATERMARK)
 
+    def server_caps(self) -> dict[Role, int]:
+        """Streams one server of each role holds before its KV pool is full (the smallest pool of
+        the role's servers over the tokens this gateway's streams in the group hold on average), for
+        the adaptive curves (adaptive.held_at_capacity); a role whose pools are unknown is left
+        out, and while the group has no streams the last reading stands."""
+        streams, tokens = self.group_streams(), self.group_tokens()
+        if streams and tokens > 0:
+            for role in ROLES:
+                pools = [self._servers[s].kv_capacity for s in self.group.of(role)]
+                if pools and all(p is not None for p in pools):
+                    self._server_caps[role] = max(1, min(p for p in pools if p is not None) * streams // tokens)
+        return self._server_caps
+
     def policy_cfg(self) -> PolicyConfig:
         """The configuration the policy runs with: under a learning policy, the watermarks capped
         to the speculative role's KV capacity where it is below the high one (policy.py), else as
@@ -514,7 +528,7 @@ class Router:
         if accept is not None and seen is not None and abs(accept - seen) > ACCEPT_CHANGE * seen:
             self.state = probes_restarted(self.state)
         self._class_views.clear()
-        if a.update(accept, now, source) and self.speed is None:
+        if a.update(accept, now, source, self.server_caps()) and self.speed is None:
             high, low = a.watermarks()
             log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
             self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)

@@ -19,6 +19,7 @@ from proxy.adaptive import (
     WatermarkState,
     crossing,
     estimate,
+    held_at_capacity,
     hysteresis_low,
     step_watermark,
     stream_accept,
@@ -381,6 +382,98 @@ def gauge(metrics: Metrics, name: str, **labels: str) -> float:
     value = metrics.registry.get_sample_value(name, labels)
     assert value is not None
     return value
+
+
+# A sweep whose speculative server ran its KV pool dry at 256 streams (measured on the simulated
+# H200 pair at 1k tokens: throughput fell from 3,102 to 1,649 tok/s and TPOT rose from 16 to 72 ms).
+DRY_LEVELS = (4, 16, 64, 256)
+DRY_SPEC = (400.0, 1250.0, 3100.0, 1650.0)
+DRY_BASE = (290.0, 1000.0, 2600.0, 4450.0)
+
+
+def dry_calibration() -> Calibration:
+    def tpots(tok_s: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(1000.0 * c / t for c, t in zip(DRY_LEVELS, tok_s, strict=True))
+
+    return Calibration(
+        levels=DRY_LEVELS,
+        speculative=Curve(DRY_SPEC, tpots(DRY_SPEC), (2.0,) * 4),
+        baseline=Curve(DRY_BASE, tpots(DRY_BASE)),
+        accept_length=2.0,
+        high_watermark=93,
+        low_watermark=69,
+        verdict="crosses",
+    )
+
+
+def step_line(c: float) -> float:
+    """The speculative step time (s per token of throughput) run on through 16 and 64 streams."""
+    s16, s64 = 16 / DRY_SPEC[1], 64 / DRY_SPEC[2]
+    return s64 + (s64 - s16) / 48 * (c - 64)
+
+
+def test_a_level_whose_throughput_falls_ran_the_pool_dry_and_says_nothing_below_it() -> None:
+    e = estimate(SpeedModel(Prior.of(dry_calibration())), 2.0, 0.0)
+    # 256 left out: past 64 the speculative curve is flat at 3,100, which the baseline's line from
+    # 2,600 to 4,450 reaches at 64 + 192 * 500 / 1,850. Interpolating toward 1,650 gave 93.1.
+    assert e.speculative_tok_s == pytest.approx((400.0, 1250.0, 3100.0, 3100.0))
+    assert e.baseline_tok_s == pytest.approx(DRY_BASE)
+    assert e.crossover == pytest.approx(64 + 192 * 500 / 1850)
+    # Its TPOT goes with it (72 ms there): flat past 64, as the step time is.
+    assert e.speculative_tpot[3] == pytest.approx(e.speculative_tpot[2])
+
+
+def test_a_server_holds_what_its_pool_holds_and_its_curve_runs_on_to_the_cap() -> None:
+    tpot = tuple(1000.0 * c / t for c, t in zip(DRY_LEVELS, DRY_SPEC, strict=True))
+    grid = (4, 16, 64, 150, 256)
+    x, t = held_at_capacity(DRY_LEVELS, DRY_SPEC, tpot, 150, grid)
+    # Up to the last level kept as measured; to the cap on the step time's line through 16 and 64;
+    # past the cap, what it does at the cap.
+    assert x[:3] == pytest.approx(DRY_SPEC[:3])
+    assert x[3] == pytest.approx(150 / step_line(150)) and x[4] == x[3]
+    assert t[3] == pytest.approx(tpot[2] * step_line(150) / step_line(64)) and t[4] == t[3]
+    # A cap under the highest level kept: interpolated up to it, flat past it.
+    x, _ = held_at_capacity(DRY_LEVELS, DRY_SPEC, tpot, 40, (16, 40, 64))
+    assert x == pytest.approx((1250.0, 1250 + 1850 * 24 / 48, 1250 + 1850 * 24 / 48))
+    # One level kept: throughput flat past it; a cap under the lowest level: its per-stream speed.
+    x, _ = held_at_capacity((4, 16), (400.0, 300.0), (10.0, 53.0), 12, (4, 12, 16))
+    assert x == pytest.approx((400.0, 400.0, 400.0))
+    x, t = held_at_capacity(DRY_LEVELS, DRY_SPEC, tpot, 2, (2, 4))
+    assert x == pytest.approx((200.0, 200.0)) and t == pytest.approx((tpot[0], tpot[0]))
+    # No cap known: the curve as measured, levels that ran dry left out.
+    x, _ = held_at_capacity(DRY_LEVELS, DRY_SPEC, tpot, None, (64, 150, 256))
+    assert x == pytest.approx((3100.0, 3100.0, 3100.0))
+
+
+def test_a_router_reads_each_servers_cap_from_its_pool_and_the_context_its_streams_hold() -> None:
+    clock = Clock()
+    r, health, _ = router(dry_calibration(), clock, margin=0.1, min_watermark=0, max_watermark=256)
+    health["speculative"].spec_accept_length = 2.0
+    before = r.adaptive.estimate if r.adaptive else None
+    assert before is not None and before.levels == DRY_LEVELS
+    health["speculative"].engine_kv_capacity = 150_000
+    health["baseline"].engine_kv_capacity = 277_000
+    leases = []
+    for _ in range(4):
+        clock.t += 1  # the estimate is re-made at most every UPDATE_EVERY_S
+        leases.append(r.admit(Role.SPECULATIVE, tokens=1000))
+    # 1,000 tokens a stream: 150 streams on the speculative server, 277 on the baseline.
+    a = r.adaptive
+    assert a is not None and a.caps == {Role.SPECULATIVE: 150, Role.BASELINE: 277}
+    e = a.estimate
+    assert e.levels == (4, 16, 64, 150, 256)
+    assert e.speculative_tok_s[3] == pytest.approx(150 / step_line(150))
+    # The speculative server ahead up to its cap (4,323 against 3,407 tok/s): the watermark is the
+    # pool's (150), not the crossing of a curve run through the level that ran dry (93).
+    assert e.crossover is not None and e.crossover > 150
+    assert r.policy_cfg().high_watermark == 150
+    assert a.describe(clock.t)["kv_capacity_streams"] == {"speculative": 150, "baseline": 277}
+    # Nothing in flight: the last reading stands.
+    for lease in leases:
+        lease.release()
+    clock.t += 1
+    r.refresh()
+    assert a.caps == {Role.SPECULATIVE: 150, Role.BASELINE: 277}
 
 
 def test_router_follows_live_acceptance_at_a_bounded_rate() -> None:
