@@ -33,13 +33,19 @@ W_l and m_l the decayed weight and mean log ratio seen at level l. A server slow
 calibration at one load (a busier host, another model revision) is slower at its neighbours too, and
 a server is seen only at the loads its mode gives it: the baseline of a pair at the high ones. With
 each level on its own, the levels it was never seen at kept the calibration's speed; measured on the
-simulated H200 (1k-token chats at 128 sessions, both servers running at about half their calibrated
-speed on a loaded host), the baseline seen at 64 streams only and the speculative server at 16 and
-64, the curves crossed at 9 streams, where with this rule they cross at 104 (the calibration's own
-crossing is near 100).
+simulated H200 (1k-token chats at 128 sessions, both servers running at half their calibrated
+speed: the benchmark had handed over a calibration made at another simulated time scale), the
+baseline seen at 64 streams only and the speculative server at 16 and 64, the curves crossed at 9
+streams, where with this rule they cross at 104 (the calibration's own crossing is near 100). A
+server never seen at any load keeps its calibration.
 Without a calibration file there is no prior: levels are fixed buckets, estimates are what was
 observed, and the crossover is known only where both servers were seen at neighbouring levels;
 until then the static watermarks stay.
+
+Memory. A server decodes at most the streams its KV pool holds, its cap (the router's server_caps:
+pool over the tokens a stream holds with room for its next turn); from the cap up the curve is its
+value at the cap, and a calibrated level whose throughput falls below a lower one's ran the pool dry
+and is left out (held_at_capacity).
 
 The watermark then moves toward the estimate at a bounded rate and stays in a clamped range.
 """

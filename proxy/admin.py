@@ -115,6 +115,8 @@ def describe(gate: Gate) -> dict[str, Any]:
             # Streams the speculative role holds before its KV pool is full (None: unknown), and
             # the watermarks in effect, capped to it.
             "kv_capacity_streams": g.kv_streams,
+            # Tokens a conversation's next turn adds (counted in the capacity: room for it).
+            "turn_growth_tokens": round(g.turn_growth),
             "watermarks_in_effect": {"high": g.policy_cfg().high_watermark, "low": g.policy_cfg().low_watermark},
             "servers": {role: list(g.group.of(role)) for role in ROLES},
             **({"adaptive": g.adaptive.describe(g.now())} if g.adaptive is not None else {}),

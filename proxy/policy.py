@@ -54,8 +54,10 @@ choice. With short contexts R / P is a fraction of a second, and the rule change
 
 the speculative server's memory, under the policies that learn (adaptive, model): its KV pool holds
 K tokens (the engine's own figure, SGLang's max_total_num_tokens), the group's requests t tokens
-each on average (prompts and output so far, this gateway's), so past K / t streams its requests
-queue for memory and its prefix cache is evicted, however fast its steps are. So
+each on average (prompts and output so far, this gateway's), and each conversation comes back g
+tokens larger (its new message: routing.Router.note_turn), so past K / (t + g) streams its
+requests queue for memory and its prefix cache is evicted, however fast its steps are. So, with
+that cap written floor(K / t) below,
 
     high' = min(high, floor(K / t))      low' = min(low, high' - max(1, ceil(high' / 4)))
 

@@ -57,6 +57,8 @@ log = logging.getLogger("specgate.routing")
 
 # Class views (a rank and an acceptance to 0.01) kept between estimates: more than traffic has.
 MAX_CLASS_VIEWS = 256
+# Returning turns a router's turn_growth is the mean of, at most (then a moving average).
+GROWTH_TURNS = 64
 # A class whose acceptance says nothing more: its rank only.
 _RANKED: dict[bool | None, ClassView] = {g: ClassView(g) for g in (None, True, False)}
 # Where the traffic's acceptance was read, when its classes' mix stands for part of it.
@@ -121,6 +123,10 @@ class Router:
         # most every UPDATE_EVERY_S), and the configuration capped to it, for the one it capped.
         self.kv_streams: int | None = None
         self._server_caps: dict[Role, int] = {}
+        # Tokens a conversation's next turn adds to what its last left cached (note_turn): the mean
+        # of the last GROWTH_TURNS returning turns, at most.
+        self.turn_growth = 0.0
+        self._turns = 0
         self._kv_read_at = -math.inf
         self._capped: tuple[PolicyConfig, int, PolicyConfig] | None = None
         if cfg.policy in LEARNING:
@@ -476,32 +482,47 @@ class Router:
         fresh = accept_fresh(self._spec_idle_since, now, self.cfg)
         self._set_state(settle(load, spec_load, self.state, self.policy_cfg(), now, fresh, self.switch_margin()))
 
+    def note_turn(self, added: int) -> None:
+        """A conversation came back with `added` more prompt tokens than its last turn left cached
+        (its new message; negative, a conversation cut short, counts as none)."""
+        self._turns = min(self._turns + 1, GROWTH_TURNS)
+        self.turn_growth += (max(0, added) - self.turn_growth) / self._turns
+
+    def _held_tokens(self) -> tuple[int, float]:
+        """This gateway's streams in the group, and the tokens they hold with room for each one's
+        next turn (turn_growth): a conversation's cache is worth keeping only if the pool holds it
+        when it comes back, larger."""
+        streams = self.group_streams()
+        return streams, self.group_tokens() + streams * self.turn_growth
+
     def capacity(self) -> int | None:
         """Streams the speculative role holds before its KV pool is full (policy.py): its servers'
-        pools over the tokens this gateway's streams in the group hold on average; None while a
-        pool's size or the streams' tokens are unknown."""
+        pools over the tokens this gateway's streams in the group hold on average, each with room
+        for its next turn (_held_tokens); None while a pool's size or the streams' tokens are
+        unknown."""
         pools = 0
         for s in self.group.of(Role.SPECULATIVE):
             pool = self._servers[s].kv_capacity
             if pool is None:
                 return None
             pools += pool
-        streams, tokens = self.group_streams(), self.group_tokens()
+        streams, tokens = self._held_tokens()
         if not streams or tokens <= 0:
             return None
-        return min(pools * streams // tokens, MAX_WATERMARK)
+        return min(int(pools * streams // tokens), MAX_WATERMARK)
 
     def server_caps(self) -> dict[Role, int]:
         """Streams one server of each role holds before its KV pool is full (the smallest pool of
-        the role's servers over the tokens this gateway's streams in the group hold on average), for
+        the role's servers over the tokens this gateway's streams in the group hold on average, with
+        room for each one's next turn: _held_tokens), for
         the adaptive curves (adaptive.held_at_capacity); a role whose pools are unknown is left
         out, and while the group has no streams the last reading stands."""
-        streams, tokens = self.group_streams(), self.group_tokens()
+        streams, tokens = self._held_tokens()
         if streams and tokens > 0:
             for role in ROLES:
                 pools = [self._servers[s].kv_capacity for s in self.group.of(role)]
                 if pools and all(p is not None for p in pools):
-                    self._server_caps[role] = max(1, min(p for p in pools if p is not None) * streams // tokens)
+                    self._server_caps[role] = max(1, int(min(p for p in pools if p is not None) * streams // tokens))
         return self._server_caps
 
     def policy_cfg(self) -> PolicyConfig:
@@ -652,6 +673,8 @@ class Fleet:
             router = self.choose()
             return Placement(router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens), router)
         mine = self._router_of.get(held.server)
+        if mine is not None and prompt_tokens:
+            mine.note_turn(prompt_tokens - held.tokens)
         if mine is None or not mine.server_healthy(held.server):
             router = self.choose()
             decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens)

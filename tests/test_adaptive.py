@@ -25,6 +25,7 @@ from proxy.adaptive import (
     stream_accept,
     watermarks,
 )
+from proxy.affinity import Held
 from proxy.calibration import Calibration, Curve
 from proxy.metrics import Metrics
 from proxy.policy import Curves, Decision, LoadSnapshot, PolicyState, Role, decide, dwell_mode, kv_drain_choice, settle
@@ -714,3 +715,37 @@ def test_a_routers_watermarks_are_capped_to_what_the_speculative_kv_pool_holds()
     (plain,) = Fleet(r.topology, r.servers, policy_cfg("threshold", 16, 8), r.metrics, clock=clock).routers
     plain.kv_streams = 10
     assert plain.policy_cfg() is plain.cfg
+
+
+def test_the_pools_capacity_leaves_room_for_each_conversations_next_turn() -> None:
+    r = rig()
+    clock = Clock()
+    fleet = Fleet(r.topology, r.servers, policy_cfg("adaptive", 64, 48), r.metrics, adaptive_cfg(), clock=clock)
+    (router,) = fleet.routers
+    r.health["speculative"].engine_kv_capacity = 60_000
+    leases = []
+    for _ in range(4):
+        clock.t += 1
+        leases.append(router.admit(Role.SPECULATIVE, tokens=1000))
+    assert router.kv_streams == 60 and router.turn_growth == 0  # no conversation came back yet
+    # Turns of known conversations: each resends its last turn's 1,000 tokens and adds 2,000, then
+    # 4,000 (the mean, 3,000); one cut short counts as adding nothing.
+    fleet.decide(held=Held("speculative", 1000), prompt_tokens=3000)
+    fleet.decide(held=Held("speculative", 1000), prompt_tokens=5000)
+    assert router.turn_growth == 3000
+    fleet.decide(held=Held("speculative", 5000), prompt_tokens=2000)
+    assert router.turn_growth == 2000
+    fleet.decide(held=None, prompt_tokens=9000)  # a new conversation: no growth to read
+    fleet.decide(held=Held("speculative", 1000))  # no prompt estimate
+    assert router.turn_growth == 2000
+    clock.t += 1
+    router.refresh()
+    # 60,000 tokens of pool over 1,000 a stream and 2,000 to come: 20 streams, not 60.
+    assert router.kv_streams == 20 and router.capacity() == 20
+    assert router.policy_cfg().high_watermark == 20
+    # The mean stays bounded to the last GROWTH_TURNS turns.
+    for _ in range(500):
+        fleet.decide(held=Held("speculative", 1000), prompt_tokens=1500)
+    assert router.turn_growth == pytest.approx(500, abs=1)
+    for lease in leases:
+        lease.release()
