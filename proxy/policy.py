@@ -73,23 +73,14 @@ priced like any other, whose switches came late and re-prefilled everything. In 
 from a cold start the switch's one re-prefill is most of the window (0.15-0.22x). threshold routes
 by its watermarks as configured.
 
-Where memory, not speed, ends speculation in a paired group (K / t < high, the uncapped high
-watermark), the mode leaves speculation for new conversations, but a turn whose conversation's
-cache is on the speculative server stays there while its pool has room:
-
-    backend = speculative   if the mode says baseline, held = speculative and S < floor(K / t)
-                                                                              (reason kv_drain)
-
-S the speculative server's own load. So the cap's switch drains speculation as its conversations
-end, rather than re-prefilling every one of them on the baseline at once, and the two servers'
-pools (a pair's servers hold one each) both hold conversations meanwhile. Measured on the simulated
-H200, 8k-token chats at 32 sessions, side by side with the switch at once: 12 s windows from a cold
-start 0.99 against 0.20 requests a second of goodput (all-baseline 1.25-1.33), 48 s windows 3.62 and
-3.40 against 2.75 and 3.33 (all-baseline 2.37, 2.87). New conversations still go to the baseline:
-seating them on speculation as its conversations end kept it full for good, and the two servers
-time-slicing the GPU at every step cost a third at 48 s. Not where speed ends speculation first
-(1k-token chats at 128 sessions fill the pool at about 114 streams, the crossover is near 72):
-there a turn kept on speculation time-slices the GPU for nothing.
+Where memory, not speed, ends speculation in a paired group, every turn goes where the mode says,
+the conversations cached on the speculative server included: they are prefilled again on the
+baseline once. Keeping them on speculation until they ended (measured with the benchmark's
+calibration at the wrong time scale, when it looked better) time-slices the shared GPU between
+the two servers for as long as they last, with the speculative pool over-full: on the simulated
+H200, 8k-token chats at 32 sessions, 12 s windows, seeds 0-3, 0.61, 0.44, 0.38 and 0.42 of
+all-baseline's goodput against 1.03, 0.91, 0.76 and 0.74 with the switch (48 s windows, seeds 0
+and 1: 5.27 and 4.94 requests a second against 5.27 and 5.08).
 
 batch requests (x-specgate-priority: batch), whatever the policy:
 
@@ -186,7 +177,6 @@ Reason = Literal[
     "dwell_hold",  # adaptive: the watermarks call for a switch, but the mode is younger than min_dwell_s
     "probe",  # adaptive: one request to the idle speculative server, to re-measure its acceptance
     "switch_cost",  # adaptive, paired: the watermarks call for a switch, but it would not win back its re-prefill
-    "kv_drain",  # learning, paired: the KV pool ended speculation; a conversation cached there finishes there
     "only_healthy",  # the policy's choice is down; the other server takes it
     "failover",  # a retry on the other server after the first failed before any byte
     "stored_response",  # the request continues a response stored on one server (previous_response_id)
@@ -560,24 +550,6 @@ def class_choice(
     if not healthy.get(choice, False):
         return decision
     return Decision(choice, reason, decision.state, decision.load)
-
-
-def kv_drain_choice(
-    decision: Decision,
-    cfg: PolicyConfig,
-    uncapped_high: int,
-    spec_load: int,
-    held: Role | None,
-    healthy: Mapping[Role, bool],
-) -> Decision:
-    """A paired group's decision where its speculative KV pool, not speed, ends speculation (the
-    module's rule); `held`: the role of the server holding the request's conversation cache."""
-    cap = cfg.capacity
-    if cap is None or cap >= uncapped_high or decision.backend != Role.BASELINE or decision.reason not in _MODE_REASONS:
-        return decision
-    if held != Role.SPECULATIVE or spec_load >= cap or not healthy.get(Role.SPECULATIVE, False):
-        return decision
-    return Decision(Role.SPECULATIVE, "kv_drain", decision.state, decision.load)
 
 
 def _ranked_choice(decision: Decision, gains: bool | None, cfg: PolicyConfig, healthy: Mapping[Role, bool]) -> Decision:

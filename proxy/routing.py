@@ -41,7 +41,6 @@ from .policy import (
     class_choice,
     decide,
     decide_batch,
-    kv_drain_choice,
     least_loaded,
     probe_returned,
     probes_restarted,
@@ -287,9 +286,6 @@ class Router:
             decision = class_choice(decision, klass, cfg, snapshot.healthy, self._pooled, spec, held)
         if held is not None and decision.reason not in ("class", "affinity"):
             decision = affinity_choice(decision, held, cfg, snapshot.healthy, self._pooled)
-        if held == Role.SPECULATIVE and not self._pooled and self.kv_streams is not None:
-            spec = backend_load(snapshot, Role.SPECULATIVE, cfg.load_signal)
-            decision = kv_drain_choice(decision, cfg, self.cfg.high_watermark, spec, held, snapshot.healthy)
         self._set_state(decision.state)
         self._metrics.decisions.inc(decision.backend or "none", decision.reason)
         return decision

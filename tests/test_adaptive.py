@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import orjson
 import pytest
@@ -28,7 +27,7 @@ from proxy.adaptive import (
 from proxy.affinity import Held
 from proxy.calibration import Calibration, Curve
 from proxy.metrics import Metrics
-from proxy.policy import Curves, Decision, LoadSnapshot, PolicyState, Role, decide, dwell_mode, kv_drain_choice, settle
+from proxy.policy import Curves, LoadSnapshot, PolicyState, Role, decide, dwell_mode, settle
 from proxy.probe import shadow_body
 from proxy.routing import Fleet, Router
 from proxy.servers import Health
@@ -645,29 +644,6 @@ def test_router_pools_a_request_probe_sessions_streams() -> None:
     assert r.decide().reason == "probe"
 
 
-def test_a_pairs_full_speculative_pool_drains_its_conversations_rather_than_moving_them() -> None:
-    cfg = policy_cfg("adaptive", high=10, low=7, capacity=10)  # capped from 16 by the pool
-    base = PolicyState(Role.BASELINE)
-    heavy = Decision(Role.BASELINE, "heavy_load", base, 14)
-    up = {Role.SPECULATIVE: True, Role.BASELINE: True}
-
-    def drain(d: Decision = heavy, spec: int = 6, held: Role | None = Role.SPECULATIVE, **kw: Any) -> Decision:
-        return kv_drain_choice(d, kw.pop("cfg", cfg), kw.pop("high", 16), spec, held, kw.pop("up", up))
-
-    d = drain()  # its cache is on speculation, whose pool has room: it finishes there
-    assert (d.backend, d.reason, d.state, d.load) == (Role.SPECULATIVE, "kv_drain", base, 14)
-    # A new conversation, or one cached on the baseline, goes where the mode says; so does one
-    # whose server's pool is full.
-    assert drain(held=None) is heavy and drain(held=Role.BASELINE) is heavy
-    assert drain(spec=10) is heavy and drain(spec=9).backend == Role.SPECULATIVE
-    # Speed ends speculation before memory does, no pool known, the speculative server down, a
-    # decision not the mode's: as decided.
-    assert drain(high=10) is heavy and drain(cfg=dataclasses.replace(cfg, capacity=None)) is heavy
-    assert drain(up={**up, Role.SPECULATIVE: False}) is heavy
-    for d in (Decision(Role.BASELINE, "batch", base, 14), Decision(Role.SPECULATIVE, "light_load", base, 4)):
-        assert drain(d) is d
-
-
 def test_a_routers_watermarks_are_capped_to_what_the_speculative_kv_pool_holds() -> None:
     r = rig()
     clock = Clock()
@@ -695,7 +671,8 @@ def test_a_routers_watermarks_are_capped_to_what_the_speculative_kv_pool_holds()
     d = router.decide()
     assert (d.backend, d.reason) == (Role.BASELINE, "heavy_load")
     # Past the pool with speculation still paying (16 > 10), the conversations cached on the
-    # speculative server finish there while its pool has room; new ones go to the baseline.
+    # speculative server go to the baseline too, where the mode says (they are prefilled there
+    # once; kept on speculation, the two servers would time-slice the GPU while they last).
     leases += [router.admit(Role.BASELINE, tokens=1000) for _ in range(4)]
     for lease in leases[:3]:
         lease.release()
@@ -704,7 +681,7 @@ def test_a_routers_watermarks_are_capped_to_what_the_speculative_kv_pool_holds()
     router.refresh()
     assert router.kv_streams == 10 and router.role_count(Role.SPECULATIVE) == 7
     d = router.decide(held=Role.SPECULATIVE)
-    assert (d.backend, d.reason, d.state.mode) == (Role.SPECULATIVE, "kv_drain", Role.BASELINE)
+    assert (d.backend, d.reason, d.state.mode) == (Role.BASELINE, "heavy_load", Role.BASELINE)
     assert router.decide().backend == router.decide(held=Role.BASELINE).backend == Role.BASELINE
     # A pool's size unknown, or nothing in flight to size a stream by: the watermarks as configured.
     for lease in leases:

@@ -218,7 +218,7 @@ def panels() -> list[dict[str, Any]]:
         timeseries(
             "Routing decisions per second by backend and reason",
             "Every routing decision: light_load/heavy_load/hysteresis_hold by the policy, return_hold while the "
-            "load waits out SPECGATE_LOW_WATERMARK_HOLD_S, dwell_hold, switch_cost, probe and kv_drain (adaptive), "
+            "load waits out SPECGATE_LOW_WATERMARK_HOLD_S, dwell_hold, switch_cost and probe (adaptive), "
             "spillover, only_healthy when a server is down, failover for retries.",
             [
                 (
