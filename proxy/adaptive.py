@@ -325,7 +325,7 @@ def held_at_capacity(
     follows the step time."""
     keep: list[int] = []
     for i, x in enumerate(tok_s):
-        if not keep or x >= max(tok_s[j] for j in keep):
+        if not keep or x >= tok_s[keep[-1]]:  # the last kept is the highest so far
             keep.append(i)
     ks = [levels[i] for i in keep]
     xs = [tok_s[i] for i in keep]
@@ -377,7 +377,6 @@ def estimate(
         accept = [1.0] * len(levels)
     spec = tuple(c * model.v(Role.SPECULATIVE, i, now) * accept[i] for i, c in enumerate(levels))
     base = tuple(c * model.v(Role.BASELINE, i, now) for i, c in enumerate(levels))
-    tp = crossing(levels, spec, base)
     tpot_spec = tpot_base = (math.nan,) * len(levels)
     if prior is not None:
         # TPOT scales inversely with speed: by the same acceptance and corrections as the curves.
@@ -385,14 +384,13 @@ def estimate(
             t * prior.v_spec[i] * prior.accept[i] / (spec[i] / levels[i]) for i, t in enumerate(prior.tpot_spec)
         )
         tpot_base = tuple(t * prior.v_base[i] / (base[i] / levels[i]) for i, t in enumerate(prior.tpot_base))
-    if prior is not None:
         # Each cap is a level of its own: the curves bend there.
         caps = {r: c for r, c in (caps or {}).items() if c >= 1}
         grid = tuple(sorted({*levels, *(c for c in caps.values() if c < levels[-1])}))
         spec, tpot_spec = held_at_capacity(levels, spec, tpot_spec, caps.get(Role.SPECULATIVE), grid)
         base, tpot_base = held_at_capacity(levels, base, tpot_base, caps.get(Role.BASELINE), grid)
         levels = grid
-        tp = crossing(levels, spec, base)
+    tp = crossing(levels, spec, base)
     lat = crossing(levels, tpot_spec, tpot_base, higher_is_better=False)
     open_ends = () if prior is not None else levels
     crossings = [

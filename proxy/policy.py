@@ -56,13 +56,12 @@ the speculative server's memory, under the policies that learn (adaptive, model)
 K tokens (the engine's own figure, SGLang's max_total_num_tokens), the group's requests t tokens
 each on average (prompts and output so far, this gateway's), and each conversation comes back g
 tokens larger (its new message: routing.Router.note_turn), so past K / (t + g) streams its
-requests queue for memory and its prefix cache is evicted, however fast its steps are. So, with
-that cap written floor(K / t) below,
+requests queue for memory and its prefix cache is evicted, however fast its steps are. So
 
-    high' = min(high, floor(K / t))      low' = min(low, high' - max(1, ceil(high' / 4)))
+    high' = min(high, floor(K / (t + g)))      low' = min(low, high' - max(1, ceil(high' / 4)))
 
 (K summed over a pool's speculative servers), a class's high_c is capped alike, and a switch off
-speculation at K / t is not held for its re-prefill: staying re-prefills what the full pool evicts
+speculation at that cap is not held for its re-prefill: staying re-prefills what the full pool evicts
 at every turn, a switch once. On a shared GPU the speculative server's pool is the smaller (the
 draft's weights and KV take their share): on the simulated H200, 229k tokens against the
 baseline's 419k, so 8k-token chats fill it at about 27 streams, where the curves, which measure

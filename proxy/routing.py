@@ -484,17 +484,21 @@ class Router:
         self._turns = min(self._turns + 1, GROWTH_TURNS)
         self.turn_growth += (max(0, added) - self.turn_growth) / self._turns
 
-    def _held_tokens(self) -> tuple[int, float]:
-        """This gateway's streams in the group, and the tokens they hold with room for each one's
-        next turn (turn_growth): a conversation's cache is worth keeping only if the pool holds it
-        when it comes back, larger."""
+    def _streams_in(self, pool: int) -> int | None:
+        """Streams a KV pool of `pool` tokens holds at the tokens this gateway's streams in the
+        group hold on average, each with room for its next turn (turn_growth: a conversation's
+        cache is worth keeping only if the pool holds it when it comes back, larger); None while
+        the group has no streams."""
         streams = self.group_streams()
-        return streams, self.group_tokens() + streams * self.turn_growth
+        tokens = self.group_tokens() + streams * self.turn_growth
+        if not streams or tokens <= 0:
+            return None
+        return int(pool * streams // tokens)
 
     def capacity(self) -> int | None:
         """Streams the speculative role holds before its KV pool is full (policy.py): its servers'
         pools over the tokens this gateway's streams in the group hold on average, each with room
-        for its next turn (_held_tokens); None while a pool's size or the streams' tokens are
+        for its next turn (_streams_in); None while a pool's size or the streams' tokens are
         unknown."""
         pools = 0
         for s in self.group.of(Role.SPECULATIVE):
@@ -502,23 +506,20 @@ class Router:
             if pool is None:
                 return None
             pools += pool
-        streams, tokens = self._held_tokens()
-        if not streams or tokens <= 0:
-            return None
-        return min(int(pools * streams // tokens), MAX_WATERMARK)
+        held = self._streams_in(pools)
+        return None if held is None else min(held, MAX_WATERMARK)
 
     def server_caps(self) -> dict[Role, int]:
-        """Streams one server of each role holds before its KV pool is full (the smallest pool of
-        the role's servers over the tokens this gateway's streams in the group hold on average, with
-        room for each one's next turn: _held_tokens), for
-        the adaptive curves (adaptive.held_at_capacity); a role whose pools are unknown is left
-        out, and while the group has no streams the last reading stands."""
-        streams, tokens = self._held_tokens()
-        if streams and tokens > 0:
-            for role in ROLES:
-                pools = [self._servers[s].kv_capacity for s in self.group.of(role)]
-                if pools and all(p is not None for p in pools):
-                    self._server_caps[role] = max(1, int(min(p for p in pools if p is not None) * streams // tokens))
+        """Streams one server of each role holds before its KV pool is full (the smallest of the
+        role's pools, _streams_in), for the adaptive curves (adaptive.held_at_capacity); a role
+        whose pools are unknown is left out, and while the group has no streams the last reading
+        stands."""
+        for role in ROLES:
+            pools = [p for s in self.group.of(role) if (p := self._servers[s].kv_capacity) is not None]
+            if pools and len(pools) == len(self.group.of(role)):
+                held = self._streams_in(min(pools))
+                if held is not None:
+                    self._server_caps[role] = max(1, held)
         return self._server_caps
 
     def policy_cfg(self) -> PolicyConfig:
