@@ -14,6 +14,7 @@ pool hands the closed connection to the next request.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Mapping
@@ -82,6 +83,13 @@ class Target:
     # Send each request's traffic class and session as `x-specgate-class` and `x-session-id`
     # (specgate's classes and cache affinity; other servers ignore them).
     tag_requests: bool = False
+    # A class's requests go to its own URL here (a static split by class); others to `url`.
+    class_urls: Mapping[str, str] = field(default_factory=dict)
+
+    def for_class(self, traffic_class: str | None) -> Target:
+        """The target a request of this class is sent to."""
+        url = self.class_urls.get(traffic_class) if traffic_class else None
+        return self if url is None else dataclasses.replace(self, url=url)
 
     def endpoint(self) -> str:
         return self.url.rstrip("/") + ("/v1/chat/completions" if self.chat else "/v1/completions")

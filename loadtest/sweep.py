@@ -141,7 +141,8 @@ class _Level:
                 break
             text: list[str] | None = [] if turn.keep_reply else None
             headers = self.target.headers(turn.traffic_class, turn.session) if self.target.tag_requests else None
-            r = await stream_request(self.session, self.target, turn.prompt, text_sink=text, headers=headers)
+            target = self.target.for_class(turn.traffic_class)
+            r = await stream_request(self.session, target, turn.prompt, text_sink=text, headers=headers)
             r.traffic_class, r.session, r.turn = turn.traffic_class, turn.session, turn.turn
             self.results.append(r)
             reply = ("".join(text) if text is not None else "") if r.ok else None

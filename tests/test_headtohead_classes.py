@@ -126,11 +126,15 @@ def test_the_oracle_finds_the_system_prompt_and_the_last_turn_cached_in_whole_pa
     assert oracle_hit_rate([], 0.0, 10.0, 100) is None
 
 
-def cell(spec: float, base: float, gates: float, split: bool, conclusive: bool = True) -> ClassCell:
+def cell(
+    spec: float, base: float, gates: float, split: bool, conclusive: bool = True, measured: float | None = None
+) -> ClassCell:
+    """A cell whose classes gain on different servers (`split`); `measured`: the static split's goodput."""
     targets = {
         "all-spec": tc("all-spec", spec, conclusive),
         "all-base": tc("all-base", base),
         **{n: tc(n, gates) for n in ("threshold", "adaptive", "features")},
+        **({"split": tc("split", measured)} if measured is not None else {}),
     }
     per_class = {
         "all-spec": {"A": 1.0 if split else 3.0, "B": 3.0},
@@ -150,6 +154,23 @@ def test_goodput_verdicts_against_the_better_fixed_target() -> None:
     # A split that cost nothing: A's 2.0 on all-base plus B's 3.0 on all-spec, over all-spec's 10.
     assert cell(10, 8, 11, split=True).split_bound() == pytest.approx(0.5)
     assert cell(10, 8, 11, split=True, conclusive=False).split_bound() is None
+
+
+def test_the_classes_should_split_only_where_the_measured_split_pays() -> None:
+    # Each class gains on its own server, but a split measured no better than all-spec (10): on a
+    # shared GPU the two servers time-slice it. The cell then only needs 0.97x.
+    assert cell(10, 8, 9.8, split=True, measured=8.0).split() is False
+    assert goodput_verdict(cell(10, 8, 9.8, split=True, measured=10.4), "features") == "met"  # within 5%
+    # A split that pays beyond 5% makes it a split cell: 1.10x needed.
+    assert cell(10, 8, 11, split=True, measured=10.6).split() is True
+    assert goodput_verdict(cell(10, 8, 10.5, split=True, measured=12.0), "features") == "missed"
+    # A split that pays only because both servers are used, not by class, is no split cell.
+    assert cell(10, 8, 9.8, split=False, measured=14.0).split() is False
+    unmeasured = cell(10, 8, 11, split=True, measured=12.0)
+    unmeasured.targets["split"] = dataclasses.replace(unmeasured.targets["split"], conclusive=False)
+    assert unmeasured.split() is None and goodput_verdict(unmeasured, "features") == "unknown"
+    assert "| yes | 0.50x | 1.20x |" in table(ClassPlan(), [cell(10, 8, 11, split=True, measured=12.0)])
+    assert "| 0.50x | - |" in table(ClassPlan(), [cell(10, 8, 11, split=True)])  # from before it was measured
 
 
 def test_hit_verdict_within_five_points_of_the_oracle() -> None:
@@ -203,7 +224,8 @@ def test_calibration_brackets_the_top_sessions_and_smg_is_a_sixth_target() -> No
     assert ClassPlan(sessions=(1000,)).calibration_levels() == (4, 16, 64, 256)
     plain, peer = ClassPlan(), ClassPlan(smg="/x/smg")
     assert "smg" not in plain.targets and peer.targets[-1] == "smg"
-    assert peer.time_scale(32, 1000) == pytest.approx(plain.time_scale(32, 1000) * 5 / 6, rel=1e-3)
+    assert plain.targets[-1] == "split" and len(plain.targets) == 6
+    assert peer.time_scale(32, 1000) == pytest.approx(plain.time_scale(32, 1000) * 6 / 7, rel=1e-3)
     argv = smg_argv("/x/smg", 1, 2, ["http://a", "http://b"])
     assert argv[argv.index("--policy") + 1] == "cache_aware" and argv[argv.index("--worker-urls") + 1 :][:2] == [
         "http://a",

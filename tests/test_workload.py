@@ -6,6 +6,7 @@ loopback test against the simulator (TEST_TIERS)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -30,6 +31,7 @@ from loadtest.production import run_workload
 from loadtest.prompts import Prompt, repetitiveness, source
 from loadtest.report import class_table
 from loadtest.stats import LevelStats, summarize
+from loadtest.sweep import LevelPlan, make_session, measure_level
 from loadtest.textbank import TextBank
 from loadtest.workload import (
     THINK_MAX_FACTOR,
@@ -414,18 +416,25 @@ class Recorder:
         return resp
 
 
-@pytest.fixture
-async def recorder() -> AsyncIterator[tuple[str, Recorder]]:
-    rec = Recorder()
+@contextlib.asynccontextmanager
+async def serving(rec: Recorder) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", rec.chat)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = runner.addresses[0][1]
-    yield f"http://127.0.0.1:{port}", rec
-    await runner.cleanup()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def recorder() -> AsyncIterator[tuple[str, Recorder]]:
+    rec = Recorder()
+    async with serving(rec) as url:
+        yield url, rec
 
 
 @pytest.mark.anyio
@@ -464,6 +473,23 @@ async def test_run_workload_sends_each_reply_back_as_received(recorder: tuple[st
     assert total > 0 and all(c.goodput_share == 1.0 for c in by_class.values() if c.completed)
     stats = run.stats()
     assert stats.classes.keys() == by_class.keys() and stats.completed == total
+
+
+@pytest.mark.anyio
+async def test_a_class_with_a_url_of_its_own_is_sent_there_and_only_there(recorder: tuple[str, Recorder]) -> None:
+    """headtohead-classes' static split: one class to one server, the rest to the target's URL."""
+    url, rest = recorder
+    code = Recorder()
+    spec = WorkloadSpec("multiturn", classes=(CHAT, CODE), classes_by_stream=True, turns=2, system_tokens=20,
+                        user_tokens=20, think_time_s=0.0)  # fmt: skip
+    async with serving(code) as code_url, make_session() as session:
+        target = Target(url, "m", max_tokens=8, class_urls={"code": code_url})
+        run = await measure_level(session, target, 4, LevelPlan(duration_s=0.3), Workload(spec), min_requests=0)
+    sent = run.results
+    assert all(r.ok for r in sent) and {r.traffic_class for r in sent} == {"chat", "code"}
+    assert len(code.bodies) == sum(r.traffic_class == "code" for r in sent) > 0
+    assert len(rest.bodies) == sum(r.traffic_class == "chat" for r in sent) > 0
+    assert Target(url, "m").for_class("code").url == url
 
 
 # --- flags ------------------------------------------------------------------------------------------------

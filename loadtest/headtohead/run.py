@@ -40,6 +40,8 @@ class Servers:
     urls: dict[str, str]
     servers: dict[str, dict[str, str]]
     fleet: Fleet
+    # A target that sends each class to a URL of its own (a static split): target -> class -> URL.
+    class_urls: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def calibration_dir(out_dir: Path, accept: float, context: int) -> Path:
@@ -168,7 +170,12 @@ async def measure_cell(
     async with make_session() as session:
         targets = {
             name: Target(
-                url, await first_model(url, None), chat=True, max_tokens=plan.max_tokens, tag_requests=tag_requests
+                url,
+                await first_model(url, None),
+                chat=True,
+                max_tokens=plan.max_tokens,
+                tag_requests=tag_requests,
+                class_urls=servers.class_urls.get(name, {}),
             )
             for name, url in servers.urls.items()
         }

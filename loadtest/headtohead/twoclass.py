@@ -17,6 +17,8 @@ one pair per target:
              (SPECGATE_CLASS_KEY=none, SPECGATE_AFFINITY_ENTRIES=0): specgate before issue 28;
   adaptive   the same with SPECGATE_POLICY=adaptive;
   features   SPECGATE_POLICY=adaptive with classes (x-specgate-class) and cache affinity on;
+  split      with both classes: class B straight to the speculative server, class A to the baseline
+             (the static split by class, measured rather than assumed);
   smg        with --smg BINARY: SGLang's gateway (`smg launch --policy cache_aware`) in front of the
              pair, both servers as plain workers (its hit rate beside specgate's).
 
@@ -28,8 +30,9 @@ acceptance (the file's `classes`). Scoring per cell, in simulated time: goodput
 variant's over the better of all-spec and all-base, each class's goodput, the prefix-cache hit rate
 (cached_tokens) and the oracle's (`oracle_hit_rate`: every turn back on the server of its last turn,
 nothing evicted). Targets (issue 28): >= 1.10x where the classes should be split (class B has more
-goodput on all-spec and class A on all-base, each beyond 5%), >= 0.97x in every cell, hit rate
-within 5 points of the oracle. An inconclusive figure is unknown, never a pass or a fail.
+goodput on all-spec and class A on all-base, each beyond 5%, and the measured split has more goodput
+than the better of all-spec and all-base, beyond 5%), >= 0.97x in every cell, hit rate within 5
+points of the oracle. An inconclusive figure is unknown, never a pass or a fail.
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ SCALE_FILE = "time-scale.json"
 TARGETS = ("all-spec", "all-base", "threshold", "adaptive", "features")
 GATES = ("threshold", "adaptive", "features")
 FIXED = ("all-spec", "all-base")
+# The static split: each class straight to the server its acceptance suits.
+SPLIT = "split"
+SPLIT_ROLES = {"A": "baseline", "B": "speculative"}
 CLASSES = (TrafficClass("A", 0.5, "mixed"), TrafficClass("B", 0.5, "repetitive"))
 # The issue's targets.
 SPLIT_GAIN = 1.10
@@ -123,7 +129,8 @@ class ClassPlan:
 
     @property
     def targets(self) -> tuple[str, ...]:
-        return (*TARGETS, "smg") if self.smg else TARGETS
+        split = (SPLIT,) if len(self.traffic()) > 1 else ()
+        return (*TARGETS, *split, *(("smg",) if self.smg else ()))
 
     def time_scale(self, sessions: int, context: int) -> float:
         """headtohead's, times three stacks over this run's."""
@@ -250,14 +257,25 @@ class ClassCell:
         return sum(max(spec.get(c, 0.0), base.get(c, 0.0)) for c in spec.keys() | base.keys()) / best
 
     def split(self) -> bool | None:
-        """Whether the classes should be split: class B has more goodput on all-spec, class A on
-        all-base, each beyond TIE; None when either fixed target is inconclusive."""
-        if self.best_fixed() is None:
+        """Whether the classes should be split: class B has more goodput on all-spec and class A on
+        all-base, each beyond TIE, and the split measured (SPLIT) has more goodput than the better
+        fixed target, beyond TIE; None when a figure it needs is inconclusive. Each class doing
+        better on its own server does not make a split pay where the two servers time-slice one
+        GPU: every step of one waits for the other's. Results from before SPLIT was measured are
+        judged on the classes alone."""
+        best = self.best_fixed()
+        if best is None:
             return None
         spec, base = self.class_goodput["all-spec"], self.class_goodput["all-base"]
         if not all(c in spec and c in base for c in "AB"):
             return False  # one class: nothing to split
-        return spec["B"] > base["B"] * (1 + TIE) and base["A"] > spec["A"] * (1 + TIE)
+        classes = spec["B"] > base["B"] * (1 + TIE) and base["A"] > spec["A"] * (1 + TIE)
+        measured = self.targets.get(SPLIT)
+        if not classes or measured is None:
+            return classes
+        if not measured.conclusive:
+            return None
+        return measured.goodput_req_s > best * (1 + TIE)
 
 
 Verdict = str  # "met", "missed", "unknown"
@@ -330,6 +348,7 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
     fleet = Fleet()
     urls: dict[str, str] = {}
     servers: dict[str, dict[str, str]] = {}
+    class_urls: dict[str, dict[str, str]] = {}
     try:
         for target in plan.targets:
             sp, bp = free_port(), free_port()
@@ -340,6 +359,9 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
                 urls[target], servers[target] = spec, {"speculative": spec}
             elif target == "all-base":
                 urls[target], servers[target] = base, {"baseline": base}
+            elif target == SPLIT:
+                urls[target] = spec
+                class_urls[target] = {c: servers[target][role] for c, role in SPLIT_ROLES.items()}
         fleet.ready()
         if plan.smg:
             port = free_port()
@@ -358,7 +380,7 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
     except BaseException:
         fleet.stop()
         raise
-    return Servers(urls=urls, servers=servers, fleet=fleet)
+    return Servers(urls=urls, servers=servers, fleet=fleet, class_urls=class_urls)
 
 
 def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, quiet: bool) -> ClassCell:
@@ -419,6 +441,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         "| ctx | sessions | scale | "
         + " | ".join(f"goodput {n}" for n in plan.targets)
         + " | A/B spec | A/B base | split? | free split | "
+        + ("split / best | " if SPLIT in plan.targets else "")
         + " | ".join(f"{n} / best" for n in GATES)
         + " | features / adaptive | hit "
         + " / ".join(plan.targets)
@@ -436,6 +459,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
             + " | ".join(gp)
             + f" | {_pair(cg['all-spec'])} | {_pair(cg['all-base'])} | "
             f"{'unknown' if split is None else 'yes' if split else 'no'} | {_ratio(c.split_bound())} | "
+            + ((f"{_ratio(c.ratio(SPLIT))} | " if SPLIT in c.targets else "- | ") if SPLIT in plan.targets else "")
             + " | ".join(f"{_ratio(c.ratio(n))} ({goodput_verdict(c, n)})" for n in GATES)
             + f" | {_ratio(c.versus('features', 'adaptive'))} | "
             + " / ".join(_hit(c.targets[n].prefix_cache_hit_rate) if n in c.targets else "-" for n in plan.targets)
@@ -449,10 +473,11 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
     lines.append(
         f"\n(simulated time; goodput: requests a second finishing within TTFT <= {plan.slo_ttft_ms:g} ms and TPOT "
         f"<= {plan.slo_tpot_ms:g} ms; A/B: each class's goodput; split?: B gains on all-spec and A on all-base, "
-        f"each beyond {TIE:.0%}; free split: each class on its better fixed target, summed, over the better "
-        f"fixed target (a split that left each class as well off as it was there); X / best: X's goodput over "
-        f"the better of all-spec and all-base, (met/missed) >= {SPLIT_GAIN:g}x where split, else >= {FLOOR:g}x; "
-        "* inconclusive)"
+        f"each beyond {TIE:.0%}, and the measured split (B to the speculative server, A to the baseline) beats "
+        f"the better fixed target beyond {TIE:.0%}; free split: each class on its better fixed target, summed, "
+        f"over the better fixed target (a split that left each class as well off as it was there); X / best: "
+        f"X's goodput over the better of all-spec and all-base, (met/missed) >= {SPLIT_GAIN:g}x where split, "
+        f"else >= {FLOOR:g}x; * inconclusive)"
     )
     return "\n".join(lines)
 
