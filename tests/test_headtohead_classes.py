@@ -180,6 +180,12 @@ def test_hit_verdict_within_five_points_of_the_oracle() -> None:
     assert hit_verdict(c, "features") == "met"
     c.oracle_hit["features"] = None
     assert hit_verdict(c, "features") == "unknown"
+    # Where nobody met the SLOs every pool overflowed: no one can near an oracle that evicts nothing.
+    c.oracle_hit["features"] = 0.9
+    assert hit_verdict(c, "features") == "missed"
+    for name in c.targets:
+        c.targets[name] = dataclasses.replace(c.targets[name], goodput_req_s=0.0)
+    assert hit_verdict(c, "features") == "unknown"
 
 
 def test_features_hit_rate_against_smgs_each_against_its_own_oracle() -> None:

@@ -292,11 +292,18 @@ def goodput_verdict(cell: ClassCell, target: str) -> Verdict:
 
 
 def hit_verdict(cell: ClassCell, target: str) -> Verdict:
-    """met/missed: the target's hit rate within HIT_POINTS of the oracle's on its own requests."""
+    """met/missed: the target's hit rate within HIT_POINTS of the oracle's on its own requests;
+    unknown where nobody met the SLOs: there every pool overflows, and no server can come near an
+    oracle that evicts nothing."""
     gap = oracle_gap(cell, target)
-    if gap is None:
+    if gap is None or nobody_served(cell):
         return "unknown"
     return "met" if gap <= HIT_POINTS else "missed"
+
+
+def nobody_served(cell: ClassCell) -> bool:
+    """Whether no target had a request within the SLOs in this cell."""
+    return all(t.goodput_req_s < NO_GOODPUT for t in cell.targets.values())
 
 
 def oracle_gap(cell: ClassCell, target: str) -> float | None:
