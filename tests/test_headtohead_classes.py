@@ -25,6 +25,8 @@ from loadtest.headtohead.twoclass import (
     hit_verdict,
     oracle_gap,
     oracle_hit_rate,
+    pooled_ratio,
+    runs_verdict,
     smg_argv,
     summary_lines,
     table,
@@ -171,6 +173,26 @@ def test_the_classes_should_split_only_where_the_measured_split_pays() -> None:
     assert unmeasured.split() is None and goodput_verdict(unmeasured, "features") == "unknown"
     assert "| yes | 0.50x | 1.20x |" in table(ClassPlan(), [cell(10, 8, 11, split=True, measured=12.0)])
     assert "| 0.50x | - |" in table(ClassPlan(), [cell(10, 8, 11, split=True)])  # from before it was measured
+
+
+def test_repeated_runs_of_a_cell_agree_or_are_unknown() -> None:
+    runs = [dataclasses.replace(cell(10, 8, g, split=False), seed=i) for i, g in enumerate((9.8, 10.2, 9.0))]
+    assert [goodput_verdict(c, "features") for c in runs] == ["met", "met", "missed"]
+    assert runs_verdict(runs[:2], "features", goodput_verdict) == "met"
+    assert runs_verdict(runs, "features", goodput_verdict) == "unknown"  # met on two draws, missed on one
+    assert runs_verdict(runs[2:], "features", goodput_verdict) == "missed"
+    assert pooled_ratio(runs, "features") == pytest.approx(29.0 / 30.0)
+    other = dataclasses.replace(cell(10, 8, 11, split=False), sessions=8)
+    lines = summary_lines([*runs, other])
+    assert lines[2].startswith("features: goodput target met in 1, missed in 0, unknown in 1 of 2 cells")
+    assert "features at 1k/32 over 3 runs (seeds 0, 1, 2): 0.98x, 1.02x, 0.90x; pooled 0.97x: unknown" in lines
+    assert "features at 1k/8 over 1 run (seeds 0): 1.10x; pooled 1.10x: met" in lines
+    # One run per cell: the summary is as it was.
+    assert not any(line.startswith("features at") for line in summary_lines(runs[:1]))
+    assert "| 1k | 32 | 2 | 1 |" in table(ClassPlan(), runs)
+    assert build_parser().parse_args(["headtohead-classes", "--repeats", "4"]).repeats == 4
+    with pytest.raises(ValueError, match="--repeats"):
+        ClassPlan(repeats=0)
 
 
 def test_hit_verdict_within_five_points_of_the_oracle() -> None:

@@ -32,16 +32,19 @@ variant's over the better of all-spec and all-base, each class's goodput, the pr
 nothing evicted). Targets (issue 28): >= 1.10x where the classes should be split (class B has more
 goodput on all-spec and class A on all-base, each beyond 5%, and the measured split has more goodput
 than the better of all-spec and all-base, beyond 5%), >= 0.97x in every cell, hit rate within 5
-points of the oracle. An inconclusive figure is unknown, never a pass or a fail.
+points of the oracle. An inconclusive figure is unknown, never a pass or a fail. With --repeats N
+each cell runs N times on sessions drawn from N seeds, and its verdict is the runs' where they all
+agree, else unknown.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,10 +117,14 @@ class ClassPlan:
     topology: str = "paired"
     # Which of CLASSES the sessions are: both (half each), or one alone (single-class traffic).
     classes: str = "AB"
+    # Each cell run this many times, with sessions drawn from seeds seed, seed + 1, ...
+    repeats: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.window_s <= self.max_window_s:
             raise ValueError("--window-s must be positive and at most --max-window-s")
+        if self.repeats < 1:
+            raise ValueError("--repeats must be at least 1")
         check_stagger(self.stagger_s)
         for c in self.contexts:
             sizes_for(c, self.turns, self.max_tokens)
@@ -222,6 +229,8 @@ class ClassCell:
     class_goodput: dict[str, dict[str, float]] = field(default_factory=dict)
     oracle_hit: dict[str, float | None] = field(default_factory=dict)
     cpu_busy: float | None = None
+    # The seed its sessions were drawn from (ClassPlan.repeats).
+    seed: int = 0
 
     def best_fixed(self) -> float | None:
         """The better of all-spec's and all-base's goodput, None when either is inconclusive."""
@@ -416,7 +425,7 @@ def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, qu
         for c in plan.traffic():
             per_class[name].setdefault(c.name, 0.0)
         oracle[name] = oracle_hit_rate(run.results, run.t0, run.t1, system)
-    cell = ClassCell(context, sessions, t, targets, per_class, oracle, cpu.machine_busy_mean)
+    cell = ClassCell(context, sessions, t, targets, per_class, oracle, cpu.machine_busy_mean, plan.seed)
     figures = ", ".join(f"{n} {c.goodput_req_s:.2f}{'' if c.conclusive else '*'}" for n, c in targets.items())
     say(f"    goodput {figures}; CPU {cpu.machine_busy_mean:.0%}", quiet)
     return cell
@@ -445,7 +454,7 @@ def _ratio(value: float | None) -> str:
 def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
     """A markdown table: goodput per target, the gates' ratios, split, hit rates."""
     head = (
-        "| ctx | sessions | scale | "
+        "| ctx | sessions | seed | scale | "
         + " | ".join(f"goodput {n}" for n in plan.targets)
         + " | A/B spec | A/B base | split? | free split | "
         + ("split / best | " if SPLIT in plan.targets else "")
@@ -462,7 +471,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         cg = c.class_goodput
         share = c.targets["features"].speculative_share
         lines.append(
-            f"| {context_label(c.context)} | {c.sessions} | {c.time_scale:g} | "
+            f"| {context_label(c.context)} | {c.sessions} | {c.seed} | {c.time_scale:g} | "
             + " | ".join(gp)
             + f" | {_pair(cg['all-spec'])} | {_pair(cg['all-base'])} | "
             f"{'unknown' if split is None else 'yes' if split else 'no'} | {_ratio(c.split_bound())} | "
@@ -493,16 +502,50 @@ def _points(gap: float | None) -> str:
     return "unknown" if gap is None else f"{gap * 100:+.1f}"
 
 
+def repeated(cells: Sequence[ClassCell]) -> dict[tuple[int, int], list[ClassCell]]:
+    """The runs of each cell (context, sessions), in the order run."""
+    out: dict[tuple[int, int], list[ClassCell]] = {}
+    for c in cells:
+        out.setdefault((c.context, c.sessions), []).append(c)
+    return out
+
+
+def runs_verdict(runs: Sequence[ClassCell], target: str, verdict: Callable[[ClassCell, str], Verdict]) -> Verdict:
+    """A cell's verdict over its runs: theirs where they all agree, else unknown (a target met on
+    one draw of the sessions and missed on another was not measured to be either)."""
+    found = {verdict(c, target) for c in runs}
+    return found.pop() if len(found) == 1 else "unknown"
+
+
+def pooled_ratio(runs: Sequence[ClassCell], target: str) -> float | None:
+    """The target's goodput summed over the runs where its ratio is known, over the better fixed
+    target's summed alike (None: none known)."""
+    known = [(c.targets[target].goodput_req_s, c.best_fixed() or 0.0) for c in runs if c.ratio(target) is not None]
+    return sum(t for t, _ in known) / sum(b for _, b in known) if known else None
+
+
 def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
     out = []
+    by_cell = repeated(cells)
+    several = any(len(runs) > 1 for runs in by_cell.values())
     for n in GATES:
-        gv = [goodput_verdict(c, n) for c in cells]
-        hv = [hit_verdict(c, n) for c in cells]
+        gv = [runs_verdict(runs, n, goodput_verdict) for runs in by_cell.values()]
+        hv = [runs_verdict(runs, n, hit_verdict) for runs in by_cell.values()]
         out.append(
             f"{n}: goodput target met in {gv.count('met')}, missed in {gv.count('missed')}, unknown in "
-            f"{gv.count('unknown')} of {len(cells)} cells; hit rate within {HIT_POINTS:.0%} of the oracle in "
+            f"{gv.count('unknown')} of {len(by_cell)} cells; hit rate within {HIT_POINTS:.0%} of the oracle in "
             f"{hv.count('met')}, missed in {hv.count('missed')}, unknown in {hv.count('unknown')}"
+            + (" (a cell's verdict: its runs', where they all agree)" if several else "")
         )
+    if several:
+        for (context, sessions), runs in by_cell.items():
+            ratios = ", ".join(_ratio(c.ratio("features")) for c in runs)
+            plural = "s" if len(runs) > 1 else ""
+            out.append(
+                f"features at {context_label(context)}/{sessions} over {len(runs)} run{plural} (seeds "
+                f"{', '.join(str(c.seed) for c in runs)}): {ratios}; pooled {_ratio(pooled_ratio(runs, 'features'))}: "
+                f"{runs_verdict(runs, 'features', goodput_verdict)}"
+            )
     known = raw = closer = 0
     for c in cells:
         f, s = oracle_gap(c, "features"), oracle_gap(c, "smg")
@@ -540,7 +583,8 @@ def run(plan: ClassPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> dict
             where = out_dir / f"calibration-{context_label(context)}" / f"at-{s}-sessions.json"
             where.parent.mkdir(parents=True, exist_ok=True)
             scaled = at_time_scale(path, measured, plan.time_scale(s, context), where)
-            cells.append(run_cell(plan, context, s, scaled, quiet))
+            for i in range(plan.repeats):
+                cells.append(run_cell(dataclasses.replace(plan, seed=plan.seed + i), context, s, scaled, quiet))
         write_json(out_dir / "headtohead-classes.json", {"settings": vars(plan), "cells": cells})
     return {"settings": vars(plan), "cells": cells, "summary": summary_lines(cells)}
 
@@ -573,6 +617,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--topology", choices=("paired", "pooled"), default="paired",
                    help="paired: one GPU shared by both servers (default); pooled: a GPU each (1+1)")  # fmt: skip
+    p.add_argument("--repeats", type=count, default=1,
+                   help="run each cell this many times, drawing the sessions from seeds --seed, --seed + 1, ...; "
+                   "a cell's verdict is its runs' where they all agree, else unknown (default 1)")  # fmt: skip
     p.add_argument("--smg", default=None, metavar="BINARY",
                    help="add smg --policy cache_aware in front of a pair (e.g. .venv-peers/bin/smg)")  # fmt: skip
     add_run_options(p, "a cell needs per target", "headtohead-classes-results")
@@ -585,7 +632,7 @@ def cmd_headtohead_classes(args: argparse.Namespace) -> int:
         think_time_s=args.think_time_s, stagger_s=args.stagger_s, window_s=args.window_s,
         max_window_s=max(args.max_window_s, args.window_s),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, min_requests=args.min_requests,
-        smg=args.smg, topology=args.topology, classes=args.classes,
+        smg=args.smg, topology=args.topology, classes=args.classes, repeats=args.repeats,
     )  # fmt: skip
     out_dir = Path(args.out_dir)
     started = time.monotonic()
