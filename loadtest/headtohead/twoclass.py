@@ -556,7 +556,8 @@ def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
         raw += hit_f is not None and hit_s is not None and hit_f >= hit_s
     if known:
         out.append(
-            f"features against smg: hit rate at least smg's in {raw} of {known} cells where both are known; "
+            f"features against smg: hit rate at least smg's in {raw} of {known} {'runs' if several else 'cells'} "
+            "where both are known; "
             f"no further from its own oracle than smg from its own in {closer}"
         )
     return out
