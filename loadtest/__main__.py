@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -36,6 +37,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, so that it unwinds as Ctrl-C does."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (kill, a CI job's timeout) unwind the command like Ctrl-C: its default ends
+    the process at once, and every simulator, specgate and peer a scenario started (each stopped
+    in a `finally`) would go on running, holding its ports and CPU."""
+    signal.signal(signal.SIGTERM, _terminated)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -43,9 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TargetUnreachable, ValueError) as exc:
         print(f"loadtest: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        return 143 if isinstance(exc, Terminated) else 130
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     sys.exit(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from loadtest.procs import free_port
@@ -161,3 +162,37 @@ def test_calibrate_refuses_when_the_levels_cannot_bracket_the_crossover(simulato
     assert not save.exists() and f"{save} not written" in proc.stderr
     # No room was given to run on, and none is reported.
     assert "windows run past" not in proc.stdout and "extended" not in proc.stderr
+
+
+SIGTERMED = """
+import time
+from loadtest.__main__ import stop_on_sigterm
+from loadtest.kit.processes import Fleet
+stop_on_sigterm()
+fleet = Fleet()
+try:
+    child = fleet.start("sleeper", ["-c", "import time; time.sleep(120)"], [])
+    print(child.pid, flush=True)
+    time.sleep(120)
+finally:
+    fleet.stop()
+"""
+
+
+def test_a_sigterm_stops_what_the_command_started() -> None:
+    """kill (or a CI job's timeout) on a scenario unwinds it as Ctrl-C does: the servers it started
+    are stopped, not left running."""
+    parent = subprocess.Popen([sys.executable, "-c", SIGTERMED], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert Path(f"/proc/{child}").exists()
+        parent.terminate()
+        assert parent.wait(timeout=30) != 0
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 15
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}").exists()
