@@ -466,6 +466,9 @@ class AdaptiveConfig:
     margin: float
     # Prompt tokens a second a server prefills: what a paired group's switch costs (policy.py).
     prefill_tok_s: float
+    # Seconds ahead a paired group's cap on speculation is read, at the footprint's growth over as
+    # many past ones (routing.Router.capacity); 0: the footprint as it is.
+    kv_forecast_s: float
 
 
 class Adaptive:

@@ -98,6 +98,11 @@ class Settings(BaseSettings):
     # re-prefill of every conversation (policy.py). Lower is more cautious; 20,000 is under what
     # an 8B model does on one H100 or H200. 0: switches are not priced.
     prefill_tok_s: float = Field(20_000.0, ge=0, le=1e9)
+    # adaptive, paired groups: the speculative pool's cap (policy.py) is read at the footprint the
+    # conversations' growth over the last this many seconds would reach as many seconds ahead, so
+    # that the switch its filling forces comes while few conversations are there to re-prefill.
+    # 0: the cap is read at the footprint as it is.
+    kv_forecast_s: float = Field(10.0, ge=0, le=3600)
     # Engine gauges frozen this long are taken as an idle server (SGLang keeps them when idle).
     engine_stale_s: float = Field(10.0, gt=0)
     # Which engine's metrics to read: detected from each server's /metrics names, or fixed.
@@ -260,6 +265,7 @@ class Settings(BaseSettings):
             probe_tokens=self.adaptive_probe_tokens,
             margin=self.adaptive_margin,
             prefill_tok_s=self.prefill_tok_s,
+            kv_forecast_s=self.kv_forecast_s,
         )
 
     @model_validator(mode="after")

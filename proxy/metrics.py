@@ -162,7 +162,8 @@ class Metrics:
         self.group_kv_streams = Gauge(
             "specgate_group_kv_capacity_streams",
             "Learning policies: the streams each group's speculative KV pool holds at the tokens a stream "
-            "holds now, which caps its watermarks (NaN: unknown).",
+            "holds now (a paired group's read SPECGATE_KV_FORECAST_S ahead), which caps its watermarks "
+            "(NaN: unknown).",
             ["group"],
             registry=r,
         )

@@ -60,9 +60,15 @@ requests queue for memory and its prefix cache is evicted, however fast its step
 
     high' = min(high, floor(K / (t + g)))      low' = min(low, high' - max(1, ceil(high' / 4)))
 
-(K summed over a pool's speculative servers), a class's high_c is capped alike, and a switch off
-speculation at that cap is not held for its re-prefill: staying re-prefills what the full pool evicts
-at every turn, a switch once. On a shared GPU the speculative server's pool is the smaller (the
+(K summed over a pool's speculative servers), a class's high_c is capped alike. In a paired group
+(SPECGATE_KV_FORECAST_S, F, 10 s by default) the tokens are read F seconds ahead, at their growth
+over the last F (forecast.py: the least-squares slope less half its standard error, never a
+fall), so that the cap a climbing load will reach stops speculation while few conversations are
+there to prefill again on the baseline: measured on the simulated H200, 8k-token chats opening
+over 20 s at 32 sessions, 12 s windows, seeds 0-7, 0.98 of all-baseline's goodput against 0.83
+reading them as they are (at 8 sessions, where the pool never fills, 1.00 and 0.99 of
+all-speculative's). A switch off speculation at the cap is not held for its re-prefill: staying
+re-prefills what the full pool evicts at every turn, a switch once. On a shared GPU the speculative server's pool is the smaller (the
 draft's weights and KV take their share): on the simulated H200, 229k tokens against the
 baseline's 419k, so 8k-token chats fill it at about 27 streams, where the curves, which measure
 step times, put the crossover near 40. Measured there at 32 sessions over 48 s: 2.81 requests a

@@ -24,6 +24,7 @@ from .calibration import MAX_WATERMARK, Calibration
 from .classes import ClassBook
 from .engines import ENGINES
 from .evidence import AcceptanceEvidence
+from .forecast import Trend
 from .inflight import InflightTracker, Lease
 from .metrics import Metrics
 from .policy import (
@@ -127,6 +128,10 @@ class Router:
         self.turn_growth = 0.0
         self._turns = 0
         self._kv_read_at = -math.inf
+        # The tokens the group's conversations would hold on the speculative pool, sampled with each
+        # capacity reading, in a paired group under a learning policy with kv_forecast_s (policy.py:
+        # the cap is read at where their growth takes them kv_forecast_s ahead). None: read as they are.
+        self.footprint: Trend | None = None
         self._capped: tuple[PolicyConfig, int, PolicyConfig] | None = None
         if cfg.policy in LEARNING:
             if adaptive is None:
@@ -135,6 +140,8 @@ class Router:
             self.adaptive = Adaptive(adaptive, calibration, static, clock())
             high, low = self.adaptive.watermarks()
             self.cfg = dataclasses.replace(cfg, high_watermark=high, low_watermark=low)
+            if not pooled and adaptive.kv_forecast_s > 0:
+                self.footprint = Trend(adaptive.kv_forecast_s)
             if not pooled and adaptive.prefill_tok_s > 0:
                 self._switch_per_token = 1.0 / (adaptive.prefill_tok_s * adaptive.half_life_s)
                 self.cfg = dataclasses.replace(self.cfg, curves=self.adaptive.curves())
@@ -484,13 +491,14 @@ class Router:
         self._turns = min(self._turns + 1, GROWTH_TURNS)
         self.turn_growth += (max(0, added) - self.turn_growth) / self._turns
 
-    def _streams_in(self, pool: int) -> int | None:
+    def _streams_in(self, pool: int, ahead: float = 0.0) -> int | None:
         """Streams a KV pool of `pool` tokens holds at the tokens this gateway's streams in the
         group hold on average, each with room for its next turn (turn_growth: a conversation's
-        cache is worth keeping only if the pool holds it when it comes back, larger); None while
-        the group has no streams."""
+        cache is worth keeping only if the pool holds it when it comes back, larger), and `ahead`
+        more tokens over them all (the footprint's forecast growth); None while the group has no
+        streams."""
         streams = self.group_streams()
-        tokens = self.group_tokens() + streams * self.turn_growth
+        tokens = self.group_tokens() + streams * self.turn_growth + ahead
         if not streams or tokens <= 0:
             return None
         return int(pool * streams // tokens)
@@ -506,8 +514,20 @@ class Router:
             if pool is None:
                 return None
             pools += pool
-        held = self._streams_in(pools)
+        held = self._streams_in(pools, self._growth_ahead())
         return None if held is None else min(held, MAX_WATERMARK)
+
+    def _growth_ahead(self) -> float:
+        """Tokens the group's footprint (its requests' tokens, each with room for its next turn)
+        grows by over the next kv_forecast_s, at its rate over the last (forecast.py); 0 without a
+        forecast. Sampled here, at most every UPDATE_EVERY_S."""
+        trend = self.footprint
+        if trend is None:
+            return 0.0
+        now = self._clock()
+        held = self.group_tokens() + self.group_streams() * self.turn_growth
+        trend.add(now, held)
+        return trend.ahead(held) - held
 
     def server_caps(self) -> dict[Role, int]:
         """Streams one server of each role holds before its KV pool is full (the smallest of the

@@ -36,6 +36,7 @@ TIERS = ("inprocess", "loopback", "real")
 MODULE_TIERS = {
     "test_adaptive": "inprocess",
     "test_adaptive_stack": "inprocess",
+    "test_forecast": "inprocess",
     "test_affinity": "inprocess",
     "test_calibrate": "inprocess",
     "test_calibration_file": "inprocess",

@@ -447,7 +447,8 @@ def test_a_server_holds_what_its_pool_holds_and_its_curve_runs_on_to_the_cap() -
 
 def test_a_router_reads_each_servers_cap_from_its_pool_and_the_context_its_streams_hold() -> None:
     clock = Clock()
-    r, health, _ = router(dry_calibration(), clock, margin=0.1, min_watermark=0, max_watermark=256)
+    # The footprint as it is (test_a_paired_groups_cap_is_read_where_the_footprints_growth_takes_it).
+    r, health, _ = router(dry_calibration(), clock, margin=0.1, min_watermark=0, max_watermark=256, kv_forecast_s=0)
     health["speculative"].spec_accept_length = 2.0
     before = r.adaptive.estimate if r.adaptive else None
     assert before is not None and before.levels == DRY_LEVELS
@@ -648,7 +649,8 @@ def test_a_routers_watermarks_are_capped_to_what_the_speculative_kv_pool_holds()
     r = rig()
     clock = Clock()
     policy = policy_cfg("adaptive", 16, 8)
-    (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive_cfg(), clock=clock).routers
+    adaptive = adaptive_cfg(kv_forecast_s=0)  # the footprint as it is: the next test forecasts it
+    (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, clock=clock).routers
     r.health["speculative"].engine_kv_capacity = 10_000
     leases = []
     for _ in range(4):
@@ -694,10 +696,46 @@ def test_a_routers_watermarks_are_capped_to_what_the_speculative_kv_pool_holds()
     assert plain.policy_cfg() is plain.cfg
 
 
+@pytest.mark.parametrize(("topology", "forecast_s", "forecast"), [("paired", 10.0, True), ("paired", 0.0, False),
+                                                                   ("pooled", 10.0, False)])  # fmt: skip
+def test_a_paired_groups_cap_is_read_where_the_footprints_growth_takes_it(
+    topology: str, forecast_s: float, forecast: bool
+) -> None:
+    r = rig(topology=topology)
+    clock = Clock()
+    adaptive = adaptive_cfg(kv_forecast_s=forecast_s)
+    (router,) = Fleet(r.topology, r.servers, policy_cfg("adaptive", 64, 48), r.metrics, adaptive, clock=clock).routers
+    r.health["speculative"].engine_kv_capacity = 100_000
+    # Conversations opening one every half second, 5,000 tokens each: the footprint climbs
+    # 10,000 tokens a second, and 10 s on it is 100,000 tokens more than the 20,000 it is.
+    leases = []
+    for _ in range(4):
+        clock.t += 0.5
+        leases.append(router.admit(Role.SPECULATIVE, tokens=5000))
+    if forecast:
+        # 100,000 tokens over (20,000 + 100,000) for 4 streams: 3, under the 4 in flight.
+        assert router.kv_streams == 3
+        d = router.decide()
+        assert (d.backend, d.reason) == (Role.BASELINE, "heavy_load")
+        assert router.footprint is not None and router.footprint.rate() == pytest.approx(10_000)
+    else:
+        assert router.footprint is None
+        assert router.kv_streams == 20  # 100,000 over 5,000 a stream
+        assert router.decide().backend == Role.SPECULATIVE
+    # The climb over, the footprint level for a span: read as it is.
+    for _ in range(50):
+        clock.t += 0.25
+        router.refresh()
+    assert router.kv_streams == 20
+    for lease in leases:
+        lease.release()
+
+
 def test_the_pools_capacity_leaves_room_for_each_conversations_next_turn() -> None:
     r = rig()
     clock = Clock()
-    fleet = Fleet(r.topology, r.servers, policy_cfg("adaptive", 64, 48), r.metrics, adaptive_cfg(), clock=clock)
+    adaptive = adaptive_cfg(kv_forecast_s=0)
+    fleet = Fleet(r.topology, r.servers, policy_cfg("adaptive", 64, 48), r.metrics, adaptive, clock=clock)
     (router,) = fleet.routers
     r.health["speculative"].engine_kv_capacity = 60_000
     leases = []

@@ -10,8 +10,8 @@ from pathlib import Path
 PROXY = Path(__file__).resolve().parent.parent / "proxy"
 # Pure: what routing decides with. Nothing here may reach a socket, the event loop or a framework.
 POLICY = (
-    "policy", "adaptive", "speedmodel", "evidence", "servers", "readings", "topology", "calibration", "engines",
-    "promtext",
+    "policy", "adaptive", "speedmodel", "evidence", "forecast", "servers", "readings", "topology", "calibration",
+    "engines", "promtext",
 )  # fmt: skip
 IO = ("asyncio", "socket", "ssl", "httptools", "uvicorn", "uvloop", "fastapi", "starlette", "aiohttp", "httpx")
 

@@ -221,9 +221,10 @@ async def test_the_estimate_is_scaled_by_what_the_servers_report(gateway: StartG
 async def test_speculation_takes_no_more_streams_than_its_kv_pool_holds(gateway: StartGateway) -> None:
     # A pool of 6,000 tokens and prompts of about 750: some 8 streams fill it, though the
     # watermark would let 16 speculate.
-    # adaptive with no calibration: the watermarks as set until both servers were seen; no dwell.
+    # adaptive with no calibration: the watermarks as set until both servers were seen; no dwell;
+    # the pool's footprint as it is, not forecast (the streams open as fast as the test sends them).
     gw = await gateway(sim={"time_scale": 1}, spec={"max_total_tokens": 6000}, policy="adaptive", high_watermark=16,
-                       low_watermark=8, adaptive_min_dwell_s=0, adaptive_probe_s=0)  # fmt: skip
+                       low_watermark=8, adaptive_min_dwell_s=0, adaptive_probe_s=0, kv_forecast_s=0)  # fmt: skip
 
     async def pool_read() -> bool:
         return bool((await gw.routing())["servers"]["speculative"]["engine_kv_capacity"] == 6000)

@@ -17,6 +17,7 @@ DURATIONS = (
     "adaptive_half_life_s",
     "adaptive_probe_s",
     "adaptive_probe_max_s",
+    "kv_forecast_s",
 )
 RATES = ("adaptive_max_step_per_s", "prefill_tok_s")
 MIN_SCRAPE_INTERVAL_S = 0.1  # specgate's floor for SPECGATE_SCRAPE_INTERVAL_S
