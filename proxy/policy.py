@@ -62,21 +62,21 @@ requests queue for memory and its prefix cache is evicted, however fast its step
 
 (K summed over a pool's speculative servers), a class's high_c is capped alike. In a paired group
 (SPECGATE_KV_FORECAST_S, F, 10 s by default) the tokens are read F seconds ahead, at their growth
-over the last F (forecast.py: the least-squares slope less half its standard error, never a
-fall), so that the cap a climbing load will reach stops speculation while few conversations are
-there to prefill again on the baseline: measured on the simulated H200, 8k-token chats opening
-over 20 s at 32 sessions, 12 s windows, seeds 0-7, 0.98 of all-baseline's goodput against 0.83
-reading them as they are (at 8 sessions, where the pool never fills, 1.00 and 0.99 of
-all-speculative's). A switch off speculation at the cap is not held for its re-prefill: staying
-re-prefills what the full pool evicts at every turn, a switch once. On a shared GPU the speculative server's pool is the smaller (the
-draft's weights and KV take their share): on the simulated H200, 229k tokens against the
-baseline's 419k, so 8k-token chats fill it at about 27 streams, where the curves, which measure
-step times, put the crossover near 40. Measured there at 32 sessions over 48 s: 2.81 requests a
-second of goodput with the cap against 2.46 all-baseline and 1.37 all-speculative (new
-conversations, still short, go to speculation until they grow); 0.71-0.94 with the cap's switch
-priced like any other, whose switches came late and re-prefilled everything. In 12 s windows
-from a cold start the switch's one re-prefill is most of the window (0.15-0.22x). threshold routes
-by its watermarks as configured.
+over the last F (forecast.py: the least-squares slope less half its standard error, never a fall),
+while they are under half the pool (routing.Router._growth_ahead), so that the cap a climbing load
+will reach stops speculation while few conversations are there to prefill again on the baseline:
+measured on the simulated H200, 8k-token chats opening over 20 s at 32 sessions, 12 s windows,
+seeds 0-7, 0.98 of all-baseline's goodput against 0.83 reading them as they are (at 8 sessions,
+where the pool never fills, 1.00 and 0.99 of all-speculative's). A switch off speculation at the
+cap is not held for its re-prefill: staying re-prefills what the full pool evicts at every turn, a
+switch once. On a shared GPU the speculative server's pool is the smaller (the draft's weights and
+KV take their share): on the simulated H200, 229k tokens against the baseline's 419k, so 8k-token
+chats fill it at about 27 streams, where the curves, which measure step times, put the crossover
+near 40. Measured there at 32 sessions over 48 s: 2.81 requests a second of goodput with the cap
+against 2.46 all-baseline and 1.37 all-speculative (new conversations, still short, go to
+speculation until they grow); 0.71-0.94 with the cap's switch priced like any other, whose switches
+came late and re-prefilled everything. In 12 s windows from a cold start the switch's one
+re-prefill is most of the window (0.15-0.22x). threshold routes by its watermarks as configured.
 
 Where memory, not speed, ends speculation in a paired group, every turn goes where the mode says,
 the conversations cached on the speculative server included: they are prefilled again on the

@@ -727,6 +727,14 @@ def test_a_paired_groups_cap_is_read_where_the_footprints_growth_takes_it(
         clock.t += 0.25
         router.refresh()
     assert router.kv_streams == 20
+    # Past half the pool, a climb is read as it is: a switch there would save at most half the
+    # re-prefill, and a climb that stops short of the cap would cost a switch and a return.
+    for _ in range(8):
+        clock.t += 0.5
+        leases.append(router.admit(Role.SPECULATIVE, tokens=5000))
+    # 60,000 tokens in 12 streams: read ahead, (60,000 + 100,000) would give 7.
+    assert router.kv_streams == 20
+    assert router.decide().backend == Role.SPECULATIVE
     for lease in leases:
         lease.release()
 
