@@ -34,6 +34,9 @@ threshold rule with the live watermarks, plus
     few tokens and never shown to the client, goes to the idle speculative server (Decision.shadow)
     no return to speculation on an acceptance reading older than accept_fresh_s: a probe
     session first                                              (reason dwell_hold, then probe)
+    no probe while the load is at or past the speculative pool's capacity (below): no acceptance
+    brings speculation back there, and on a shared GPU each probe's prefill of a whole prompt
+    takes the GPU from the baseline's batch
 
 so that the speculative server's acceptance on today's traffic stays known while it gets none. And in
 a paired group (the two servers on one GPU), where a switch moves every conversation to the other
@@ -427,6 +430,8 @@ def probe_due(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig, loa
     at once during a probe session, else after a wait that doubles with each probe."""
     idle = snapshot.speculative_idle_since
     if cfg.probe_s <= 0 or state.mode != Role.BASELINE or idle is None or load >= cfg.probe_max_load:
+        return False
+    if cfg.capacity is not None and load >= cfg.capacity:
         return False
     if not snapshot.healthy.get(Role.SPECULATIVE, False):
         return False

@@ -322,6 +322,10 @@ def test_probes_go_to_the_idle_speculative_server_at_doubling_intervals() -> Non
     assert decide(snap(1, 12, 100.0, None), state, ADAPTIVE).reason == "heavy_load"
     assert decide(snap(0, 12, 100.0, 0.0, spec_up=False), state, ADAPTIVE).reason == "heavy_load"
     assert decide(snap(0, 50, 100.0, 0.0), state, ADAPTIVE).reason == "heavy_load"
+    # Nor at or past the speculative pool's capacity: no acceptance brings speculation back there.
+    capped = dataclasses.replace(ADAPTIVE, high_watermark=8, low_watermark=6, capacity=8)
+    assert decide(snap(0, 8, 100.0, 0.0), state, capped).reason == "heavy_load"
+    assert decide(snap(0, 7, 100.0, 0.0), state, capped).reason == "probe"
     # A new mode starts the count again.
     assert PolicyState(Role.SPECULATIVE, since=1.0).probes == 0
 
