@@ -80,6 +80,9 @@ GATES = ("threshold", "adaptive", "features")
 FIXED = ("all-spec", "all-base")
 # The static split: each class straight to the server its acceptance suits.
 SPLIT = "split"
+# With --control: a second all-base. Its goodput over all-base's is what one target moves from a
+# copy of itself in the same run: the run's noise, which a ratio must clear its target by.
+CONTROL = "control"
 SPLIT_ROLES = {"A": "baseline", "B": "speculative"}
 CLASSES = (TrafficClass("A", 0.5, "mixed"), TrafficClass("B", 0.5, "repetitive"))
 # The issue's targets.
@@ -119,6 +122,8 @@ class ClassPlan:
     classes: str = "AB"
     # Each cell run this many times, with sessions drawn from seeds seed, seed + 1, ...
     repeats: int = 1
+    # A second all-base beside the others (CONTROL), whose distance from all-base is the run's noise.
+    control: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.window_s <= self.max_window_s:
@@ -137,7 +142,7 @@ class ClassPlan:
     @property
     def targets(self) -> tuple[str, ...]:
         split = (SPLIT,) if len(self.traffic()) > 1 else ()
-        return (*TARGETS, *split, *(("smg",) if self.smg else ()))
+        return (*TARGETS, *split, *((CONTROL,) if self.control else ()), *(("smg",) if self.smg else ()))
 
     def time_scale(self, sessions: int, context: int) -> float:
         """headtohead's, times three stacks over this run's."""
@@ -253,6 +258,15 @@ class ClassCell:
             return None
         return t.goodput_req_s / o.goodput_req_s
 
+    def noise(self) -> float | None:
+        """|control / all-base - 1|: how far one target's goodput moved from a copy of itself in
+        this run; 0 without a control (results judged as they are), None where either is
+        inconclusive or has none."""
+        if CONTROL not in self.targets:
+            return 0.0
+        r = self.versus(CONTROL, "all-base")
+        return None if r is None else abs(r - 1.0)
+
     def split_bound(self) -> float | None:
         """Each class's goodput on the fixed target it does best on, summed, over the better fixed
         target's (None when either is inconclusive or has none): a split that left each class as
@@ -292,12 +306,15 @@ Verdict = str  # "met", "missed", "unknown"
 
 def goodput_verdict(cell: ClassCell, target: str) -> Verdict:
     """met/missed the issue's goodput target in this cell (>= SPLIT_GAIN where the classes should be
-    split, else >= FLOOR), unknown when a figure is inconclusive."""
-    r = cell.ratio(target)
-    split = cell.split()
-    if r is None or split is None:
+    split, else >= FLOOR) by more than the run's noise (ClassCell.noise; 0 without a control),
+    unknown when a figure is inconclusive or the ratio is within the noise of its target."""
+    r, split, noise = cell.ratio(target), cell.split(), cell.noise()
+    if r is None or split is None or noise is None:
         return "unknown"
-    return "met" if r >= (SPLIT_GAIN if split else FLOOR) else "missed"
+    goal = SPLIT_GAIN if split else FLOOR
+    if r - noise >= goal:
+        return "met"
+    return "missed" if r + noise < goal else "unknown"
 
 
 def hit_verdict(cell: ClassCell, target: str) -> Verdict:
@@ -373,7 +390,7 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
             servers[target] = {"speculative": spec, "baseline": base}
             if target == "all-spec":
                 urls[target], servers[target] = spec, {"speculative": spec}
-            elif target == "all-base":
+            elif target in ("all-base", CONTROL):
                 urls[target], servers[target] = base, {"baseline": base}
             elif target == SPLIT:
                 urls[target] = spec
@@ -458,6 +475,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         + " | ".join(f"goodput {n}" for n in plan.targets)
         + " | A/B spec | A/B base | split? | free split | "
         + ("split / best | " if SPLIT in plan.targets else "")
+        + ("control / all-base | " if CONTROL in plan.targets else "")
         + " | ".join(f"{n} / best" for n in GATES)
         + " | features / adaptive | hit "
         + " / ".join(plan.targets)
@@ -476,6 +494,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
             + f" | {_pair(cg['all-spec'])} | {_pair(cg['all-base'])} | "
             f"{'unknown' if split is None else 'yes' if split else 'no'} | {_ratio(c.split_bound())} | "
             + ((f"{_ratio(c.ratio(SPLIT))} | " if SPLIT in c.targets else "- | ") if SPLIT in plan.targets else "")
+            + (f"{_ratio(c.versus(CONTROL, 'all-base'))} | " if CONTROL in plan.targets else "")
             + " | ".join(f"{_ratio(c.ratio(n))} ({goodput_verdict(c, n)})" for n in GATES)
             + f" | {_ratio(c.versus('features', 'adaptive'))} | "
             + " / ".join(_hit(c.targets[n].prefix_cache_hit_rate) if n in c.targets else "-" for n in plan.targets)
@@ -493,7 +512,9 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         f"the better fixed target beyond {TIE:.0%}; free split: each class on its better fixed target, summed, "
         f"over the better fixed target (a split that left each class as well off as it was there); X / best: "
         f"X's goodput over the better of all-spec and all-base, (met/missed) >= {SPLIT_GAIN:g}x where split, "
-        f"else >= {FLOOR:g}x; * inconclusive)"
+        f"else >= {FLOOR:g}x"
+        + (", by more than |control / all-base - 1|, else unknown" if CONTROL in plan.targets else "")
+        + "; * inconclusive)"
     )
     return "\n".join(lines)
 
@@ -537,6 +558,10 @@ def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
             f"{hv.count('met')}, missed in {hv.count('missed')}, unknown in {hv.count('unknown')}"
             + (" (a cell's verdict: its runs', where they all agree)" if several else "")
         )
+    if any(CONTROL in c.targets for c in cells):
+        for (context, sessions), runs in by_cell.items():
+            spread = ", ".join(_ratio(c.versus(CONTROL, "all-base")) for c in runs)
+            out.append(f"control / all-base at {context_label(context)}/{sessions} (the noise): {spread}")
     if several:
         for (context, sessions), runs in by_cell.items():
             ratios = ", ".join(_ratio(c.ratio("features")) for c in runs)
@@ -621,6 +646,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--repeats", type=count, default=1,
                    help="run each cell this many times, drawing the sessions from seeds --seed, --seed + 1, ...; "
                    "a cell's verdict is its runs' where they all agree, else unknown (default 1)")  # fmt: skip
+    p.add_argument("--control", action="store_true",
+                   help="add a second all-base (control): a run's ratio then counts as met or missed only where it "
+                   "clears its target by more than |control / all-base - 1|, else unknown")  # fmt: skip
     p.add_argument("--smg", default=None, metavar="BINARY",
                    help="add smg --policy cache_aware in front of a pair (e.g. .venv-peers/bin/smg)")  # fmt: skip
     add_run_options(p, "a cell needs per target", "headtohead-classes-results")
@@ -633,7 +661,7 @@ def cmd_headtohead_classes(args: argparse.Namespace) -> int:
         think_time_s=args.think_time_s, stagger_s=args.stagger_s, window_s=args.window_s,
         max_window_s=max(args.max_window_s, args.window_s),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, min_requests=args.min_requests,
-        smg=args.smg, topology=args.topology, classes=args.classes, repeats=args.repeats,
+        smg=args.smg, topology=args.topology, classes=args.classes, repeats=args.repeats, control=args.control,
     )  # fmt: skip
     out_dir = Path(args.out_dir)
     started = time.monotonic()
