@@ -196,34 +196,33 @@ def test_repeated_runs_of_a_cell_agree_or_are_unknown() -> None:
         ClassPlan(repeats=0)
 
 
-def with_control(c: ClassCell, goodput: float | None, conclusive: bool = True) -> ClassCell:
-    """`c` with a control (a second all-base) of `goodput`."""
-    if goodput is None:
-        return c
-    return dataclasses.replace(c, targets={**c.targets, CONTROL: tc(CONTROL, goodput, conclusive)})
+def with_control(c: ClassCell, factor: float, conclusive: bool = True) -> ClassCell:
+    """`c` with a control (a second features) of `factor` times features' goodput."""
+    control = tc(CONTROL, c.targets["features"].goodput_req_s * factor, conclusive)
+    return dataclasses.replace(c, targets={**c.targets, CONTROL: control})
 
 
 def test_a_control_makes_a_ratio_within_the_runs_noise_unknown() -> None:
-    # all-spec 10 is the better fixed target; all-base 8 and its copy (the control) 8.8: 10% apart.
-    noisy = with_control(cell(10, 8, 9.8, split=False), 8.8)
+    # all-spec 10 is the better fixed target; features and its copy (the control) 10% apart.
+    noisy = with_control(cell(10, 8, 9.8, split=False), 1.1)
     assert noisy.noise() == pytest.approx(0.1)
     assert goodput_verdict(noisy, "features") == "unknown"  # 0.98x: within 0.1 of 0.97x either way
-    assert goodput_verdict(with_control(cell(10, 8, 10.8, split=False), 8.8), "features") == "met"  # 1.08 - 0.1
-    assert goodput_verdict(with_control(cell(10, 8, 8.6, split=False), 8.8), "features") == "missed"  # 0.86 + 0.1
-    assert goodput_verdict(with_control(cell(10, 8, 12.1, split=True), 8.8), "features") == "met"  # 1.21 - 0.1
-    assert goodput_verdict(with_control(cell(10, 8, 11.5, split=True), 8.8), "features") == "unknown"
+    assert goodput_verdict(with_control(cell(10, 8, 10.8, split=False), 0.9), "features") == "met"  # 1.08 - 0.1
+    assert goodput_verdict(with_control(cell(10, 8, 8.6, split=False), 1.1), "features") == "missed"  # 0.86 + 0.1
+    assert goodput_verdict(with_control(cell(10, 8, 12.1, split=True), 1.1), "features") == "met"  # 1.21 - 0.1
+    assert goodput_verdict(with_control(cell(10, 8, 11.5, split=True), 1.1), "features") == "unknown"
     # A copy that matched: judged as without one; an inconclusive one: nothing is known.
-    assert goodput_verdict(with_control(cell(10, 8, 9.8, split=False), 8.0), "features") == "met"
-    assert goodput_verdict(with_control(cell(10, 8, 9.8, split=False), 8.0, False), "features") == "unknown"
+    assert goodput_verdict(with_control(cell(10, 8, 9.8, split=False), 1.0), "features") == "met"
+    assert goodput_verdict(with_control(cell(10, 8, 9.8, split=False), 1.0, False), "features") == "unknown"
     assert cell(10, 8, 9.8, split=False).noise() == 0.0
     plan = ClassPlan(control=True)
-    assert CONTROL in plan.targets and plan.targets.index(CONTROL) > plan.targets.index("all-base")
+    assert CONTROL in plan.targets and CONTROL not in ClassPlan().targets
+    assert gate_settings(CONTROL) == gate_settings("features")
     text = table(plan, [noisy])
-    assert "| control / all-base |" in text and "| 1.10x |" in text and "0.98x (unknown)" in text
+    assert "| control / features |" in text and "| 1.10x |" in text and "0.98x (unknown)" in text
     runs = [dataclasses.replace(noisy, seed=i) for i in range(2)]
-    assert "control / all-base at 1k/32 (the noise): 1.10x, 1.10x" in summary_lines(runs)
+    assert "control / features at 1k/32 (the noise): 1.10x, 1.10x" in summary_lines(runs)
     assert build_parser().parse_args(["headtohead-classes", "--control"]).control is True
-    assert CONTROL not in ClassPlan().targets
 
 
 def test_hit_verdict_within_five_points_of_the_oracle() -> None:
