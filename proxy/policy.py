@@ -69,7 +69,7 @@ over the last F (forecast.py: the least-squares slope less half its standard err
 while they are under half the pool (routing.Router._growth_ahead), so that the cap a climbing load
 will reach stops speculation while few conversations are there to prefill again on the baseline:
 measured on the simulated H200, 8k-token chats opening over 20 s at 32 sessions, 12 s windows,
-seeds 0-7, 0.98 of all-baseline's goodput against 0.83 reading them as they are (at 8 sessions,
+seeds 0-7, 0.98-1.02 of all-baseline's goodput against 0.84 reading them as they are (at 8 sessions,
 where the pool never fills, 1.00 and 0.99 of all-speculative's). A switch off speculation at the
 cap is not held for its re-prefill: staying re-prefills what the full pool evicts at every turn, a
 switch once. On a shared GPU the speculative server's pool is the smaller (the draft's weights and
