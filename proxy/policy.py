@@ -253,8 +253,8 @@ class PolicyConfig:
     # adaptive, paired group: the curves as believed now (the Router replaces them), which price a
     # switch against its re-prefill (LoadSnapshot.switch_margin); None: switches are not priced.
     curves: Curves | None = None
-    # Streams the speculative role holds before its KV pool is full, K / t (the Router's; None:
-    # unknown, or beyond the high watermark): the watermarks above are capped to it already.
+    # Streams the speculative role holds before its KV pool is full, K / (t + g) (the Router's;
+    # None: unknown): the watermarks above are capped to it already.
     capacity: int | None = None
 
 

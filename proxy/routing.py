@@ -552,17 +552,21 @@ class Router:
         return self._server_caps
 
     def policy_cfg(self) -> PolicyConfig:
-        """The configuration the policy runs with: under a learning policy, the watermarks capped
-        to the speculative role's KV capacity where it is below the high one (policy.py), else as
-        they are."""
+        """The configuration the policy runs with: under a learning policy, the speculative role's
+        KV capacity, and the watermarks capped to it where it is below the high one (policy.py);
+        else as it is. The capacity is told where it is above the high watermark too: no probe
+        goes out past it, and a class's own high watermark is capped to it."""
         cap, cfg = self.kv_streams, self.cfg
-        if cap is None or cap >= cfg.high_watermark or cfg.policy not in LEARNING:
+        if cap is None or cfg.policy not in LEARNING:
             return cfg
         done = self._capped
         if done is not None and done[0] is cfg and done[1] == cap:
             return done[2]
-        low = min(cfg.low_watermark, hysteresis_low(cap))
-        capped = dataclasses.replace(cfg, high_watermark=cap, low_watermark=low, capacity=cap)
+        if cap >= cfg.high_watermark:
+            capped = dataclasses.replace(cfg, capacity=cap)
+        else:
+            low = min(cfg.low_watermark, hysteresis_low(cap))
+            capped = dataclasses.replace(cfg, high_watermark=cap, low_watermark=low, capacity=cap)
         self._capped = (cfg, cap, capped)
         return capped
 

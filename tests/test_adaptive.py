@@ -700,6 +700,22 @@ def test_a_routers_watermarks_are_capped_to_what_the_speculative_kv_pool_holds()
     assert plain.policy_cfg() is plain.cfg
 
 
+def test_the_pools_capacity_is_told_above_the_high_watermark_too() -> None:
+    r = rig()
+    clock = Clock()
+    adaptive = adaptive_cfg(kv_forecast_s=0)
+    (router,) = Fleet(r.topology, r.servers, policy_cfg("adaptive", 16, 8), r.metrics, adaptive, clock=clock).routers
+    r.health["speculative"].engine_kv_capacity = 20_000
+    clock.t += 1
+    lease = router.admit(Role.SPECULATIVE, tokens=1000)
+    # 20 streams of 1,000 tokens: above the high watermark (16), which stands; the capacity is told,
+    # so that no probe goes out past it and a class's own high watermark is capped to it.
+    cfg = router.policy_cfg()
+    assert (cfg.high_watermark, cfg.low_watermark, cfg.capacity) == (16, 8, 20)
+    assert router.policy_cfg() is cfg
+    lease.release()
+
+
 @pytest.mark.parametrize(("topology", "forecast_s", "forecast"), [("paired", 10.0, True), ("paired", 0.0, False),
                                                                    ("pooled", 10.0, False)])  # fmt: skip
 def test_a_paired_groups_cap_is_read_where_the_footprints_growth_takes_it(
