@@ -117,8 +117,9 @@ def describe(gate: Gate) -> dict[str, Any]:
             "kv_capacity_streams": g.kv_streams,
             # Tokens a conversation's next turn adds (counted in the capacity: room for it).
             "turn_growth_tokens": round(g.turn_growth),
-            # A paired group's footprint growth the capacity is read ahead at (tokens a second past
-            # its scatter, forecast.py; None: no forecast, the footprint as it is).
+            # A paired group's footprint growth (tokens a second past its scatter, forecast.py), which
+            # the capacity is read ahead at while the footprint is under half the pool; None: no
+            # forecast, the footprint as it is.
             "kv_forecast_growth_tok_s": None if g.footprint is None else round(max(0.0, g.footprint.rate())),
             "watermarks_in_effect": {"high": g.policy_cfg().high_watermark, "low": g.policy_cfg().low_watermark},
             "servers": {role: list(g.group.of(role)) for role in ROLES},

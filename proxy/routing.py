@@ -493,14 +493,20 @@ class Router:
         self._turns = min(self._turns + 1, GROWTH_TURNS)
         self.turn_growth += (max(0, added) - self.turn_growth) / self._turns
 
+    def _footprint(self) -> tuple[int, float]:
+        """The group's streams, and the tokens they hold, each with room for its next turn
+        (turn_growth: a conversation's cache is worth keeping only if the pool holds it when it
+        comes back, larger)."""
+        streams = self.group_streams()
+        return streams, self.group_tokens() + streams * self.turn_growth
+
     def _streams_in(self, pool: int, ahead: float = 0.0) -> int | None:
         """Streams a KV pool of `pool` tokens holds at the tokens this gateway's streams in the
-        group hold on average, each with room for its next turn (turn_growth: a conversation's
-        cache is worth keeping only if the pool holds it when it comes back, larger), and `ahead`
-        more tokens over them all (the footprint's forecast growth); None while the group has no
+        group hold on average, each with room for its next turn (_footprint), and `ahead` more
+        tokens over them all (the footprint's forecast growth); None while the group has no
         streams."""
-        streams = self.group_streams()
-        tokens = self.group_tokens() + streams * self.turn_growth + ahead
+        streams, held = self._footprint()
+        tokens = held + ahead
         if not streams or tokens <= 0:
             return None
         return int(pool * streams // tokens)
@@ -531,9 +537,8 @@ class Router:
         trend = self.footprint
         if trend is None:
             return 0.0
-        now = self._clock()
-        held = self.group_tokens() + self.group_streams() * self.turn_growth
-        trend.add(now, held)
+        _, held = self._footprint()
+        trend.add(self._clock(), held)
         if held > pool * FORECAST_UNDER:
             return 0.0
         return trend.ahead(held) - held

@@ -406,7 +406,7 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
             urls["smg"] = f"http://127.0.0.1:{port}"
             argv = smg_argv(plan.smg, port, free_port(), list(servers["smg"].values()))
             fleet.start("smg", argv, [urls["smg"] + "/readiness"])
-        for target in (*GATES, *((CONTROL,) if CONTROL in plan.targets else ())):
+        for target in [t for t in plan.targets if t in (*GATES, CONTROL)]:
             port = free_port()
             urls[target] = f"http://127.0.0.1:{port}"
             back = servers[target]
