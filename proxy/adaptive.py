@@ -185,7 +185,7 @@ class SpeedModel:
     def levels(self) -> tuple[int, ...]:
         return self.prior.levels if self.prior is not None else BUCKETS
 
-    def _prior_v(self, backend: Role, c: float) -> float | None:
+    def prior_v(self, backend: Role, c: float) -> float | None:
         p = self.prior
         if p is None:
             return None
@@ -208,7 +208,7 @@ class SpeedModel:
         if not (tok_s > 0 and math.isfinite(tok_s) and load >= 1):
             return
         v = tok_s / (accept or 1.0) if backend == Role.SPECULATIVE else tok_s
-        prior = self._prior_v(backend, load)
+        prior = self.prior_v(backend, load)
         x = math.log(v / prior) if prior is not None else math.log(v)
         level = self._nearest(load)
         cell = self.cells[backend].setdefault(level, _Cell(at=now))

@@ -199,12 +199,17 @@ async def models(request: Request) -> Response:
 
 
 def _classes(tracked: dict[str, dict[str, Any]], router: Router) -> dict[str, dict[str, Any]]:
-    """Each tracked class, with the watermarks its acceptance calls for in the first group
-    (policy.class_choice; null in a pair, without a speed model or a known acceptance)."""
+    """Each tracked class, with the watermarks its acceptance calls for in the first group and what
+    each role of a pool would gain with one more of its streams now (policy.class_choice; null in
+    a pair, without a speed model or a known acceptance)."""
     for info in tracked.values():
-        view = router.class_view(None, info["accept_length"])
+        accept = info["accept_length"]
+        view = router.class_view(None, accept)
         known = view.high is not None and view.low is not None
         info["watermarks"] = {"high": view.high, "low": view.low} if known else None
+        gains = None if accept is None else router.pool_gains(accept)
+        info["gains_tok_s"] = None if gains is None else {"speculative": round(gains.speculative, 1),
+                                                          "baseline": round(gains.baseline, 1)}  # fmt: skip
     return tracked
 
 

@@ -254,6 +254,7 @@ class Settings(BaseSettings):
             probe_shadow=self.adaptive_probe_mode == "shadow",
             # A few polls: the engine's reading of a server that just had traffic lags by one.
             accept_fresh_s=max(10.0, 3 * self.health_interval_s),
+            affinity_slack=self.affinity_slack,
         )
 
     def adaptive_config(self) -> AdaptiveConfig:

@@ -112,24 +112,43 @@ mode decides every turn's role, as it does every class's; affinity still picks t
 
 a request of a traffic class whose acceptance A_c is known (classes.py), in a pooled topology
 (the roles on disjoint GPUs, so that the baseline pool is idle hardware otherwise), whatever the
-policy but spillover. Where the policy has a model of both servers' speed (adaptive, model), the
-class has watermarks of its own, high_c and low_c: the group's, solved at A_c instead of the
-traffic's acceptance (Router.class_marks), and compared with S, the speculative pool's own load
-(it holds only the classes sent to it):
+policy but spillover. Where the policy knows both roles' speed as measured by the calibration
+(adaptive, model: Router.pool_gains), the request goes where the pool's throughput gains most from
+it. With S and B each role's load per server (before the request), v_r(n) the per-stream steps a
+second of role r at n streams (the calibration's curves; the model policy's fitted step times,
+1 / step_r(n, n*t)), and A_S the mean acceptance of the streams on the speculative role (its
+engine's reading, else the traffic's):
+
+    G_spec = A_c * v_s(S+1) - S * A_S * (v_s(S) - v_s(S+1))        its tokens, less what it slows
+    G_base =       v_b(B+1) - B *       (v_b(B) - v_b(B+1))          the others by
+    backend = baseline                      if S >= K / (t + g) (memory, below)       (reason class)
+            = the held role                 if G_other - G_held <= slack * c / 1000 * A_h * v_h(n+1)
+                                                                                      (reason affinity)
+            = speculative if G_spec >= G_base, else baseline                          (reason class)
+
+where a conversation's cache is held (c its tokens cached there, A_h * v_h(n+1) the turn's own
+speed on the held role, slack SPECGATE_AFFINITY_SLACK): the other role must gain more than `slack`
+streams' speed per thousand tokens it would prefill again. So a class that accepts more takes the
+speculative role to a higher load, one that accepts less leaves it for the idle baseline first,
+and once both run, each new conversation goes where it adds most. The speeds are the calibration's
+as measured, not corrected live: a pool learns a role's speed only while the other is idle, and a
+corrected speed compared with one that was not picks the side the correction favours (measured on
+the simulated H200, pooled, 8k-token chats at 8 sessions: the live correction read speculation
+1.48x its curve at 4 streams from streams' decode alone, while the baseline's curve, which counts
+prefill as well, was never corrected; class A, accepting 1.3, kept going to speculation, where its
+turns decoded at 14-15 ms a token against 10 ms on the idle baseline, and the cell had 4.58 requests
+a second of goodput against 5.17 with the curves as measured and 5.25 for the static split).
+Where they are not (adaptive without a calibration file, its curves learnt live), each class has
+watermarks of its own, high_c and low_c: the group's, solved at A_c instead of the traffic's acceptance
+(Router.class_marks), and compared with S, the speculative pool's own load:
 
     backend = baseline                        if S >= high_c                          (reason class)
             = speculative                     if S <= low_c                           (reason class)
             = the role holding the conversation's cache, between them, where one is (reason affinity)
             = baseline if the class gains least, else speculative, where none is     (reason class)
 
-so a class that gains more from speculation than the traffic as a whole keeps it to a higher load,
-and one that gains less leaves it sooner. Between its watermarks either role pays for the class,
-and a new conversation of a class that gains least starts on the baseline, where the next rise of
-S would send it anyway: started on speculation, it moved there at that rise and prefilled again
-(measured on the simulated H200, pooled, 8k-token chats at 8 sessions: class A's conversations
-then started on speculation and left it at their second turn, 5-8 points of prefix-cache hit rate
-behind smg's cache_aware over 12 s). Without such a model (threshold, or no calibration yet)
-the classes are ranked instead, below the high watermark:
+Without any model of speed (threshold, or adaptive before its curves conclude anything) the
+classes are ranked instead, below the high watermark:
 
     backend = speculative if the class gains most (acceptance >= the traffic's median) else baseline
                                                                               (reason class)
@@ -256,6 +275,9 @@ class PolicyConfig:
     # Streams the speculative role holds before its KV pool is full, K / (t + g) (the Router's;
     # None: unknown): the watermarks above are capped to it already.
     capacity: int | None = None
+    # Pooled classes: a turn stays on the role holding its cache unless the other gains more than
+    # this many streams' speed per thousand tokens cached (SPECGATE_AFFINITY_SLACK, as affinity.py).
+    affinity_slack: float = 1.0
 
 
 class Curves(NamedTuple):
@@ -333,12 +355,38 @@ class PolicyState:
 @dataclass(frozen=True)
 class ClassView:
     """What the policy knows of a request's traffic class: whether it is among those that gain most
-    from speculation (ClassBook's ranking; None: fewer than two classes known), and the watermarks
-    its own acceptance calls for (None: no speed model to solve them, or its acceptance unknown)."""
+    from speculation (ClassBook's ranking; None: fewer than two classes known), the watermarks
+    its own acceptance calls for (None: no speed model to solve them, or its acceptance unknown),
+    and its acceptance (None: unknown)."""
 
     gains: bool | None
     high: int | None = None
     low: int | None = None
+    accept: float | None = None
+
+
+class PoolGains(NamedTuple):
+    """A pooled group's throughput gain (tokens/s) from one more stream of a class on each role
+    (marginal_gain), and the stream's own speed there: the class rule's inputs where both roles'
+    speeds are known."""
+
+    speculative: float
+    baseline: float
+    speed_speculative: float
+    speed_baseline: float
+
+    def of(self, role: Role) -> tuple[float, float]:
+        """(gain, the stream's own speed) on `role`."""
+        if role == Role.SPECULATIVE:
+            return self.speculative, self.speed_speculative
+        return self.baseline, self.speed_baseline
+
+
+def marginal_gain(accept: float, streams: float, held_accept: float, v_now: float, v_next: float) -> float:
+    """A server's throughput gain from one more stream of acceptance `accept`, where `streams`
+    streams of mean acceptance `held_accept` run at `v_now` steps a second each and all run at
+    `v_next` with it (the module's G_r)."""
+    return accept * v_next - streams * held_accept * (v_now - v_next)
 
 
 class Decision(NamedTuple):
@@ -540,11 +588,16 @@ def class_choice(
     pooled: bool,
     spec_load: int = 0,
     held: Role | None = None,
+    gains: PoolGains | None = None,
+    cached_tokens: int = 0,
 ) -> Decision:
     """The decision for a request of a traffic class (the module's rule); `held`: the role of the
-    server holding its conversation's cache, if any."""
+    server holding its conversation's cache, if any, which holds `cached_tokens` of it; `gains`:
+    what each role gains with it, where both roles' speeds are known."""
     if not pooled or decision.backend is None or decision.reason not in _MODE_REASONS or cfg.policy == "spillover":
         return decision
+    if gains is not None:
+        return _gained_choice(decision, gains, cfg, healthy, spec_load, held, cached_tokens)
     if view.high is None or view.low is None:
         return _ranked_choice(decision, view.gains, cfg, healthy)
     reason: Reason
@@ -557,6 +610,30 @@ def class_choice(
         choice, reason = held, "affinity"
     else:
         choice, reason = (Role.BASELINE if view.gains is False else Role.SPECULATIVE), "class"
+    if not healthy.get(choice, False):
+        return decision
+    return Decision(choice, reason, decision.state, decision.load)
+
+
+def _gained_choice(
+    decision: Decision,
+    gains: PoolGains,
+    cfg: PolicyConfig,
+    healthy: Mapping[Role, bool],
+    spec_load: int,
+    held: Role | None,
+    cached_tokens: int,
+) -> Decision:
+    """The class rule where each role's gain is known (the module's rule)."""
+    reason: Reason = "class"
+    if cfg.capacity is not None and spec_load >= cfg.capacity:
+        choice = Role.BASELINE
+    else:
+        choice = Role.SPECULATIVE if gains.speculative >= gains.baseline else Role.BASELINE
+        if held is not None and held != choice and healthy.get(held, False):
+            gain_held, speed_held = gains.of(held)
+            if gains.of(choice)[0] - gain_held <= cfg.affinity_slack * cached_tokens / 1000 * speed_held:
+                choice, reason = held, "affinity"
     if not healthy.get(choice, False):
         return decision
     return Decision(choice, reason, decision.state, decision.load)

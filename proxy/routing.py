@@ -35,6 +35,7 @@ from .policy import (
     LoadSnapshot,
     PolicyConfig,
     PolicyState,
+    PoolGains,
     Role,
     accept_fresh,
     affinity_choice,
@@ -43,6 +44,7 @@ from .policy import (
     decide,
     decide_batch,
     least_loaded,
+    marginal_gain,
     probe_returned,
     probes_restarted,
     settle,
@@ -57,6 +59,8 @@ log = logging.getLogger("specgate.routing")
 
 # Class views (a rank and an acceptance to 0.01) kept between estimates: more than traffic has.
 MAX_CLASS_VIEWS = 256
+# Loads whose curve speeds are kept (Router._rates): a pool's loads per server, and a few fractions.
+MAX_RATES_SEEN = 4096
 # Returning turns a router's turn_growth is the mean of, at most (then a moving average).
 GROWTH_TURNS = 64
 # The share of the speculative pool under which its footprint is read ahead (_growth_ahead).
@@ -115,6 +119,8 @@ class Router:
         # request asks, and solving its watermarks walks the curves. Solved again once the
         # estimate moves.
         self._class_views: dict[tuple[bool | None, float], ClassView] = {}
+        # Each role's curve speeds at a load and one more (_rates), as asked.
+        self._rates_seen: dict[tuple[Role, float], tuple[float, float]] = {}
         # The model policy's step-time model: None without a fit (the adaptive rule then, as it is).
         self.speed: StepModel | None = None
         # 1 / (P * H), which prices a switch of a paired group per token it re-prefills
@@ -270,11 +276,13 @@ class Router:
         held: Role | None = None,
         klass: ClassView | None = None,
         prompt_tokens: int = 0,
+        cached_tokens: int = 0,
     ) -> Decision:
         """The backend for a new request. `can_probe` False: the request says nothing of acceptance
         (a model list, embeddings), so it is no probe, not even a shadow's original. `batch`: the
         request leaves speculation to interactive ones (policy.decide_batch). `held`: the role of
-        the server holding the request's conversation cache (policy.affinity_choice). `klass`:
+        the server holding the request's conversation cache (policy.affinity_choice), which holds
+        `cached_tokens` of it. `klass`:
         what is known of the request's traffic class (policy.class_choice, which goes before
         affinity: a conversation's cache is worth one prefill, its class's gain every token).
         `prompt_tokens`: its prompt's, which the model policy counts in the context the group
@@ -292,7 +300,10 @@ class Router:
         decision = decide(snapshot, self.state, cfg)
         if klass is not None and self._pooled:
             spec = backend_load(snapshot, Role.SPECULATIVE, cfg.load_signal)
-            decision = class_choice(decision, klass, cfg, snapshot.healthy, self._pooled, spec, held)
+            base = backend_load(snapshot, Role.BASELINE, cfg.load_signal)
+            gains = None if klass.accept is None else self.pool_gains(klass.accept, (spec, base))
+            healthy, pooled = snapshot.healthy, self._pooled
+            decision = class_choice(decision, klass, cfg, healthy, pooled, spec, held, gains, cached_tokens)
         if held is not None and decision.reason not in ("class", "affinity"):
             decision = affinity_choice(decision, held, cfg, snapshot.healthy, self._pooled)
         self._set_state(decision.state)
@@ -310,13 +321,61 @@ class Router:
             if view is None:
                 if len(self._class_views) >= MAX_CLASS_VIEWS:
                     self._class_views.clear()
-                view = self._class_views[key] = self._view_of(gains, self.class_marks(key[1]))
+                view = self._class_views[key] = self._view_of(gains, self.class_marks(key[1]), key[1])
             return view
-        return self._view_of(gains, self.class_marks(accept))
+        return self._view_of(gains, self.class_marks(accept), accept)
 
     @staticmethod
-    def _view_of(gains: bool | None, marks: tuple[int, int] | None) -> ClassView:
-        return _RANKED[gains] if marks is None else ClassView(gains, marks[0], marks[1])
+    def _view_of(gains: bool | None, marks: tuple[int, int] | None, accept: float) -> ClassView:
+        high, low = (None, None) if marks is None else marks
+        return ClassView(gains, high, low, accept)
+
+    def pool_gains(self, accept: float, loads: tuple[int, int] | None = None) -> PoolGains | None:
+        """What each role of a pool gains with one more stream of acceptance `accept`
+        (policy.marginal_gain), each role's load (`loads`, speculative and baseline, where the caller
+        has read them) spread over its healthy servers; None in a pair, or
+        where a role's speed is not known. The speeds are the calibration's as measured (the fitted
+        step times under the model policy, else the curves), not corrected live: a pool learns a
+        role's speed only while the other is idle, and a speed corrected on one side compared with
+        one that was not would pick a side by the correction."""
+        a = self.adaptive
+        if not self._pooled or a is None or (self.speed is None and a.model.prior is None):
+            return None
+        spec, base = loads if loads is not None else (self.backend_load(r) for r in ROLES)
+        on_spec = self.engine_accept() or a.estimate.accept_live or accept
+        g_spec, v_spec = self._gain(Role.SPECULATIVE, spec, accept, on_spec)
+        g_base, v_base = self._gain(Role.BASELINE, base, 1.0, 1.0)
+        return PoolGains(g_spec, g_base, v_spec, v_base)
+
+    def _gain(self, role: Role, load: int, accept: float, held_accept: float) -> tuple[float, float]:
+        """(what `role`, holding `load`, gains with one more stream of acceptance `accept`, that
+        stream's speed)."""
+        servers = self.group.of(role)
+        n = len(servers) if len(servers) == 1 else sum(1 for s in servers if self._servers[s].healthy) or 1
+        streams = load / n
+        now, more = self._rates(role, streams)
+        return marginal_gain(accept, streams, held_accept, now, more), accept * more
+
+    def _rates(self, role: Role, streams: float) -> tuple[float, float]:
+        """A stream's steps a second on `role` at `streams` streams a server and at one more: the
+        model policy's fitted step times at the group's context, else the calibration's curves
+        (which do not change: kept, as every class's request asks)."""
+        speed = self.speed
+        if speed is not None:
+            fit, t = speed.fit.of(role), speed.context
+            n = max(streams, 1.0)
+            return 1.0 / max(fit.step_s(n, n * t), 1e-9), 1.0 / max(fit.step_s(n + 1, (n + 1) * t), 1e-9)
+        key = (role, streams)
+        rates = self._rates_seen.get(key)
+        if rates is None:
+            assert self.adaptive is not None
+            v = self.adaptive.model.prior_v
+            now, more = v(role, max(streams, 1.0)), v(role, streams + 1)
+            assert now is not None and more is not None  # pool_gains checked there is a prior
+            if len(self._rates_seen) >= MAX_RATES_SEEN:
+                self._rates_seen.clear()
+            rates = self._rates_seen[key] = (now, more)
+        return rates
 
     def class_marks(self, accept: float) -> tuple[int, int] | None:
         """(high, low) for a traffic class of acceptance `accept` (policy.class_choice): the speed
@@ -721,7 +780,7 @@ class Fleet:
                 decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens)
                 return Placement(decision, router, affinity="break_load")
         role = mine.server_role(held.server)
-        decision = mine.decide(can_probe, batch, role, _view(mine, klass), prompt_tokens)
+        decision = mine.decide(can_probe, batch, role, _view(mine, klass), prompt_tokens, held.tokens)
         if decision.backend != role:
             return Placement(decision, mine, affinity="break_mode")
         peers = mine.group.of(role)

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from proxy.classes import CLASS_HALF_LIFE_S, MIN_STEPS, NAME_CHARS, OTHER, RANK_EVERY_S, ClassBook, class_of
-from proxy.policy import ClassView, Decision, PolicyState, Role, class_choice
+from proxy.policy import ClassView, Decision, PolicyState, PoolGains, Role, class_choice, marginal_gain
 from proxy.routing import Fleet, Router
 
 from .helpers import Clock, adaptive_cfg, policy_cfg, rig, wait_until
@@ -164,6 +164,87 @@ def test_a_pools_class_with_watermarks_of_its_own_keeps_speculation_as_long_as_i
     assert (d.backend, d.reason) == (Role.BASELINE, "class")
 
 
+def test_a_streams_gain_is_its_tokens_less_what_it_slows_the_others_by() -> None:
+    # 4 streams accepting 2 tokens a step at 10 steps a second each, 9 each with a fifth of 3.
+    assert marginal_gain(3.0, 4, 2.0, 10.0, 9.0) == 3.0 * 9.0 - 4 * 2.0 * 1.0
+    assert marginal_gain(1.0, 0, 1.0, 10.0, 10.0) == 10.0  # an idle server: the stream's own speed
+    # Where throughput is flat, one more stream adds nothing.
+    assert marginal_gain(1.0, 100, 1.0, 1.0, 100 / 101) == pytest.approx(0.0)
+
+
+def test_a_pools_class_goes_where_the_pool_gains_most() -> None:
+    cfg = policy_cfg("adaptive", high=20, low=15)
+    spec = PolicyState(Role.SPECULATIVE)
+    light = Decision(Role.SPECULATIVE, "light_load", spec, 6)
+    view = ClassView(False, 20, 15, 1.3)  # its watermarks alone would keep it on speculation
+    # Each role's gain with the stream, and its own speed there (tokens/s).
+    gains = PoolGains(190.0, 229.0, 250.0, 229.0)
+
+    def pooled(g: PoolGains = gains, s: int = 5, held: Role | None = None, cached: int = 0, c: Any = cfg) -> Decision:
+        return class_choice(light, view, c, UP, True, s, held, g, cached)
+
+    d = pooled()
+    assert (d.backend, d.reason, d.state, d.load) == (Role.BASELINE, "class", spec, 6)
+    assert pooled(PoolGains(300.0, 229.0, 400.0, 229.0)).backend == Role.SPECULATIVE
+    assert pooled(PoolGains(229.0, 229.0, 300.0, 229.0)).backend == Role.SPECULATIVE  # a tie
+    # A conversation stays on the role holding its cache unless the other gains more than
+    # slack * (cached / 1000) of its own speed there: 39 > 1 * 0.15 * 250, 39 <= 1 * 0.16 * 250.
+    assert pooled(held=Role.SPECULATIVE, cached=150).backend == Role.BASELINE
+    d = pooled(held=Role.SPECULATIVE, cached=160)
+    assert (d.backend, d.reason) == (Role.SPECULATIVE, "affinity")
+    loose = policy_cfg("adaptive", high=20, low=15, affinity_slack=0.5)
+    assert pooled(held=Role.SPECULATIVE, cached=160, c=loose).backend == Role.BASELINE
+    assert pooled(held=Role.BASELINE, cached=10_000).reason == "class"  # held where it gains most anyway
+    # The speculative pool full: the baseline, whatever the gains or the cache.
+    full = policy_cfg("adaptive", high=20, low=15, capacity=5)
+    strong = PoolGains(900.0, 1.0, 900.0, 1.0)
+    d = pooled(strong, s=5, held=Role.SPECULATIVE, cached=10_000, c=full)
+    assert (d.backend, d.reason) == (Role.BASELINE, "class")
+    assert pooled(strong, s=4, c=full).backend == Role.SPECULATIVE
+    # The held role down: no affinity; the choice down: the decision stands.
+    d = class_choice(light, view, cfg, {**UP, Role.SPECULATIVE: False}, True, 5, Role.SPECULATIVE, gains, 10_000)
+    assert (d.backend, d.reason) == (Role.BASELINE, "class")
+    assert class_choice(light, view, cfg, {**UP, Role.BASELINE: False}, True, 5, None, gains) is light
+    # A probe, spillover, a pair: the decision stands.
+    probe = Decision(Role.SPECULATIVE, "probe", spec, 6)
+    assert class_choice(probe, view, cfg, UP, True, 5, None, gains) is probe
+    assert class_choice(light, view, policy_cfg("spillover", high=20, low=15), UP, True, 5, None, gains) is light
+    assert class_choice(light, view, cfg, UP, False, 5, None, gains) is light
+
+
+def test_a_pools_classes_are_placed_by_the_calibrations_curves_and_the_load_on_each_role() -> None:
+    r = rig(topology="pooled")
+    r.health["speculative"].spec_accept_length = 3.0
+    policy = policy_cfg("adaptive", 16, 8, probe_s=0.0)
+    adaptive = adaptive_cfg(margin=0.0, min_watermark=0, max_watermark=60)
+    (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, calibration(), clock=Clock()).routers
+    weak, strong = router.class_view(False, 1.2), router.class_view(True, 3.0)
+    assert strong.low is not None and strong.low >= 5  # its own watermarks keep it on speculation at 5
+    # Both idle: per the curves a stream of 1.2 makes 1.2 * 60 tokens/s on speculation and 100 on
+    # the baseline, one of 3.0 makes 180.
+    assert router.pool_gains(1.2) == pytest.approx(PoolGains(72.0, 100.0, 72.0, 100.0))
+    assert router.decide(klass=weak)[:2] == (Role.BASELINE, "class")
+    assert router.decide(klass=strong)[:2] == (Role.SPECULATIVE, "class")
+    # With 5 streams on speculation a sixth adds 130 tokens/s of its own but slows the five by 50,
+    # where the idle baseline adds 100: it goes there, though speculation still pays at 6 streams.
+    leases = [router.admit(Role.SPECULATIVE) for _ in range(5)]
+    g = router.pool_gains(3.0)
+    assert g is not None and g.speculative == pytest.approx(3 * 260 / 6 - 5 * 3 * (700 / 15 - 260 / 6))
+    assert router.decide(klass=strong)[:2] == (Role.BASELINE, "class")
+    # A conversation cached there stays: moving it gains 20 tokens/s, its 8k tokens are worth 8
+    # streams' speed. One of 100 tokens does not.
+    d = router.decide(held=Role.SPECULATIVE, klass=strong, cached_tokens=8000)
+    assert (d.backend, d.reason) == (Role.SPECULATIVE, "affinity")
+    assert router.decide(held=Role.SPECULATIVE, klass=strong, cached_tokens=100).backend == Role.BASELINE
+    for lease in leases:
+        lease.release()
+    # In a pair, or without a calibration: no gains, the watermarks' rule.
+    (pair,) = Fleet(rig().topology, rig().servers, policy, r.metrics, adaptive, calibration(), clock=Clock()).routers
+    assert pair.pool_gains(3.0) is None
+    (blind,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, None, clock=Clock()).routers
+    assert blind.pool_gains(3.0) is None
+
+
 def test_a_classs_watermarks_are_the_groups_curves_at_its_acceptance() -> None:
     clock = Clock()
     r = rig(topology="pooled")
@@ -172,8 +253,8 @@ def test_a_classs_watermarks_are_the_groups_curves_at_its_acceptance() -> None:
     adaptive = adaptive_cfg(margin=0.0, min_watermark=0, max_watermark=60)
     (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, calibration(), clock=clock).routers
     assert (router.cfg.high_watermark, router.cfg.low_watermark) == (20, 15)  # at the live 3.0
-    assert router.class_view(True, 3.0) == ClassView(True, 20, 15)
-    assert router.class_view(False, 1.2) == ClassView(False, 0, 0)  # never pays at 1.2
+    assert router.class_view(True, 3.0) == ClassView(True, 20, 15, 3.0)
+    assert router.class_view(False, 1.2) == ClassView(False, 0, 0, 1.2)  # never pays at 1.2
     strong = router.class_view(True, 6.0)
     assert strong.high == 60 and strong.low is not None and strong.low < 60  # pays to the top level, clamped
     assert router.class_view(None, None) == ClassView(None)  # acceptance not known yet
@@ -196,7 +277,7 @@ def test_a_classs_watermarks_are_the_groups_curves_at_its_acceptance() -> None:
         lease.release()
     # Under the threshold policy there is no model of speed: the ranked rule.
     (plain,) = Fleet(r.topology, r.servers, policy_cfg(high=16, low=8), r.metrics).routers
-    assert plain.class_view(True, 3.0) == ClassView(True)
+    assert plain.class_view(True, 3.0) == ClassView(True, accept=3.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,6 +355,7 @@ async def test_in_a_pool_the_class_that_gains_most_gets_speculation_first(gatewa
 async def test_a_pair_is_never_split_by_class(gateway: StartGateway) -> None:
     gw, tracked = await _two_classes(gateway)
     assert (tracked["code"]["gains_most"], tracked["chat"]["gains_most"]) == (True, False), tracked
+    assert tracked["code"]["gains_tok_s"] is None  # nothing to compare: one GPU
     # Between the watermarks, on one GPU shared by both servers: the mode decides for all.
     async with _holding(gw, 2):
         assert await _ask(gw, "chat", VARIED, stream=False) == ("speculative", "light_load")
@@ -349,6 +431,10 @@ async def test_under_the_adaptive_policy_each_class_has_its_own_watermarks(
     # The calibration's curves cross at 20 streams at acceptance 3: speculation pays a class that
     # accepts more to a higher load, and one that accepts about 1 token a step at hardly any.
     assert code["high"] >= 20 > 2 >= chat["high"], tracked
+    # And with both roles idle, a stream of the one gains most on speculation, of the other on the
+    # baseline (what the rule compares: policy.class_choice).
+    gains = {name: tracked[name]["gains_tok_s"] for name in ("code", "chat")}
+    assert gains["code"]["speculative"] > gains["code"]["baseline"] > gains["chat"]["speculative"], gains
     # With the speculative pool holding a few streams, each class goes where its own watermarks say.
     async with _holding(gw, 3):
         assert await _ask(gw, "chat", VARIED, stream=False) == ("baseline", "class")
