@@ -5,6 +5,7 @@ policy.class_choice)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
+from proxy.calibration import ModelFit, StepFit
 from proxy.classes import CLASS_HALF_LIFE_S, MIN_STEPS, NAME_CHARS, OTHER, RANK_EVERY_S, ClassBook, class_of
 from proxy.policy import ClassView, Decision, PolicyState, PoolGains, Role, class_choice, marginal_gain
 from proxy.routing import Fleet, Router
@@ -243,6 +245,32 @@ def test_a_pools_classes_are_placed_by_the_calibrations_curves_and_the_load_on_e
     assert pair.pool_gains(3.0) is None
     (blind,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, None, clock=Clock()).routers
     assert blind.pool_gains(3.0) is None
+
+
+def test_under_the_model_policy_a_pools_gains_are_the_fitted_step_times_not_corrected_live() -> None:
+    r = rig(topology="pooled")
+    r.health["speculative"].spec_accept_length = 3.0
+    fit = ModelFit(StepFit(0.012, 1e-4, 0.0), StepFit(0.006, 1e-4, 0.0), (1000, 4000), 128, 3.0)
+    cal = dataclasses.replace(calibration(), model=fit)
+    policy = policy_cfg("model", 16, 8, probe_s=0.0)
+    (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive_cfg(), cal, clock=Clock()).routers
+    assert router.speed is not None
+    # A step of n streams takes a + b * n: with 10 on speculation, a stream there steps 1 / 0.013
+    # times a second, 1 / 0.0131 with one more; the idle baseline 1 / 0.0061.
+    leases = [router.admit(Role.SPECULATIVE) for _ in range(10)]
+    v10, v11, base = 1 / 0.013, 1 / 0.0131, 1 / 0.0061
+    expected = PoolGains(3.0 * v11 - 10 * 3.0 * (v10 - v11), base, 3.0 * v11, base)
+    assert router.pool_gains(3.0) == pytest.approx(expected)
+    assert router.decide(klass=router.class_view(True, 3.0))[:2] == (Role.SPECULATIVE, "class")
+    assert router.decide(klass=router.class_view(False, 1.3))[:2] == (Role.BASELINE, "class")
+    # Streams read at half the speculative server's fitted speed correct its watermarks, not the
+    # gains: the baseline's speed, never read while speculation runs, would be compared uncorrected.
+    for _ in range(40):
+        router.observe(Role.SPECULATIVE, 10, 0.5 * 3.0 * v10, 10 * 1000.0, 3.0)
+    assert router.speed.corrections[Role.SPECULATIVE].k > 1.2
+    assert router.pool_gains(3.0) == pytest.approx(expected)
+    for lease in leases:
+        lease.release()
 
 
 def test_a_classs_watermarks_are_the_groups_curves_at_its_acceptance() -> None:
