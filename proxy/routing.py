@@ -363,8 +363,8 @@ class Router:
         speed = self.speed
         if speed is not None:
             fit, t = speed.fit.of(role), speed.context
-            n, more = max(streams, 1.0), streams + 1
-            return 1.0 / max(fit.step_s(n, n * t), 1e-9), 1.0 / max(fit.step_s(more, more * t), 1e-9)
+            n, m = max(streams, 1.0), streams + 1
+            return 1.0 / max(fit.step_s(n, n * t), 1e-9), 1.0 / max(fit.step_s(m, m * t), 1e-9)
         key = (role, streams)
         rates = self._rates_seen.get(key)
         if rates is None:
