@@ -58,7 +58,6 @@ async def running(settings: Settings, tracer_provider: TracerProvider | None = N
         metrics,
         settings.adaptive_config(),
         calibration,
-        affinity_slack=settings.affinity_slack,
         classes=classes,
     )
     tracing = Tracing.of(topology, settings.allowed_paths, tracer_provider)

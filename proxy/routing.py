@@ -707,12 +707,11 @@ class Fleet:
         calibration: Calibration | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
-        affinity_slack: float = 1.0,
         classes: ClassBook | None = None,
     ) -> None:
         self.topology = topology
         # Requests of load a turn's server may have beyond the best, per thousand tokens it has cached.
-        self.affinity_slack = affinity_slack
+        self.affinity_slack = cfg.affinity_slack
         self._metrics = metrics
         self._rng = rng or random.Random()
         self.tracker = InflightTracker(servers, self._changed, clock)
