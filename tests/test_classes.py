@@ -241,7 +241,8 @@ def test_a_pools_classes_are_placed_by_the_calibrations_curves_and_the_load_on_e
     for lease in leases:
         lease.release()
     # In a pair, or without a calibration: no gains, the watermarks' rule.
-    (pair,) = Fleet(rig().topology, rig().servers, policy, r.metrics, adaptive, calibration(), clock=Clock()).routers
+    paired = rig()
+    (pair,) = Fleet(paired.topology, paired.servers, policy, paired.metrics, adaptive, calibration()).routers
     assert pair.pool_gains(3.0) is None
     (blind,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, None, clock=Clock()).routers
     assert blind.pool_gains(3.0) is None
