@@ -333,11 +333,11 @@ class Router:
     def pool_gains(self, accept: float, loads: tuple[int, int] | None = None) -> PoolGains | None:
         """What each role of a pool gains with one more stream of acceptance `accept`
         (policy.marginal_gain), each role's load (`loads`, speculative and baseline, where the caller
-        has read them) spread over its healthy servers; None in a pair, or
-        where a role's speed is not known. The speeds are the calibration's as measured (the fitted
-        step times under the model policy, else the curves), not corrected live: a pool learns a
-        role's speed only while the other is idle, and a speed corrected on one side compared with
-        one that was not would pick a side by the correction."""
+        has read them) spread over its healthy servers; None in a pair, or where a role's speed is
+        not known. The speeds are the calibration's as measured (the fitted step times under the
+        model policy, else the curves), not corrected live: a pool learns a role's speed only while
+        the other is idle, and a speed corrected on one side compared with one that was not would
+        pick a side by the correction."""
         a = self.adaptive
         if not self._pooled or a is None or (self.speed is None and a.model.prior is None):
             return None
