@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .calibration import Calibration
-from .policy import ROLES, Curves, Role, interpolate
+from .policy import ROLES, Curves, Role, hysteresis_low, interpolate
 
 # Without a calibration, observations go to the nearest of these levels (streams on one server).
 BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
@@ -70,11 +70,6 @@ MAX_CORRECTION = 2.0  # observed speed vs calibration, bounded to [1/2, 2]
 CLIP_LOG = 0.35  # one observation moves a level's estimate by at most ~40% of the way
 MIN_WEIGHT_NO_PRIOR = 3.0  # without a calibration, a level counts after this many observations
 MIN_STREAM_EVENTS = 4  # a stream's acceptance is read from at least this many content events
-
-
-def hysteresis_low(high: int) -> int:
-    """A band of a quarter of the high watermark (at least one request), as `calibrate` uses."""
-    return max(0, high - max(1, math.ceil(high / 4)))
 
 
 Verdict = Literal["crosses", "never_pays", "always_pays", "no_data"]

@@ -34,9 +34,10 @@ threshold rule with the live watermarks, plus
     few tokens and never shown to the client, goes to the idle speculative server (Decision.shadow)
     no return to speculation on an acceptance reading older than accept_fresh_s: a probe
     session first                                              (reason dwell_hold, then probe)
-    no probe while the load is at or past the speculative pool's capacity (below): no acceptance
-    brings speculation back there, and on a shared GPU each probe's prefill of a whole prompt
-    takes the GPU from the baseline's batch
+    no probe while the load is above max(low, hysteresis_low(C)), C the speculative pool's capacity
+    in streams (below): speculation returns only at the low watermark, which no acceptance lifts
+    past the band under a high watermark capped to C, and on a shared GPU each probe's prefill
+    of a whole prompt takes the GPU from the baseline's batch
 
 so that the speculative server's acceptance on today's traffic stays known while it gets none. And in
 a paired group (the two servers on one GPU), where a switch moves every conversation to the other
@@ -307,6 +308,11 @@ class Curves(NamedTuple):
         return gain
 
 
+def hysteresis_low(high: int) -> int:
+    """A band of a quarter of the high watermark (at least one request), as `calibrate` uses."""
+    return max(0, high - max(1, math.ceil(high / 4)))
+
+
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Linear between points, flat outside them (NaN points are not skipped: callers avoid them)."""
     if x <= xs[0]:
@@ -479,7 +485,7 @@ def probe_due(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig, loa
     idle = snapshot.speculative_idle_since
     if cfg.probe_s <= 0 or state.mode != Role.BASELINE or idle is None or load >= cfg.probe_max_load:
         return False
-    if cfg.capacity is not None and load >= cfg.capacity:
+    if cfg.capacity is not None and load > max(cfg.low_watermark, hysteresis_low(cfg.capacity)):
         return False
     if not snapshot.healthy.get(Role.SPECULATIVE, False):
         return False

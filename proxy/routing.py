@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from .adaptive import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig, hysteresis_low, stream_accept
+from .adaptive import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig, stream_accept
 from .affinity import Held, Outcome, keep
 from .calibration import MAX_WATERMARK, Calibration
 from .classes import ClassBook
@@ -43,6 +43,7 @@ from .policy import (
     class_choice,
     decide,
     decide_batch,
+    hysteresis_low,
     least_loaded,
     marginal_gain,
     probe_returned,
@@ -619,7 +620,8 @@ class Router:
         """The configuration the policy runs with: under a learning policy, the speculative role's
         KV capacity, and the watermarks capped to it where it is below the high one (policy.py);
         else as it is. The capacity is told where it is above the high watermark too: no probe
-        goes out past it, and a class's own high watermark is capped to it."""
+        goes out above the low watermark it allows, and a class's own high watermark is capped to
+        it."""
         cap, cfg = self.kv_streams, self.cfg
         if cap is None or cfg.policy not in LEARNING:
             return cfg

@@ -68,9 +68,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .adaptive import hysteresis_low
 from .calibration import MODEL_FORM, ModelFit, StepFit
-from .policy import ROLES, Role
+from .policy import ROLES, Role, hysteresis_low
 
 # The weight of one observation in the live correction's average (of logs).
 CORRECTION_ALPHA = 0.1

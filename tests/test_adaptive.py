@@ -19,7 +19,6 @@ from proxy.adaptive import (
     crossing,
     estimate,
     held_at_capacity,
-    hysteresis_low,
     step_watermark,
     stream_accept,
     watermarks,
@@ -27,7 +26,7 @@ from proxy.adaptive import (
 from proxy.affinity import Held
 from proxy.calibration import Calibration, Curve
 from proxy.metrics import Metrics
-from proxy.policy import Curves, LoadSnapshot, PolicyState, Role, decide, dwell_mode, settle
+from proxy.policy import Curves, LoadSnapshot, PolicyState, Role, decide, dwell_mode, hysteresis_low, settle
 from proxy.probe import shadow_body
 from proxy.routing import Fleet, Router
 from proxy.servers import Health
@@ -322,10 +321,17 @@ def test_probes_go_to_the_idle_speculative_server_at_doubling_intervals() -> Non
     assert decide(snap(1, 12, 100.0, None), state, ADAPTIVE).reason == "heavy_load"
     assert decide(snap(0, 12, 100.0, 0.0, spec_up=False), state, ADAPTIVE).reason == "heavy_load"
     assert decide(snap(0, 50, 100.0, 0.0), state, ADAPTIVE).reason == "heavy_load"
-    # Nor at or past the speculative pool's capacity: no acceptance brings speculation back there.
-    capped = dataclasses.replace(ADAPTIVE, high_watermark=8, low_watermark=6, capacity=8)
-    assert decide(snap(0, 8, 100.0, 0.0), state, capped).reason == "heavy_load"
-    assert decide(snap(0, 7, 100.0, 0.0), state, capped).reason == "probe"
+    # Nor above the highest low watermark the speculative pool's capacity leaves, max(low,
+    # hysteresis_low(capacity)): no acceptance brings speculation back there, and on a shared GPU
+    # the probe's prefill stalls the baseline's batch for nothing. 12 streams fit: back at 9 at most.
+    capped = dataclasses.replace(ADAPTIVE, high_watermark=8, low_watermark=6, capacity=12)
+    assert hysteresis_low(12) == 9
+    assert decide(snap(0, 12, 100.0, 0.0), state, capped).reason == "heavy_load"
+    assert decide(snap(0, 10, 100.0, 0.0), state, capped).reason == "heavy_load"
+    assert decide(snap(0, 9, 100.0, 0.0), state, capped).reason == "probe"
+    # A low watermark set above that band still gets its probes up to it.
+    wide = dataclasses.replace(capped, low_watermark=10)
+    assert decide(snap(0, 10, 100.0, 0.0), state, wide).reason == "probe"
     # A new mode starts the count again.
     assert PolicyState(Role.SPECULATIVE, since=1.0).probes == 0
 

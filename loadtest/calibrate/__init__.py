@@ -36,8 +36,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.adaptive import crossing, hysteresis_low
+from proxy.adaptive import crossing
 from proxy.calibration import MAX_ACCEPT, Calibration, Curve, ModelFit
+from proxy.policy import hysteresis_low
 from proxy.speedmodel import Point, fit_step
 
 from ..stats import LevelStats
