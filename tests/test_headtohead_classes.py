@@ -16,17 +16,22 @@ from loadtest.client import RequestResult, Target
 from loadtest.headtohead.plan import MAX_STAGGER_S
 from loadtest.headtohead.twoclass import (
     CLASSES,
+    CONFIDENCE,
     CONTROL,
+    POOLED_MIN_RUNS,
     SCALE_FILE,
     ClassCell,
     ClassPlan,
     calibration_scale_of,
+    cell_verdict,
     gate_settings,
     goodput_verdict,
     hit_verdict,
     oracle_gap,
     oracle_hit_rate,
+    pooled_interval,
     pooled_ratio,
+    pooled_verdict,
     runs_verdict,
     smg_argv,
     summary_lines,
@@ -194,6 +199,55 @@ def test_repeated_runs_of_a_cell_agree_or_are_unknown() -> None:
     assert build_parser().parse_args(["headtohead-classes", "--repeats", "4"]).repeats == 4
     with pytest.raises(ValueError, match="--repeats"):
         ClassPlan(repeats=0)
+
+
+def draws(goodputs: list[float], split: bool = False) -> list[ClassCell]:
+    """Runs of one cell, all-spec 10 the better fixed target, features' goodput as given."""
+    return [dataclasses.replace(cell(10, 8, g, split=split), seed=i) for i, g in enumerate(goodputs)]
+
+
+def test_many_runs_that_disagree_are_judged_by_their_pooled_ratios_interval() -> None:
+    # Twelve runs about 1.01x, one missed (0.90x): their pooled interval clears 0.97x.
+    steady = draws([10.4, 9.9, 10.3, 10.1, 9.0, 10.5, 10.2, 10.3, 10.0, 10.6, 10.4, 10.1])
+    assert runs_verdict(steady, "features", goodput_verdict) == "unknown"
+    low, high = pooled_interval(steady, "features") or (0.0, 0.0)
+    assert 0.97 < low < (pooled_ratio(steady, "features") or 0.0) < high < 1.05
+    assert pooled_interval(steady, "features") == (low, high)  # a fixed seed: the same runs, the same interval
+    assert pooled_verdict(steady, "features") == cell_verdict(steady, "features") == "met"
+    # Runs that scatter about the floor: the interval straddles it.
+    scattered = draws([6.5, 13.0, 9.0, 11.0, 7.0, 12.5, 8.0, 10.5, 9.5, 10.0, 8.5, 11.5])
+    assert cell_verdict(scattered, "features") == "unknown"
+    # Well short of it on every run but one: missed.
+    short = draws([9.0, 9.2, 8.8, 9.1, 9.0, 9.3, 8.9, 9.8, 9.1, 9.0])
+    assert cell_verdict(short, "features") == "missed"
+    # The goal is 1.10x where every run should split; runs that disagree on that say nothing.
+    split = draws([11.6, 11.2, 11.9, 11.5, 12.0, 10.5, 11.4, 11.7, 11.8, 11.3], split=True)
+    assert cell_verdict(split, "features") == "met"
+    assert pooled_verdict([*split[:5], *steady[:5]], "features") == "unknown"
+    # Fewer than POOLED_MIN_RUNS: the runs must agree, as before.
+    assert pooled_interval(steady[: POOLED_MIN_RUNS - 1], "features") is None
+    assert cell_verdict(steady[: POOLED_MIN_RUNS - 1], "features") == "unknown"
+    line = next(x for x in summary_lines(steady) if x.startswith("features at 1k/32 over 12 runs"))
+    assert line.endswith(f"pooled 1.01x ({CONFIDENCE:.0%} interval {low:.2f}x-{high:.2f}x): met")
+    assert summary_lines(steady)[2].startswith("features: goodput target met in 1, missed in 0, unknown in 0")
+
+
+def test_a_run_of_features_alone_among_the_gates() -> None:
+    light = ClassPlan(gates=("features",))
+    assert light.targets == ("all-spec", "all-base", "features", "split")
+    assert light.time_scale(32, 8000) == pytest.approx(ClassPlan().time_scale(32, 8000) * 6 / 4, rel=1e-3)
+    assert ClassPlan(gates=("features", "threshold")).targets[2:4] == ("threshold", "features")
+    with pytest.raises(ValueError, match="--gates"):
+        ClassPlan(gates=("adaptive",))
+    c = cell(10, 8, 9.8, split=False)
+    for gone in ("threshold", "adaptive"):
+        c.targets.pop(gone)
+    text = table(light, [c])
+    assert "features / best" in text and "adaptive / best" not in text and "0.98x (met) | - |" in text
+    assert summary_lines([c])[0].startswith("features: goodput target met in 1")
+    assert build_parser().parse_args(["headtohead-classes", "--gates", "features"]).gates == ("features",)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["headtohead-classes", "--gates", "adaptive"])
 
 
 def with_control(c: ClassCell, factor: float, conclusive: bool = True) -> ClassCell:
