@@ -279,6 +279,23 @@ def test_a_control_makes_a_ratio_within_the_runs_noise_unknown() -> None:
     assert build_parser().parse_args(["headtohead-classes", "--control"]).control is True
 
 
+def test_a_specgate_that_served_where_neither_fixed_target_did_met_its_target() -> None:
+    c = cell(0.0, 0.0, 1.5, split=False)  # every pool overflowed: the fixed targets met no SLO
+    assert c.ratio("features") is None and c.served_alone("features")
+    assert goodput_verdict(c, "features") == "met"
+    assert "served, fixed 0 (met)" in table(ClassPlan(), [c])
+    # Its copy served none: luck, not the policy.
+    assert goodput_verdict(with_control(c, 0.0), "features") == "unknown"
+    assert goodput_verdict(with_control(c, 0.5), "features") == "met"
+    # Nobody served, or a fixed figure inconclusive: nothing known.
+    assert goodput_verdict(cell(0.0, 0.0, 0.0, split=False), "features") == "unknown"
+    assert goodput_verdict(cell(0.0, 0.0, 1.5, split=False, conclusive=False), "features") == "unknown"
+    runs = [dataclasses.replace(c, seed=i) for i in range(2)]
+    assert "features at 1k/32 over 2 runs (seeds 0, 1): served, fixed 0, served, fixed 0; pooled unknown: met" in (
+        summary_lines(runs)
+    )
+
+
 def test_hit_verdict_within_five_points_of_the_oracle() -> None:
     c = cell(10, 8, 11, split=True)  # every measured hit rate 0.5 (tc), oracle 0.6
     assert hit_verdict(c, "features") == "missed"

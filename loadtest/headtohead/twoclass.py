@@ -269,6 +269,13 @@ class ClassCell:
             return None
         return t.goodput_req_s / best
 
+    def served_alone(self, target: str) -> bool:
+        """Whether the target met the SLOs for some requests where neither fixed target met them for
+        any, every figure conclusive: any goodput is then at least any multiple of the better fixed
+        target's."""
+        best, t = self.best_fixed(), self.targets[target]
+        return best is not None and best < NO_GOODPUT and t.conclusive and t.goodput_req_s >= NO_GOODPUT
+
     def versus(self, target: str, other: str) -> float | None:
         """target's goodput over other's, None when either is inconclusive or has none."""
         t, o = self.targets[target], self.targets[other]
@@ -325,7 +332,11 @@ Verdict = str  # "met", "missed", "unknown"
 def goodput_verdict(cell: ClassCell, target: str) -> Verdict:
     """met/missed the issue's goodput target in this cell (>= SPLIT_GAIN where the classes should be
     split, else >= FLOOR) by more than the run's noise (ClassCell.noise; 0 without a control),
-    unknown when a figure is inconclusive or the ratio is within the noise of its target."""
+    unknown when a figure is inconclusive or the ratio is within the noise of its target. Met too
+    where it met the SLOs for some requests and neither fixed target for any (served_alone), and so
+    did the control, where there is one: what no fixed choice served is not noise."""
+    if cell.served_alone(target) and (CONTROL not in cell.targets or cell.served_alone(CONTROL)):
+        return "met"
     r, split, noise = cell.ratio(target), cell.split(), cell.noise()
     if r is None or split is None or noise is None:
         return "unknown"
@@ -486,6 +497,11 @@ def _ratio(value: float | None) -> str:
     return "unknown" if value is None else f"{value:.2f}x"
 
 
+def _vs_best(c: ClassCell, target: str) -> str:
+    """The target's ratio to the better fixed target, or that it served alone (ClassCell.served_alone)."""
+    return "served, fixed 0" if c.served_alone(target) else _ratio(c.ratio(target))
+
+
 def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
     """A markdown table: goodput per target, the gates' ratios, split, hit rates."""
     gates = [n for n in GATES if n in plan.targets]
@@ -514,7 +530,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
             f"{'unknown' if split is None else 'yes' if split else 'no'} | {_ratio(c.split_bound())} | "
             + ((f"{_ratio(c.ratio(SPLIT))} | " if SPLIT in c.targets else "- | ") if SPLIT in plan.targets else "")
             + (f"{_ratio(c.versus(CONTROL, NOISE_OF))} | " if CONTROL in plan.targets else "")
-            + " | ".join(f"{_ratio(c.ratio(n))} ({goodput_verdict(c, n)})" for n in gates)
+            + " | ".join(f"{_vs_best(c, n)} ({goodput_verdict(c, n)})" for n in gates)
             + f" | {_ratio(c.versus('features', 'adaptive')) if 'adaptive' in c.targets else '-'} | "
             + " / ".join(_hit(c.targets[n].prefix_cache_hit_rate) if n in c.targets else "-" for n in plan.targets)
             + f" | {_hit(c.oracle_hit.get('features'))} | {'-' if share is None else f'{share:.0%}'} |"
@@ -635,7 +651,7 @@ def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
             out.append(f"{CONTROL} / {NOISE_OF} at {context_label(context)}/{sessions} (the noise): {spread}")
     if several:
         for (context, sessions), runs in by_cell.items():
-            ratios = ", ".join(_ratio(c.ratio("features")) for c in runs)
+            ratios = ", ".join(_vs_best(c, "features") for c in runs)
             plural = "s" if len(runs) > 1 else ""
             out.append(
                 f"features at {context_label(context)}/{sessions} over {len(runs)} run{plural} (seeds "
