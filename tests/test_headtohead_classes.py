@@ -31,6 +31,7 @@ from loadtest.headtohead.twoclass import (
     oracle_hit_rate,
     pooled_interval,
     pooled_ratio,
+    pooled_split,
     pooled_verdict,
     runs_verdict,
     smg_argv,
@@ -220,10 +221,22 @@ def test_many_runs_that_disagree_are_judged_by_their_pooled_ratios_interval() ->
     # Well short of it on every run but one: missed.
     short = draws([9.0, 9.2, 8.8, 9.1, 9.0, 9.3, 8.9, 9.8, 9.1, 9.0])
     assert cell_verdict(short, "features") == "missed"
-    # The goal is 1.10x where every run should split; runs that disagree on that say nothing.
+    # The goal is 1.10x where the classes should split on the runs pooled: here each gains on its
+    # own server (the split itself unmeasured, as before it was).
     split = draws([11.6, 11.2, 11.9, 11.5, 12.0, 10.5, 11.4, 11.7, 11.8, 11.3], split=True)
-    assert cell_verdict(split, "features") == "met"
-    assert pooled_verdict([*split[:5], *steady[:5]], "features") == "unknown"
+    assert pooled_split(split) is True and cell_verdict(split, "features") == "met"
+    assert cell_verdict(draws([10.6] * 9 + [11.5], split=True), "features") == "missed"
+    # Half of them split, half not: class A pooled gains nothing on the baseline, so 0.97x it is.
+    mixed = [*split[:5], *steady[:5]]
+    assert pooled_split(mixed) is False and pooled_verdict(mixed, "features") == "met"
+    # A split measured at 1.03-1.07x, the interval across 1.05x: whether to split is unknown, and
+    # 1.05x clears 0.97x but not 1.10x.
+    near = [dataclasses.replace(cell(10, 8, 10.5, split=True, measured=m), seed=i)
+            for i, m in enumerate([10.3, 10.7, 10.4, 10.6, 10.5, 10.3, 10.7, 10.5, 10.4, 10.6])]  # fmt: skip
+    assert pooled_split(near) is None and cell_verdict(near, "features") == "unknown"
+    clear = [dataclasses.replace(c, targets={**c.targets, "split": tc("split", 10.2)}) for c in near]
+    assert pooled_split(clear) is False and cell_verdict(clear, "features") == "met"
+    assert pooled_split(near[: POOLED_MIN_RUNS - 1]) is None
     # Fewer than POOLED_MIN_RUNS: the runs must agree, as before.
     assert pooled_interval(steady[: POOLED_MIN_RUNS - 1], "features") is None
     assert cell_verdict(steady[: POOLED_MIN_RUNS - 1], "features") == "unknown"

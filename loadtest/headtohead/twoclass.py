@@ -585,6 +585,11 @@ def pooled_interval(runs: Sequence[ClassCell], target: str) -> tuple[float, floa
     bootstrap: the runs where its ratio is known drawn with replacement, RESAMPLES times, from a
     fixed seed (the same runs give the same interval); None with fewer than POOLED_MIN_RUNS."""
     known = [(c.targets[target].goodput_req_s, c.best_fixed() or 0.0) for c in runs if c.ratio(target) is not None]
+    return _interval(known)
+
+
+def _interval(known: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """pooled_interval's bootstrap of sum(a) / sum(b) over (a, b) pairs, b > 0."""
     if len(known) < POOLED_MIN_RUNS:
         return None
     rng, n = random.Random(0), len(known)
@@ -597,18 +602,43 @@ def pooled_interval(runs: Sequence[ClassCell], target: str) -> tuple[float, floa
     return draws[int(tail * RESAMPLES)], draws[min(RESAMPLES - 1, int((1 - tail) * RESAMPLES))]
 
 
+def pooled_split(runs: Sequence[ClassCell]) -> bool | None:
+    """ClassCell.split on the runs pooled: each class's goodput summed over the runs on each fixed
+    target, and the measured split's pooled ratio to the better fixed target, beyond TIE at the
+    lower end of its interval (pooled_interval: no split where the upper end is within TIE; None
+    between, or where a figure it needs is missing)."""
+    known = [c for c in runs if (best := c.best_fixed()) is not None and best >= NO_GOODPUT]
+    if len(known) < POOLED_MIN_RUNS:
+        return None
+    if not all(k in c.class_goodput[n] for c in known for n in FIXED for k in "AB"):
+        return False  # one class: nothing to split
+    spec, base = ({k: sum(c.class_goodput[n][k] for c in known) for k in "AB"} for n in FIXED)
+    if not (spec["B"] > base["B"] * (1 + TIE) and base["A"] > spec["A"] * (1 + TIE)):
+        return False
+    measured = [(m, c.best_fixed() or 0.0) for c in known if (m := c.targets.get(SPLIT)) is not None]
+    if not measured:
+        return True  # from before the split was measured: on the classes alone, as ClassCell.split
+    interval = _interval([(m.goodput_req_s, best) for m, best in measured])
+    if len(measured) < len(known) or not all(m.conclusive for m, _ in measured) or interval is None:
+        return None
+    if interval[0] > 1 + TIE:
+        return True
+    return False if interval[1] <= 1 + TIE else None
+
+
 def pooled_verdict(runs: Sequence[ClassCell], target: str) -> Verdict:
-    """met where the pooled ratio's interval (pooled_interval) clears the runs' goal, missed where
-    it falls short of it, else unknown; the goal SPLIT_GAIN where every run's classes should split,
-    FLOOR where none's should (unknown where they differ or one is unknown)."""
+    """met where the pooled ratio's interval (pooled_interval) clears the cell's goal, missed where
+    it falls short of it, else unknown: SPLIT_GAIN where the classes should split on the runs pooled
+    (pooled_split), FLOOR where they should not, and where that is unknown, met only by clearing
+    both, missed only by falling short of both."""
     interval = pooled_interval(runs, target)
-    splits = {c.split() for c in runs if c.ratio(target) is not None}
-    if interval is None or len(splits) != 1 or None in splits:
+    if interval is None:
         return "unknown"
-    goal = SPLIT_GAIN if splits.pop() else FLOOR
-    if interval[0] >= goal:
+    split = pooled_split(runs)
+    goals = (SPLIT_GAIN,) if split else (FLOOR,) if split is False else (FLOOR, SPLIT_GAIN)
+    if interval[0] >= max(goals):
         return "met"
-    return "missed" if interval[1] < goal else "unknown"
+    return "missed" if interval[1] < min(goals) else "unknown"
 
 
 def cell_verdict(runs: Sequence[ClassCell], target: str) -> Verdict:
