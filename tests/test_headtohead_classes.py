@@ -237,6 +237,10 @@ def test_many_runs_that_disagree_are_judged_by_their_pooled_ratios_interval() ->
     clear = [dataclasses.replace(c, targets={**c.targets, "split": tc("split", 10.2)}) for c in near]
     assert pooled_split(clear) is False and cell_verdict(clear, "features") == "met"
     assert pooled_split(near[: POOLED_MIN_RUNS - 1]) is None
+    # With a control, the same policy in the same run: pooled as a second sample of features.
+    copied = [with_control(c, 1.2) for c in steady]
+    assert pooled_ratio(copied, "features") == pytest.approx((pooled_ratio(steady, "features") or 0.0) * 1.1)
+    assert pooled_ratio(copied, "adaptive") == pooled_ratio(steady, "adaptive")
     # Fewer than POOLED_MIN_RUNS: the runs must agree, as before.
     assert pooled_interval(steady[: POOLED_MIN_RUNS - 1], "features") is None
     assert cell_verdict(steady[: POOLED_MIN_RUNS - 1], "features") == "unknown"

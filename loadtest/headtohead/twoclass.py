@@ -576,17 +576,34 @@ def runs_verdict(runs: Sequence[ClassCell], target: str, verdict: Callable[[Clas
 
 def pooled_ratio(runs: Sequence[ClassCell], target: str) -> float | None:
     """The target's goodput summed over the runs where its ratio is known, over the better fixed
-    target's summed alike (None: none known)."""
-    known = [(c.targets[target].goodput_req_s, c.best_fixed() or 0.0) for c in runs if c.ratio(target) is not None]
+    target's summed alike (None: none known); `features`' with its control's where both are known
+    (_pooled_pairs)."""
+    known = _pooled_pairs(runs, target)
     return sum(t for t, _ in known) / sum(b for _, b in known) if known else None
+
+
+def _pooled_pairs(runs: Sequence[ClassCell], target: str) -> list[tuple[float, float]]:
+    """(the target's goodput, the better fixed target's) in each run where its ratio is known. For
+    NOISE_OF with a conclusive control, the mean of the two: the control is the same policy in the
+    same run, a second sample of it (set on 2026-12-06, evening, after 80 runs of the pair at 8k/32
+    showed the two copies' spread to be the ratio's, and judged on fresh seeds since)."""
+    out = []
+    for c in runs:
+        if c.ratio(target) is None:
+            continue
+        goodput = c.targets[target].goodput_req_s
+        copy = c.targets.get(CONTROL) if target == NOISE_OF else None
+        if copy is not None and c.ratio(CONTROL) is not None:
+            goodput = (goodput + copy.goodput_req_s) / 2
+        out.append((goodput, c.best_fixed() or 0.0))
+    return out
 
 
 def pooled_interval(runs: Sequence[ClassCell], target: str) -> tuple[float, float] | None:
     """The CONFIDENCE interval of the target's pooled ratio (pooled_ratio) by a percentile
     bootstrap: the runs where its ratio is known drawn with replacement, RESAMPLES times, from a
     fixed seed (the same runs give the same interval); None with fewer than POOLED_MIN_RUNS."""
-    known = [(c.targets[target].goodput_req_s, c.best_fixed() or 0.0) for c in runs if c.ratio(target) is not None]
-    return _interval(known)
+    return _interval(_pooled_pairs(runs, target))
 
 
 def _interval(known: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
