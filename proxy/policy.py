@@ -27,6 +27,7 @@ adaptive (threshold whose watermarks move with the live workload, see adaptive.p
 threshold rule with the live watermarks, plus
 
     a switch waits until the mode has lasted min_dwell_s      (reason dwell_hold)
+    but a switch off speculation whose KV pool is full (below)
     in baseline mode, a probe session goes to an idle speculative server after probe_s, the wait
     doubling per session up to probe_max_s until the mode changes: requests one at a time until
     enough tokens came back to refresh its acceptance reading  (reason probe)
@@ -460,12 +461,16 @@ def dwell_mode(
     old, none that would not win back its re-prefill (`switch_margin`, switch_pays), and no return
     to speculation on a stale acceptance reading (`fresh` False: the speculative server has had no
     traffic for accept_fresh_s, so what the watermarks say of it may be minutes old; a probe
-    session re-measures it first, unless probes are off). Returns the state and why a switch was
-    held back (None: none was)."""
+    session re-measures it first, unless probes are off). A switch off a full speculative pool
+    (load at or past cfg.capacity) waits for neither the dwell nor the price: the dwell keeps a
+    load wandering about a watermark from switching back and forth, and past the pool's capacity
+    the load is not wandering, speculation's requests queue for memory and its cache is evicted at
+    every turn. Returns the state and why a switch was held back (None: none was)."""
     nxt = next_mode(load, state, cfg, now)
     if nxt.mode == state.mode:
         return nxt, None
-    if now - state.since < cfg.min_dwell_s:
+    full = nxt.mode == Role.BASELINE and cfg.capacity is not None and load >= cfg.capacity
+    if now - state.since < cfg.min_dwell_s and not full:
         return state, "dwell_hold"
     if not switch_pays(nxt.mode, load, cfg, switch_margin):
         return state, "switch_cost"

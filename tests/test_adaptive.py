@@ -232,6 +232,12 @@ def test_dwell_holds_a_switch_until_the_mode_is_old_enough() -> None:
     held, was_held = dwell_mode(3, d.state, ADAPTIVE, 6.0)
     assert held.mode == "baseline" and was_held
     assert dwell_mode(3, d.state, ADAPTIVE, 10.0)[0].mode == "speculative"
+    # Past the speculative pool's capacity the load is not wandering about a watermark: its
+    # requests queue for memory and its cache is evicted. The switch goes at once.
+    full = dataclasses.replace(ADAPTIVE, capacity=12)
+    d = decide(snap(12, 0, 3.0, None), state, full)
+    assert (d.backend, d.reason, d.state.mode, d.state.since) == ("baseline", "heavy_load", "baseline", 3.0)
+    assert decide(snap(11, 0, 3.0, None), state, dataclasses.replace(full, high_watermark=11)).reason == "dwell_hold"
     # The threshold policy has no dwell: exactly as before.
     t = decide(snap(12, 0, 0.1, None), PolicyState(Role.SPECULATIVE, since=0.0), policy_cfg("threshold", 10, 7))
     assert (t.backend, t.reason) == ("baseline", "heavy_load")
