@@ -444,12 +444,15 @@ def return_held(load: int, state: PolicyState, cfg: PolicyConfig) -> bool:
     return state.mode == Role.BASELINE and state.low_since is not None and load <= cfg.low_watermark
 
 
+def leaves_full_pool(to: Role, load: int, cfg: PolicyConfig) -> bool:
+    """Whether a switch to `to` leaves a speculative KV pool that `load` fills (cfg.capacity)."""
+    return to == Role.BASELINE and cfg.capacity is not None and load >= cfg.capacity
+
+
 def switch_pays(to: Role, load: int, cfg: PolicyConfig, margin: float) -> bool:
     """Whether a switch to `to` gains at least `margin` (LoadSnapshot.switch_margin) at `load`; a
     switch off speculation whose KV pool is full always does."""
-    if margin <= 0 or cfg.curves is None:
-        return True
-    if to == Role.BASELINE and cfg.capacity is not None and load >= cfg.capacity:
+    if margin <= 0 or cfg.curves is None or leaves_full_pool(to, load, cfg):
         return True
     return cfg.curves.gain(to, load) >= margin
 
@@ -469,8 +472,7 @@ def dwell_mode(
     nxt = next_mode(load, state, cfg, now)
     if nxt.mode == state.mode:
         return nxt, None
-    full = nxt.mode == Role.BASELINE and cfg.capacity is not None and load >= cfg.capacity
-    if now - state.since < cfg.min_dwell_s and not full:
+    if now - state.since < cfg.min_dwell_s and not leaves_full_pool(nxt.mode, load, cfg):
         return state, "dwell_hold"
     if not switch_pays(nxt.mode, load, cfg, switch_margin):
         return state, "switch_cost"

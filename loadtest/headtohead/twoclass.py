@@ -144,8 +144,7 @@ class ClassPlan:
             raise ValueError("--window-s must be positive and at most --max-window-s")
         if self.repeats < 1:
             raise ValueError("--repeats must be at least 1")
-        if NOISE_OF not in self.gates or not set(self.gates) <= set(GATES):
-            raise ValueError(f"--gates: {NOISE_OF} and any of {', '.join(GATES)}")
+        check_gates(self.gates)
         check_stagger(self.stagger_s)
         for c in self.contexts:
             sizes_for(c, self.turns, self.max_tokens)
@@ -636,8 +635,10 @@ def pooled_split(runs: Sequence[ClassCell]) -> bool | None:
     measured = [(m, c.best_fixed() or 0.0) for c in known if (m := c.targets.get(SPLIT)) is not None]
     if not measured:
         return True  # from before the split was measured: on the classes alone, as ClassCell.split
+    if len(measured) < len(known) or not all(m.conclusive for m, _ in measured):
+        return None
     interval = _interval([(m.goodput_req_s, best) for m, best in measured])
-    if len(measured) < len(known) or not all(m.conclusive for m, _ in measured) or interval is None:
+    if interval is None:
         return None
     if interval[0] > 1 + TIE:
         return True
@@ -750,11 +751,19 @@ def run(plan: ClassPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> dict
     return {"settings": vars(plan), "cells": cells, "summary": summary_lines(cells)}
 
 
-def gate_list(text: str) -> tuple[str, ...]:
-    """--gates: a comma list of GATES, with NOISE_OF among them."""
-    gates = tuple(g.strip() for g in text.split(",") if g.strip())
+def check_gates(gates: Sequence[str]) -> None:
+    """--gates: some of GATES, NOISE_OF among them (ValueError otherwise)."""
     if NOISE_OF not in gates or not set(gates) <= set(GATES):
-        raise argparse.ArgumentTypeError(f"a comma list of {', '.join(GATES)}, with {NOISE_OF} among them")
+        raise ValueError(f"--gates: a comma list of {', '.join(GATES)}, with {NOISE_OF} among them")
+
+
+def gate_list(text: str) -> tuple[str, ...]:
+    """--gates' comma list (check_gates)."""
+    gates = tuple(g.strip() for g in text.split(",") if g.strip())
+    try:
+        check_gates(gates)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return gates
 
 
