@@ -31,6 +31,11 @@ end of body right after `data: [DONE]`, but in a write of its own (`DONE_GRACE_S
 SGLang's native API: `POST /generate` (`GENERATE_PATH`), whose responses and stream events carry
 their token counts in `meta_info` where the OpenAI API has `usage` (`USAGE_FIELDS`).
 
+Per request, a response's own acceptance (`reported_steps`, a traffic class's evidence where its
+stream does not count steps): llama-server's `timings` (`draft_n`, `draft_n_accepted`, on the finish
+or usage chunk and on a whole body, for chat and completions alike) and SGLang's native
+`meta_info.spec_verify_ct`; SGLang's OpenAI endpoints and vLLM write none.
+
 Connections: SGLang's uvicorn closes a kept-alive connection after `keepalive_s` idle; a request
 written into a connection it is closing is lost, so the pool closes its own sooner
 (`POOL_KEEPALIVE_S`).
@@ -56,7 +61,7 @@ import math
 from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import orjson
 
@@ -98,6 +103,41 @@ USAGE_FIELDS = ("usage", "meta_info")
 # once; a server that keeps its body open after `[DONE]` has its last bytes delayed this long, no
 # more. The relay does not know a server's engine, so this holds for every server, as before.
 DONE_GRACE_S = 0.01
+
+
+def reported_steps(obj: Any) -> tuple[int, int] | None:
+    """(output tokens, decode steps) that a response body reports of its own speculation, where an
+    engine writes them per request: llama-server's `timings` (`predicted_n` tokens, `draft_n` drafted
+    and `draft_n_accepted` of them accepted: each step makes one token of its own besides the drafts
+    it accepted, so predicted_n - draft_n_accepted steps; only where it drafted), and SGLang's
+    native `meta_info` (`completion_tokens` in `spec_verify_ct` verify steps, only with speculation
+    on). vLLM's responses say nothing of it. None elsewhere, or where the figures are not a
+    server's: a step makes at least one token and at most MAX_ACCEPT_LENGTH."""
+    if not isinstance(obj, dict):
+        return None
+    timings = obj.get("timings")
+    if isinstance(timings, dict):
+        tokens, drafted, accepted = (_count(timings.get(k)) for k in ("predicted_n", "draft_n", "draft_n_accepted"))
+        if tokens is None or drafted is None or accepted is None or drafted == 0 or accepted > drafted:
+            return None
+        return _steps(tokens, tokens - accepted)
+    meta = obj.get("meta_info")
+    if isinstance(meta, dict):
+        tokens, steps = _count(meta.get("completion_tokens")), _count(meta.get("spec_verify_ct"))
+        if tokens is not None and steps is not None:
+            return _steps(tokens, steps)
+    return None
+
+
+def _count(value: Any) -> int | None:
+    """The value, where it is a count a server could write (a bool is an int to Python, not to JSON)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNTER
+    return value if ok else None
+
+
+def _steps(tokens: int, steps: int) -> tuple[int, int] | None:
+    """A step makes at least one token and at most MAX_ACCEPT_LENGTH."""
+    return (tokens, steps) if 0 < steps <= tokens <= steps * MAX_ACCEPT_LENGTH else None
 
 
 class BadReading(ValueError):

@@ -239,7 +239,7 @@ class Metrics:
         )
         self.class_accept_length = Gauge(
             "specgate_class_accept_length",
-            "Acceptance length learnt for each tracked traffic class from its speculative streams (NaN: not yet).",
+            "Acceptance length learnt for each tracked traffic class from its speculative responses (NaN: not yet).",
             ["class"],
             registry=r,
         )

@@ -8,6 +8,7 @@ most one metric update per call, and is subscribed only to responses it has work
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .adaptive import MIN_STREAM_EVENTS
@@ -119,31 +120,51 @@ class Generated(StreamObserver):
 
 
 class ClassLearning(Generated):
-    """Generated, and a traffic class's acceptance from the same stream, on a speculative server that
-    sends one content event a decode step: its output tokens over its non-empty content events (the
-    first, from prefill, set aside as adaptive.stream_accept does). One subscriber, so a chunk's
-    content events are counted once for both."""
+    """Generated, and a traffic class's acceptance from the same response on a speculative server:
+    where the server sends one content event a decode step (`steps_in_stream`), a stream's output
+    tokens over its non-empty content events; else what the body reported of its speculation
+    (`reported`, engines.reported_steps: llama-server's timings, SGLang's native meta_info). The
+    first token, from prefill, is set aside either way, as adaptive.stream_accept does. One
+    subscriber, so a chunk's content events are counted once for both."""
 
-    __slots__ = ("_book", "_empties", "_metrics", "_name")
+    __slots__ = ("_book", "_empties", "_metrics", "_name", "_reported", "_steps_in_stream")
 
     def __init__(
-        self, lease: Lease, mark: bytes, per_event: float, book: ClassBook, name: str, metrics: Metrics
+        self,
+        lease: Lease,
+        mark: bytes,
+        per_event: float,
+        book: ClassBook,
+        name: str,
+        metrics: Metrics,
+        *,
+        steps_in_stream: bool = True,
+        reported: Callable[[], tuple[int, int] | None] | None = None,
     ) -> None:
         super().__init__(lease, mark, per_event)
         self._book = book
         self._name = name
         self._metrics = metrics
         self._empties = 0
+        self._steps_in_stream = steps_in_stream
+        self._reported = reported
 
     def chunk(self, data: bytes, at: float) -> None:
         super().chunk(data, at)
         self._empties += data.count(self._mark + b'"')
 
     def end(self, usage: tuple[int, int] | None, last_at: float) -> None:
-        events = self.events - self._empties
-        if usage is None or events < MIN_STREAM_EVENTS or usage[1] < events:
-            return
-        self._book.measured(self._name, usage[1] - 1, events - 1, last_at)
+        if self._steps_in_stream:
+            events = self.events - self._empties
+            if usage is None or events < MIN_STREAM_EVENTS or usage[1] < events:
+                return
+            tokens, steps = usage[1], events
+        else:
+            found = self._reported() if self._reported is not None else None
+            if found is None or found[1] < MIN_STREAM_EVENTS:
+                return
+            tokens, steps = found
+        self._book.measured(self._name, tokens - 1, steps - 1, last_at)
         accept = self._book.accept(self._name)
         if accept is not None:
             self._metrics.child(self._metrics.class_accept_length, self._name).set(accept)

@@ -31,7 +31,7 @@ from .metrics import code_class
 from .observe import ClassLearning, Generated, Learning, Liveness, StreamObserver, StreamTiming, TokenCounts
 from .policy import Reason, Role, other
 from .routing import Router
-from .sse import DONE, generated_mark, reader_for
+from .sse import DONE, BodyReader, generated_mark, reader_for
 from .upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("specgate.relay")
@@ -225,7 +225,7 @@ class _Relay:
         headers += self._own_headers(backend, reason)
         # Sent just before the first body bytes: until then a failure can still be answered cleanly.
         self._head = {"type": "http.response.start", "status": up.status, "headers": headers}
-        observers = self._observers(is_sse and reason == "probe", typed)
+        observers = self._observers(is_sse and reason == "probe", typed, reader)
         loop = asyncio.get_running_loop()
         now = loop.time()
         for o in observers:
@@ -271,7 +271,7 @@ class _Relay:
             gate.stored.remember(made, lease.server)
         await self._last(out + tail if tail else out)
 
-    def _observers(self, probe: bool, typed: bool) -> tuple[StreamObserver, ...]:
+    def _observers(self, probe: bool, typed: bool, reader: BodyReader) -> tuple[StreamObserver, ...]:
         """This response's subscribers, each only where it has work."""
         gate, call, up, lease = self.gate, self.call, self.upstream, self.lease
         assert up is not None and lease is not None and self.router is not None
@@ -287,8 +287,20 @@ class _Relay:
         if up.status == 200:
             per_event = (self.router.server_accept(lease.server) if backend == Role.SPECULATIVE else None) or 1.0
             mark = generated_mark(call.endpoint)
-            if cls is not None and call.stream and backend == Role.SPECULATIVE and self.router.counts_steps():
-                out.append(ClassLearning(lease, mark, per_event, gate.classes, cls, gate.metrics))
+            if cls is not None and backend == Role.SPECULATIVE:
+                # A stream of one event a decode step shows its steps; else the body may report them.
+                in_stream = call.stream and self.router.counts_steps()
+                learn = ClassLearning(
+                    lease,
+                    mark,
+                    per_event,
+                    gate.classes,
+                    cls,
+                    gate.metrics,
+                    steps_in_stream=in_stream,
+                    reported=reader.steps,
+                )
+                out.append(learn)
             else:
                 out.append(Generated(lease, mark, per_event))
         # A stream's speed is read at its own class's acceptance where that is known.

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from .engines import USAGE_FIELDS
+from .engines import USAGE_FIELDS, reported_steps
 from .errors import sse_error
 from .kinds import Endpoint
 
@@ -43,6 +43,11 @@ class BodyReader(Protocol):
     def flush(self) -> bytes: ...
 
     def usage(self) -> tuple[int, int] | None: ...
+
+    def steps(self) -> tuple[int, int] | None:
+        """(output tokens, decode steps) the body reported of its own speculation, once it has
+        ended (engines.reported_steps)."""
+        ...
 
     def response_id(self) -> str | None:
         """A Responses API body's response id, once it has ended."""
@@ -77,6 +82,9 @@ class Passthrough:
     def usage(self) -> tuple[int, int] | None:
         return None
 
+    def steps(self) -> tuple[int, int] | None:
+        return None
+
     def response_id(self) -> str | None:
         return None
 
@@ -106,6 +114,9 @@ class JsonUsage(Passthrough):
     def usage(self) -> tuple[int, int] | None:
         return usage_of(self._parsed())
 
+    def steps(self) -> tuple[int, int] | None:
+        return reported_steps(self._parsed())
+
     def response_id(self) -> str | None:
         return response_id_of(self._parsed())
 
@@ -127,13 +138,14 @@ class SseRelay:
     fields into the usage chunk only because usage was asked for (llama-server's `timings`, see
     engines.py), and those go back onto the finish event, where the client would have found them."""
 
-    __slots__ = ("_held", "_partial", "_strip", "_usage_event")
+    __slots__ = ("_held", "_partial", "_strip", "_usage_event", "_usage_parsed")
 
     def __init__(self, strip_usage: bool) -> None:
         self._strip = strip_usage
         self._partial = b""
         self._held = b""
         self._usage_event: bytes | None = None
+        self._usage_parsed: Any = None
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to send to the client for this piece of upstream body."""
@@ -201,13 +213,20 @@ class SseRelay:
         kept.append(b"data: " + orjson.dumps({k: v for k, v in obj.items() if k != "usage"}))
 
     def usage(self) -> tuple[int, int] | None:
-        if self._usage_event is None:
-            return None
-        payload = self._usage_event.strip().removeprefix(b"data:").strip()
-        try:
-            return usage_of(orjson.loads(payload))
-        except orjson.JSONDecodeError:
-            return None
+        return usage_of(self._usage_obj())
+
+    def steps(self) -> tuple[int, int] | None:
+        return reported_steps(self._usage_obj())
+
+    def _usage_obj(self) -> Any:
+        """The last event with token counts, as JSON (None without one); parsed once, at the end."""
+        event, self._usage_event = self._usage_event, None
+        if event is not None:
+            try:
+                self._usage_parsed = orjson.loads(event.strip().removeprefix(b"data:").strip())
+            except (orjson.JSONDecodeError, RecursionError):
+                self._usage_parsed = None
+        return self._usage_parsed
 
     def response_id(self) -> str | None:
         return None
@@ -275,6 +294,9 @@ class ResponseEvents:
 
     def usage(self) -> tuple[int, int] | None:
         return usage_of(self._response())
+
+    def steps(self) -> tuple[int, int] | None:
+        return reported_steps(self._response())
 
     def response_id(self) -> str | None:
         return response_id_of(self._response())

@@ -1,4 +1,4 @@
-"""Traffic classes: acceptance learnt per class from its speculative streams, and where speculation
+"""Traffic classes: acceptance learnt per class from its speculative responses, and where speculation
 has room for only part of the traffic, the classes that gain most from it get it (proxy/classes.py,
 policy.class_choice)."""
 
@@ -12,7 +12,9 @@ from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 
+from loadtest.procs import free_port
 from proxy.calibration import ModelFit, StepFit
 from proxy.classes import CLASS_HALF_LIFE_S, MIN_STEPS, NAME_CHARS, OTHER, RANK_EVERY_S, ClassBook, class_of
 from proxy.policy import ClassView, Decision, PolicyState, PoolGains, Role, class_choice, marginal_gain
@@ -331,8 +333,8 @@ async def _holding(gw: Gateway, streams: int) -> AsyncIterator[None]:
         yield
 
 
-async def _engine_known(gw: Gateway) -> bool:
-    return bool((await gw.routing())["servers"]["speculative"]["engine"] == "sglang")
+async def _engine_known(gw: Gateway, engine: str = "sglang") -> bool:
+    return bool((await gw.routing())["servers"]["speculative"]["engine"] == engine)
 
 
 async def _learn(gw: Gateway) -> None:
@@ -407,6 +409,78 @@ async def test_classes_off_and_bounded(gateway: StartGateway) -> None:
     assert set(tracked) == {"a", "b", OTHER}
     text = await small.metrics_text()
     assert 'class="c"' not in text and 'specgate_class_requests_total{backend="speculative",class="other"} 2.0' in text
+
+
+# llama-server's own figures, one content event a token: 65 tokens in 21 steps (44 of 60 drafts
+# accepted), so (65 - 1) / (21 - 1) = 3.2 with the first, prefill's, set aside.
+LLAMA_TIMINGS = {"predicted_n": 65, "predicted_ms": 400.0, "draft_n": 60, "draft_n_accepted": 44}
+LLAMA_METRICS = "llamacpp:requests_processing 0\nllamacpp:requests_deferred 0\n"
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _llama_chat(request: web.Request) -> web.StreamResponse:
+    """A speculative llama-server's chat completion: one event a token, its timings on the usage
+    chunk when usage is asked for, or on the body."""
+    body = await request.json()
+    usage = {"prompt_tokens": 9, "completion_tokens": 65, "total_tokens": 74}
+    if not body.get("stream"):
+        message = {"index": 0, "message": {"role": "assistant", "content": "x" * 65}, "finish_reason": "length"}
+        return web.json_response({"id": "1", "choices": [message], "usage": usage, "timings": LLAMA_TIMINGS})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for _ in range(65):
+        await resp.write(_sse({"id": "1", "choices": [{"index": 0, "delta": {"content": "x"}}]}))
+    await resp.write(_sse({"id": "1", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        await resp.write(_sse({"id": "1", "choices": [], "usage": usage, "timings": LLAMA_TIMINGS}))
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+async def _llama_health(_: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _llama_metrics(_: web.Request) -> web.Response:
+    return web.Response(text=LLAMA_METRICS)
+
+
+@contextlib.asynccontextmanager
+async def _llama_server() -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_get("/health", _llama_health)
+    app.router.add_get("/metrics", _llama_metrics)
+    app.router.add_post("/v1/chat/completions", _llama_chat)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.anyio
+async def test_a_class_learns_its_acceptance_from_what_llama_server_reports_of_each_response(
+    gateway: StartGateway,
+) -> None:
+    # llama-server streams a token an event, so its streams do not show its steps: each response's
+    # own timings do, streamed or not.
+    async with _llama_server() as url:
+        gw = await gateway(speculative_url=url, scrape_interval_s=0.1)
+        await wait_until(lambda: _engine_known(gw, "llamacpp"))
+        for _ in range(2):
+            assert (await _ask(gw, "streamed", "hi"))[0] == "speculative"
+            assert (await _ask(gw, "whole", "hi", stream=False))[0] == "speculative"
+        tracked = (await gw.routing())["classes"]["tracked"]
+        assert tracked["streamed"]["accept_length"] == pytest.approx(3.2), tracked
+        assert tracked["whole"]["accept_length"] == pytest.approx(3.2), tracked
+        text = await gw.metrics_text()
+        assert _value(text, 'specgate_class_accept_length{class="whole"}') == pytest.approx(3.2)
 
 
 def _calibration_with_classes(tmp_path: Path, **accept: float) -> str:

@@ -14,6 +14,7 @@ from proxy.engines import (
     describe_health,
     detect,
     parse_metrics,
+    reported_steps,
 )
 
 # As SGLang writes it (--enable-metrics): labelled per rank, two tensor-parallel ranks here.
@@ -118,3 +119,40 @@ def test_health_descriptions() -> None:
     )
     assert describe_health(503, b"") == "/health answered 503"
     assert describe_health(500, b"<html>") == "/health answered 500"
+
+
+def test_a_responses_own_acceptance_where_the_engine_writes_it() -> None:
+    # llama-server's timings, as a real one wrote them (n-gram drafting): 64 tokens, 33 of 56 drafts
+    # accepted, so 31 steps each making one token of its own.
+    timings = {"predicted_n": 64, "predicted_ms": 767.7, "draft_n": 56, "draft_n_accepted": 33, "prompt_n": 36}
+    assert reported_steps({"usage": {"completion_tokens": 64}, "timings": timings}) == (64, 31)
+    # SGLang's native /generate: completion_tokens in spec_verify_ct verify steps.
+    assert reported_steps({"text": "x", "meta_info": {"completion_tokens": 90, "spec_verify_ct": 30}}) == (90, 30)
+    # Nothing drafted (a baseline llama-server, or no n-gram match), OpenAI usage alone (vLLM, SGLang's
+    # OpenAI endpoints), SGLang without speculation: nothing to learn.
+    assert reported_steps({"timings": {"predicted_n": 64, "draft_n": 0, "draft_n_accepted": 0}}) is None
+    assert reported_steps({"timings": {"predicted_n": 64, "predicted_ms": 700.0}}) is None
+    assert reported_steps({"usage": {"prompt_tokens": 5, "completion_tokens": 64}}) is None
+    assert reported_steps({"meta_info": {"completion_tokens": 64}}) is None
+    not_bodies: tuple[object, ...] = (None, [], "timings", 3)
+    for not_a_body in not_bodies:
+        assert reported_steps(not_a_body) is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"timings": {"predicted_n": 64, "draft_n": 10, "draft_n_accepted": 11}},  # more accepted than drafted
+        {"timings": {"predicted_n": 64, "draft_n": 80, "draft_n_accepted": 64}},  # no step of its own
+        {"timings": {"predicted_n": 64, "draft_n": 80, "draft_n_accepted": -1}},
+        {"timings": {"predicted_n": True, "draft_n": 1, "draft_n_accepted": 0}},
+        {"timings": {"predicted_n": 64.0, "draft_n": 8, "draft_n_accepted": 4}},
+        {"timings": {"predicted_n": 2**60, "draft_n": 2**60, "draft_n_accepted": 2**59}},
+        {"meta_info": {"completion_tokens": 10, "spec_verify_ct": 11}},  # a step makes at least one token
+        {"meta_info": {"completion_tokens": 650, "spec_verify_ct": 10}},  # 65 a step: past any drafter
+        {"meta_info": {"completion_tokens": 10, "spec_verify_ct": 0}},
+        {"meta_info": {"completion_tokens": "10", "spec_verify_ct": 2}},
+    ],
+)
+def test_figures_no_server_could_report_teach_nothing(body: dict[str, object]) -> None:
+    assert reported_steps(body) is None

@@ -312,6 +312,31 @@ def test_engine_load_and_acceptance_are_read_from_llama_server(llama: Pair) -> N
         gw.proc.stop()
 
 
+def test_a_class_learns_its_acceptance_from_llama_servers_own_timings(gateway: Gateway) -> None:
+    # llama-server streams a token an event: only each response's timings say how many steps it took.
+    c = client(gateway.url)
+    ratios: dict[str, list[float]] = {"streamed": [], "whole": []}
+    for name, stream in (("streamed", True), ("whole", False)):
+        for n in range(4):
+            messages = [{"role": "user", "content": f"{n}. Repeat this: {REPETITIVE}"}]
+            raw = c.chat.completions.with_raw_response.create(
+                model="m", messages=messages, max_tokens=48, temperature=0, stream=stream,  # type: ignore[arg-type]
+                extra_headers={"x-specgate-class": name},
+            )  # fmt: skip
+            assert raw.headers["x-specgate-backend"] == "speculative"
+            parsed = raw.parse()
+            events = [e.model_dump() for e in (parsed if stream else [parsed])]  # type: ignore[union-attr]
+            timings = next(e["timings"] for e in events if e.get("timings"))
+            tokens, accepted = timings["predicted_n"], timings["draft_n_accepted"]
+            if timings["draft_n"] > 0:
+                ratios[name].append((tokens - 1) / (tokens - accepted - 1))
+    tracked = gateway.routing()["classes"]["tracked"]
+    for name, seen in ratios.items():
+        assert seen and max(seen) > 1, f"llama-server accepted no drafts for {name}: nothing to learn from"
+        # What the class learnt is a weighted mean of what its responses reported.
+        assert min(seen) - 1e-9 <= tracked[name]["accept_length"] <= max(seen) + 1e-9, (name, seen, tracked)
+
+
 def test_calibrate_against_the_real_pair_counts_no_client_errors(llama: Pair, tmp_path: Path) -> None:
     # llama-server closes the connection after every streamed response: the load tester must
     # resend what its pool wrote into a closed connection, and charge the server with nothing.

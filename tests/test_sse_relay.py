@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.sse import PARTIAL_EVENT_LIMIT, SseRelay, usage_of
+from proxy.sse import PARTIAL_EVENT_LIMIT, JsonUsage, ResponseEvents, SseRelay, reader_for, usage_of
 
 ROLE = b'data: {"id":"1","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
 TOKEN = b'data: {"id":"1","choices":[{"index":0,"delta":{"content":" hi"}}]}\n\n'
@@ -85,6 +85,31 @@ def test_strip_gives_fields_moved_into_the_usage_chunk_back_to_the_finish_chunk(
     assert finish["timings"] == {"draft_n": 12, "draft_n_accepted": 9, "predicted_n": 3}
     assert finish["choices"][0]["finish_reason"] == "length" and "usage" not in finish
     assert relay.usage() == (7, 3)
+
+
+@pytest.mark.parametrize("strip", [True, False])
+def test_a_streams_own_acceptance_is_read_where_the_server_wrote_it(strip: bool) -> None:
+    timings = b'"timings":{"draft_n":56,"draft_n_accepted":33,"predicted_n":64}'
+    usage = b'data: {"choices":[],"id":"1",%s,"usage":{"completion_tokens":64,"prompt_tokens":7}}\n\n' % timings
+    relay = SseRelay(strip_usage=strip)
+    for c in splits(ROLE + TOKEN * 3 + LL_FINISH + usage + DONE, 9):
+        relay.feed(c)
+    relay.flush()
+    assert (relay.usage(), relay.steps()) == ((7, 64), (64, 31))
+    # SGLang's native stream: the last event's meta_info, which has spec_verify_ct once finished.
+    native = SseRelay(strip_usage=False)
+    native.feed(b'data: {"text":"a","meta_info":{"prompt_tokens":2,"completion_tokens":1}}\n\n')
+    native.feed(b'data: {"text":"ab","meta_info":{"prompt_tokens":2,"completion_tokens":40,"spec_verify_ct":16}}\n\n')
+    assert native.steps() == (40, 16)
+    # A body: its top-level timings; a stream with none, or a body read as nothing, reports none.
+    body = JsonUsage()
+    body.feed(b'{"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":64},%s}' % timings)
+    assert body.steps() == (64, 31)
+    plain = SseRelay(strip_usage=strip)
+    plain.feed(STREAM)
+    assert plain.steps() is None
+    assert reader_for("text/plain", 500, strip).steps() is None
+    assert ResponseEvents().steps() is None
 
 
 def test_finish_chunk_is_held_only_until_the_next_bytes() -> None:
