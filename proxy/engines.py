@@ -109,9 +109,11 @@ def reported_steps(obj: Any) -> tuple[int, int] | None:
     """(output tokens, decode steps) that a response body reports of its own speculation, where an
     engine writes them per request: llama-server's `timings` (`predicted_n` tokens, `draft_n` drafted
     and `draft_n_accepted` of them accepted: each step makes one token of its own besides the drafts
-    it accepted, so predicted_n - draft_n_accepted steps; only where it drafted), and SGLang's
-    native `meta_info` (`completion_tokens` in `spec_verify_ct` verify steps, only with speculation
-    on). vLLM's responses say nothing of it. None elsewhere, or where the figures are not a
+    it accepted, so predicted_n - draft_n_accepted steps, the prefill's first token among them; only
+    where it drafted), and SGLang's native `meta_info` (`completion_tokens` in `spec_verify_ct` verify
+    steps, only with speculation on, and the prefill's step, which it does not count). The steps are
+    counted as a stream's content events are: the first is the prefill's. vLLM's responses say
+    nothing of it. None elsewhere, or where the figures are not a
     server's: a step makes at least one token and at most MAX_ACCEPT_LENGTH."""
     if not isinstance(obj, dict):
         return None
@@ -124,8 +126,8 @@ def reported_steps(obj: Any) -> tuple[int, int] | None:
     meta = obj.get("meta_info")
     if isinstance(meta, dict):
         tokens, steps = _count(meta.get("completion_tokens")), _count(meta.get("spec_verify_ct"))
-        if tokens is not None and steps is not None:
-            return _steps(tokens, steps)
+        if tokens is not None and steps:  # 0: it verified nothing (it made one token, or none)
+            return _steps(tokens, steps + 1)
     return None
 
 

@@ -23,7 +23,7 @@ from .config import Settings
 from .engines import GENERATE_PATH
 from .errors import ApiError
 from .gate import Gate
-from .kinds import GENERATIONS, Endpoint
+from .kinds import CLASSED, Endpoint
 from .metrics import code_class
 from .policy import LEARNING
 from .relay import RelayResponse
@@ -153,7 +153,7 @@ async def _accept(
         ),
         traffic_class=(
             class_of(settings.class_key, headers.get(b"x-specgate-class"), payload, headers.get(b"authorization", b""))
-            if endpoint in GENERATIONS
+            if endpoint in CLASSED
             else None
         ),
     )

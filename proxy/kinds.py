@@ -13,6 +13,9 @@ Endpoint = Literal["chat", "completions", "responses", "generate", "other"]
 ENDPOINTS: tuple[Endpoint, ...] = ("chat", "completions", "responses", "generate", "other")
 # The endpoints whose requests say something of acceptance: they may be probes, or shadowed.
 GENERATIONS: tuple[Endpoint, ...] = ("chat", "completions", "responses")
+# The endpoints whose requests have a traffic class: SGLang's native one too, whose responses say
+# their decode steps (engines.reported_steps).
+CLASSED: tuple[Endpoint, ...] = (*GENERATIONS, "generate")
 # How talking to a server failed (proxy/upstream.py).
 ErrorKind = Literal["connect", "timeout", "disconnect", "protocol"]
 ERROR_KINDS: tuple[ErrorKind, ...] = ("connect", "timeout", "disconnect", "protocol")

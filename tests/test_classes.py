@@ -483,6 +483,20 @@ async def test_a_class_learns_its_acceptance_from_what_llama_server_reports_of_e
         assert _value(text, 'specgate_class_accept_length{class="whole"}') == pytest.approx(3.2)
 
 
+@pytest.mark.anyio
+async def test_a_class_learns_its_acceptance_from_sglangs_native_responses(gateway: StartGateway) -> None:
+    # Not streamed, a body has no content events to count: its meta_info's spec_verify_ct says the steps.
+    gw = await gateway(sim={"time_scale": 20}, spec={"accept_from_prompt": True}, affinity_entries=0)
+    await wait_until(lambda: _engine_known(gw))
+    for cls, prompt in (("code", REPEATED), ("chat", VARIED)) * 3:
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 64}}
+        r = await gw.client.post("/generate", json=body, headers={"x-specgate-class": cls})
+        assert (r.status_code, r.headers["x-specgate-backend"]) == (200, "speculative"), r.text
+        assert r.json()["meta_info"]["spec_verify_ct"] > 0
+    tracked = (await gw.routing())["classes"]["tracked"]
+    assert tracked["code"]["accept_length"] > 2.5 > 1.5 > tracked["chat"]["accept_length"] >= 1, tracked
+
+
 def _calibration_with_classes(tmp_path: Path, **accept: float) -> str:
     path = Path(calibration_file(tmp_path))
     data = orjson.loads(path.read_bytes())

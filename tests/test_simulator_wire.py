@@ -99,6 +99,16 @@ def test_native_generate_streaming_and_not(simulator: StartSim) -> None:
     events = sse_json(httpx.post(sim.url + "/generate", json={**body, "stream": True}, timeout=20).content)
     assert [e["text"] for e in events] == [token_text(0, n) for n in (1, 2, 3, 4, 4)]
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert "spec_verify_ct" not in full["meta_info"] and "spec_verify_ct" not in events[-1]["meta_info"]
+    # A speculative server gives a finished request its verify steps, as SGLang does: 31 tokens at 3
+    # a step are the prefill's first and 10 steps.
+    spec = simulator("speculative", *FAST, "--accept-length", "3")
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 31}}
+    full = httpx.post(spec.url + "/generate", json=body, timeout=20).json()
+    assert (full["meta_info"]["completion_tokens"], full["meta_info"]["spec_verify_ct"]) == (31, 10)
+    events = sse_json(httpx.post(spec.url + "/generate", json={**body, "stream": True}, timeout=20).content)
+    assert events[-1]["meta_info"]["spec_verify_ct"] == 10
+    assert all("spec_verify_ct" not in e["meta_info"] for e in events[:-1])
 
 
 def test_models_and_server_info(simulator: StartSim) -> None:

@@ -100,7 +100,7 @@ def test_a_streams_own_acceptance_is_read_where_the_server_wrote_it(strip: bool)
     native = SseRelay(strip_usage=False)
     native.feed(b'data: {"text":"a","meta_info":{"prompt_tokens":2,"completion_tokens":1}}\n\n')
     native.feed(b'data: {"text":"ab","meta_info":{"prompt_tokens":2,"completion_tokens":40,"spec_verify_ct":16}}\n\n')
-    assert native.steps() == (40, 16)
+    assert native.steps() == (40, 17)  # and the prefill's step
     # A body: its top-level timings; a stream with none, or a body read as nothing, reports none.
     body = JsonUsage()
     body.feed(b'{"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":64},%s}' % timings)

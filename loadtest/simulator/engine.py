@@ -142,6 +142,9 @@ class Sequence:
     cache_data: CacheData | None = None
     arrived: float = 0.0
     generated: int = 0
+    # Decode steps that made its tokens, the prefill's first one not among them (SGLang's
+    # spec_verify_ct on a speculative server).
+    verify_steps: int = 0
     state: SeqState = SeqState.QUEUED
     last_token_at: float = 0.0
     # Token counts of steps not yet taken by the handler: one chunk each.
@@ -537,6 +540,7 @@ class Engine:
             n = min(k, seq.max_new_tokens - seq.generated)
             if seq.stall_at is not None:
                 n = min(n, seq.stall_at - seq.generated)
+            seq.verify_steps += 1
             self._emit(seq, n, now)
             accepted += k
             stepped += 1

@@ -208,7 +208,8 @@ class ResponsesStream:
     def content(self, start: int, n: int) -> bytes:
         return self._event("response.output_text.delta", {**self._where, "delta": token_text(start, n), "logprobs": []})
 
-    def finish(self, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+    def finish(self, completion_tokens: int, cached_tokens: int = 0, verify_steps: int | None = None) -> bytes:
+        """The response's last events (a Responses API response has no `meta_info` for verify_steps)."""
         text = token_text(0, completion_tokens)
         item = self._obj.message(text, True)
         return b"".join(

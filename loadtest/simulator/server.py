@@ -361,7 +361,9 @@ class SimServer:
                 body = responses_body(req, created, stored, seq.generated, seq.cached_tokens)
             else:
                 latency = asyncio.get_running_loop().time() - seq.arrived
-                body = full_response(req, created, seq.generated, latency, seq.cached_tokens, cfg.enable_cache_report)
+                verify = seq.verify_steps if cfg.role == "speculative" else None
+                report = cfg.enable_cache_report
+                body = full_response(req, created, seq.generated, latency, seq.cached_tokens, report, verify)
             return web.Response(body=body, content_type="application/json")
         finally:
             # Client gone (handler cancelled), write failed, or server stopping: free the slot.
@@ -395,7 +397,8 @@ class SimServer:
                 parts.append(fmt.content(sent, n))
                 sent += n
             if seq.finished and not seq.pending:
-                parts.append(fmt.finish(sent, seq.cached_tokens))
+                verify = seq.verify_steps if self.config.role == "speculative" else None
+                parts.append(fmt.finish(sent, seq.cached_tokens, verify))
                 done()
             try:
                 await resp.write(b"".join(parts))

@@ -338,10 +338,13 @@ class StreamFormatter:
             return self._generate_event(None, start + n)
         return self._pre + orjson.dumps(text) + self._post
 
-    def finish(self, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+    def finish(self, completion_tokens: int, cached_tokens: int = 0, verify_steps: int | None = None) -> bytes:
+        """The last events. `verify_steps`: a speculative server's decode steps, which SGLang's
+        native API gives a finished request (`meta_info.spec_verify_ct`)."""
         reason, matched = finish_reason(self.req)
         if self.req.kind == "generate":
-            return self._generate_event(reason, completion_tokens, cached_tokens) + b"data: [DONE]\n\n"
+            last = self._generate_event(reason, completion_tokens, cached_tokens, verify_steps)
+            return last + b"data: [DONE]\n\n"
         if self.req.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
         else:
@@ -354,15 +357,19 @@ class StreamFormatter:
             out += self._event({**self._head, "choices": [], "usage": use})
         return out + b"data: [DONE]\n\n"
 
-    def _generate_event(self, reason: str | None, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+    def _generate_event(
+        self, reason: str | None, completion_tokens: int, cached_tokens: int = 0, verify_steps: int | None = None
+    ) -> bytes:
         # The native API streams the whole text so far, not a delta.
-        meta = {
+        meta: dict[str, Any] = {
             "id": self.req.rid,
             "finish_reason": None if reason is None else {"type": reason, "length": completion_tokens},
             "prompt_tokens": self.req.prompt_tokens,
             "completion_tokens": completion_tokens,
             "cached_tokens": cached_tokens,
         }
+        if verify_steps is not None:
+            meta["spec_verify_ct"] = verify_steps
         return self._event({"text": "".join(self._generated_text), "meta_info": meta})
 
     @staticmethod
@@ -377,11 +384,12 @@ def full_response(
     latency_s: float,
     cached_tokens: int = 0,
     report_cache: bool = False,
+    verify_steps: int | None = None,
 ) -> bytes:
     text = token_text(0, completion_tokens)
     reason, matched = finish_reason(req)
     if req.kind == "generate":
-        meta = {
+        meta: dict[str, Any] = {
             "id": req.rid,
             "finish_reason": {"type": reason, "length": completion_tokens},
             "prompt_tokens": req.prompt_tokens,
@@ -389,6 +397,8 @@ def full_response(
             "cached_tokens": cached_tokens,
             "e2e_latency": latency_s,
         }
+        if verify_steps is not None:
+            meta["spec_verify_ct"] = verify_steps
         return orjson.dumps({"text": text, "meta_info": meta})
     if req.kind == "chat":
         choice: dict[str, Any] = {
