@@ -113,8 +113,8 @@ def reported_steps(obj: Any) -> tuple[int, int] | None:
     where it drafted), and SGLang's native `meta_info` (`completion_tokens` in `spec_verify_ct` verify
     steps, only with speculation on, and the prefill's step, which it does not count). The steps are
     counted as a stream's content events are: the first is the prefill's. vLLM's responses say
-    nothing of it. None elsewhere, or where the figures are not a
-    server's: a step makes at least one token and at most MAX_ACCEPT_LENGTH."""
+    nothing of it. None elsewhere, or where the figures are not a server's: a step makes at least
+    one token and at most MAX_ACCEPT_LENGTH."""
     if not isinstance(obj, dict):
         return None
     timings = obj.get("timings")
