@@ -312,6 +312,42 @@ def test_engine_load_and_acceptance_are_read_from_llama_server(llama: Pair) -> N
         gw.proc.stop()
 
 
+def test_a_conversations_next_turn_finds_its_prefix_cached_on_its_server(gateway: Gateway) -> None:
+    # What only a real server shows: the next turn, the last one's prompt and reply resent through
+    # the model's own chat template, finds them in that server's cache.
+    c = client(gateway.url)
+    session = {"x-session-id": "real-multiturn"}
+    before = scrape(gateway.url)
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": "You answer in one short line."},
+        {"role": "user", "content": "List the days of the week."},
+    ]
+    served, cached, prompts = [], [], []
+    for follow_up in ("And the months of the year?", "And the seasons?"):
+        raw = c.chat.completions.with_raw_response.create(
+            model="m",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=24,
+            temperature=0,
+            extra_headers=session,
+        )
+        answer = raw.parse()
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+        served.append(raw.headers["x-specgate-backend"])
+        cached.append(answer.usage.prompt_tokens_details.cached_tokens or 0)
+        prompts.append(answer.usage.prompt_tokens)
+        messages += [
+            {"role": "assistant", "content": answer.choices[0].message.content or ""},
+            {"role": "user", "content": follow_up},
+        ]
+    after = scrape(gateway.url)
+    assert served == ["speculative", "speculative"]
+    # All of the first turn's prompt, less at most the tokens its template renders after the reply.
+    assert cached[1] >= prompts[0] - 8, (cached, prompts)
+    assert after["specgate_affinity_hits_total"] - before.get("specgate_affinity_hits_total", 0) == 1
+    assert after["specgate_affinity_misses_total"] - before.get("specgate_affinity_misses_total", 0) == 1
+
+
 def test_a_class_learns_its_acceptance_from_llama_servers_own_timings(gateway: Gateway) -> None:
     # llama-server streams a token an event: only each response's timings say how many steps it took.
     c = client(gateway.url)
