@@ -138,8 +138,8 @@ class ClassLearning(Generated):
         name: str,
         metrics: Metrics,
         *,
-        steps_in_stream: bool = True,
-        reported: Callable[[], tuple[int, int] | None] | None = None,
+        steps_in_stream: bool,
+        reported: Callable[[], tuple[int, int] | None],
     ) -> None:
         super().__init__(lease, mark, per_event)
         self._book = book
@@ -151,7 +151,8 @@ class ClassLearning(Generated):
 
     def chunk(self, data: bytes, at: float) -> None:
         super().chunk(data, at)
-        self._empties += data.count(self._mark + b'"')
+        if self._steps_in_stream:
+            self._empties += data.count(self._mark + b'"')
 
     def end(self, usage: tuple[int, int] | None, last_at: float) -> None:
         if self._steps_in_stream:
@@ -160,7 +161,7 @@ class ClassLearning(Generated):
                 return
             tokens, steps = usage[1], events
         else:
-            found = self._reported() if self._reported is not None else None
+            found = self._reported()
             if found is None or found[1] < MIN_STREAM_EVENTS:
                 return
             tokens, steps = found

@@ -361,13 +361,17 @@ class SimServer:
                 body = responses_body(req, created, stored, seq.generated, seq.cached_tokens)
             else:
                 latency = asyncio.get_running_loop().time() - seq.arrived
-                verify = seq.verify_steps if cfg.role == "speculative" else None
-                report = cfg.enable_cache_report
+                report, verify = cfg.enable_cache_report, self._verify_steps(seq)
                 body = full_response(req, created, seq.generated, latency, seq.cached_tokens, report, verify)
             return web.Response(body=body, content_type="application/json")
         finally:
             # Client gone (handler cancelled), write failed, or server stopping: free the slot.
             self.engine.abort(seq)
+
+    def _verify_steps(self, seq: Sequence) -> int | None:
+        """What SGLang's native API says of a finished request's verify steps: only a speculative
+        server's."""
+        return seq.verify_steps if self.config.role == "speculative" else None
 
     async def _stream(
         self,
@@ -397,8 +401,7 @@ class SimServer:
                 parts.append(fmt.content(sent, n))
                 sent += n
             if seq.finished and not seq.pending:
-                verify = seq.verify_steps if self.config.role == "speculative" else None
-                parts.append(fmt.finish(sent, seq.cached_tokens, verify))
+                parts.append(fmt.finish(sent, seq.cached_tokens, self._verify_steps(seq)))
                 done()
             try:
                 await resp.write(b"".join(parts))
