@@ -11,6 +11,8 @@ classes are routed apart) with 17 requests in flight, the adaptive policy starti
 calibration (the `crossover` profile's curves), so that each class's own watermarks are solved as
 in service; each figure is the median of `reps` runs of
 `n` decisions, timed by the process's CPU clock (what the decision takes from the event loop).
+`--baseline-servers N` puts N servers in the baseline role, where a conversation's turn is weighed
+against the role's other servers (affinity.py's rule, priced under the adaptive policy).
 """
 
 from __future__ import annotations
@@ -83,11 +85,13 @@ def _bodies() -> list[dict[str, Any]]:
     return out
 
 
-def measure(policy: str, classes: bool, affinity: bool, n: int = 20_000, reps: int = 5) -> DecisionCost:
+def measure(
+    policy: str, classes: bool, affinity: bool, n: int = 20_000, reps: int = 5, baselines: int = 1
+) -> DecisionCost:
     settings = Settings(
         _env_file=None,
         speculative_url="http://127.0.0.1:1",
-        baseline_url="http://127.0.0.1:2",
+        baseline_url=",".join(f"b{i}=http://127.0.0.1:{2 + i}" for i in range(baselines)),
         topology="pooled",
         policy=policy,
         high_watermark=16,
@@ -149,11 +153,11 @@ def measure(policy: str, classes: bool, affinity: bool, n: int = 20_000, reps: i
     return DecisionCost(policy, classes, affinity, decision_us, request_us)
 
 
-def run(policies: Sequence[str] = POLICIES, n: int = 20_000, reps: int = 5) -> list[DecisionCost]:
+def run(policies: Sequence[str] = POLICIES, n: int = 20_000, reps: int = 5, baselines: int = 1) -> list[DecisionCost]:
     out = []
     for policy in policies:
-        out.append(measure(policy, classes=False, affinity=False, n=n, reps=reps))
-        out.append(measure(policy, classes=True, affinity=True, n=n, reps=reps))
+        out.append(measure(policy, classes=False, affinity=False, n=n, reps=reps, baselines=baselines))
+        out.append(measure(policy, classes=True, affinity=True, n=n, reps=reps, baselines=baselines))
     return out
 
 
@@ -179,8 +183,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=20_000, help="decisions per repetition")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--baseline-servers", type=int, default=1, choices=range(1, 9), metavar="N")
     args = parser.parse_args(argv)
-    print(report(run(args.policies.split(","), args.n, args.reps)))
+    print(report(run(args.policies.split(","), args.n, args.reps, args.baseline_servers)))
 
 
 if __name__ == "__main__":

@@ -117,6 +117,10 @@ def describe(gate: Gate) -> dict[str, Any]:
             "kv_capacity_streams": g.kv_streams,
             # Tokens a conversation's next turn adds (counted in the capacity: room for it).
             "turn_growth_tokens": round(g.turn_growth),
+            # How a turn's stay on the server holding its cache is weighed (affinity.py): priced
+            # (each server's cost in stream-seconds, at `turn_out_tokens` a turn) or in_flight.
+            "affinity_rule": "priced" if g.priced() else "in_flight",
+            "turn_out_tokens": round(g.out_tokens),
             # A paired group's footprint growth (tokens a second past its scatter, forecast.py), which
             # the capacity is read ahead at while the footprint is under half the pool; None: no
             # forecast, the footprint as it is.
@@ -144,8 +148,13 @@ def describe(gate: Gate) -> dict[str, Any]:
         "inflight": tracker.total,
         # Prompt tokens the servers reported over those estimated from request bodies (tokens.py).
         "prompt_token_ratio": round(gate.token_ratio.value, 3),
-        # Conversations whose server is remembered (cache affinity), and the slack of its rule.
-        "affinity": {"entries": len(gate.affinity), "slack": s.affinity_slack},
+        # Conversations whose server is remembered (cache affinity), the slack of its rule, and
+        # how the first group weighs a stay among a role's servers (every group's under "groups").
+        "affinity": {
+            "entries": len(gate.affinity),
+            "slack": s.affinity_slack,
+            "rule": "priced" if first.priced() else "in_flight",
+        },
         # Traffic classes: what names them, and what is known of each tracked one.
         "classes": {
             "key": s.class_key,

@@ -12,12 +12,28 @@ left cached there:
                Responses), the first CHARS characters (completions), each part cut at CHARS
 
 in a bounded LRU table (SPECGATE_AFFINITY_ENTRIES). A turn stays with the server that holds its
-cache (or that server's group) unless that server's load exceeds the best alternative's by more
-than the re-prefill staying saves, in requests per thousand cached tokens:
+cache unless that server's predicted cost exceeds the best alternative's by more than the
+re-prefill staying saves. Among a role's servers, where the group knows the role's speed (the
+model policy's fitted step times; the adaptive policy's calibrated curves) and a prefill rate P
+(SPECGATE_PREFILL_TOK_S), the cost is priced in stream-seconds:
 
-    stay  iff  load(held) - load(best) <= slack * cached_tokens / 1000      (SPECGATE_AFFINITY_SLACK)
+    cost(s) = n * (step_s(B+1) + B * (step_s(B+1) - step_s(B)))     the turn's own decode steps,
+                                                                     and what it delays B others by,
+              + (B+1) * (t - c) / P                                  and its new tokens' prefill
+    stay  iff  cost(held) - cost(best) <= slack * (B_best + 1) * c / P      (SPECGATE_AFFINITY_SLACK)
 
-(the loads are what placement compares: requests in flight, see routing.Router.placement_load).
+with B a server's streams (routing.Router.placement_load), step_s(B) its step time holding them
+and their tokens (the fit's, at each server's own tokens in flight; the curves', at its streams),
+n the turn's decode steps (the group's mean output tokens per response, over the role's acceptance
+where it drafts), t its prompt's tokens and c those the held server has cached: a prefill holds up
+the turn and the server's B streams for its tokens / P seconds each, the new ones anywhere, the
+cached ones again on the alternative. So slack 1 moves a turn exactly
+where the time it would save the others and itself is more than the prefill it would cost them; a
+turn moved goes to that cheapest server. Elsewhere (no speed known, P 0, the threshold policy) and
+between groups, requests in flight stand for the cost, a thousand cached tokens for one request:
+
+    stay  iff  load(held) - load(best) <= slack * cached_tokens / 1000
+
 Which role serves a turn is the policy's: only between the watermarks, where either role pays, and
 only where the roles do not share a GPU, does the held server's role win (policy.affinity_choice).
 Pure but for the table.
@@ -104,8 +120,25 @@ def _lead_of_messages(messages: object) -> tuple[str, ...]:
 
 
 def keep(held_load: float, best_load: float, cached_tokens: int, slack: float) -> bool:
-    """Whether a turn stays on the server holding its cache (the module's rule)."""
+    """Whether a turn stays on the server holding its cache, by requests in flight (the module's rule)."""
     return held_load - best_load <= slack * cached_tokens / 1000
+
+
+def turn_cost(
+    steps: float, batch: float, step_now: float, step_more: float, new_tokens: float, prefill_tok_s: float
+) -> float:
+    """Stream-seconds a turn of `steps` decode steps and `new_tokens` to prefill adds on a server
+    of `batch` streams whose step takes `step_now` seconds, and `step_more` with the turn (the
+    module's cost(s))."""
+    decode = steps * (step_more + batch * max(step_more - step_now, 0.0))
+    return decode + (batch + 1.0) * max(new_tokens, 0.0) / prefill_tok_s
+
+
+def keep_priced(
+    held_cost: float, best_cost: float, best_batch: float, cached_tokens: int, prefill_tok_s: float, slack: float
+) -> bool:
+    """Whether a turn stays on the server holding its cache, by its priced cost (the module's rule)."""
+    return held_cost - best_cost <= slack * (best_batch + 1.0) * cached_tokens / prefill_tok_s
 
 
 @dataclass

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from .adaptive import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig, stream_accept
-from .affinity import Held, Outcome, keep
+from .affinity import Held, Outcome, keep, keep_priced, turn_cost
 from .calibration import MAX_WATERMARK, Calibration
 from .classes import ClassBook
 from .engines import ENGINES
@@ -66,6 +66,11 @@ MAX_RATES_SEEN = 4096
 GROWTH_TURNS = 64
 # The share of the speculative pool under which its footprint is read ahead (_growth_ahead).
 FORECAST_UNDER = 0.5
+# A response's output tokens until responses say (Router.out_tokens): chat turns run a few hundred,
+# and the affinity rule only weighs one server's cost against another's with it.
+DEFAULT_OUT_TOKENS = 256.0
+# The weight of one response in Router.out_tokens' moving average.
+OUT_ALPHA = 0.05
 # A class whose acceptance says nothing more: its rank only.
 _RANKED: dict[bool | None, ClassView] = {g: ClassView(g) for g in (None, True, False)}
 # Where the traffic's acceptance was read, when its classes' mix stands for part of it.
@@ -136,6 +141,9 @@ class Router:
         # of the last GROWTH_TURNS returning turns, at most.
         self.turn_growth = 0.0
         self._turns = 0
+        # The group's output tokens per response, a moving average (note_output): a turn's decode
+        # steps as the affinity rule prices them (turn_cost).
+        self.out_tokens = DEFAULT_OUT_TOKENS
         self._kv_read_at = -math.inf
         # The tokens the group's conversations would hold on the speculative pool, sampled with each
         # capacity reading, in a paired group under a learning policy with kv_forecast_s (policy.py:
@@ -378,6 +386,56 @@ class Router:
             rates = self._rates_seen[key] = (now, more)
         return rates
 
+    def priced(self) -> bool:
+        """Whether the affinity rule prices a turn's cost among a role's servers (affinity.py): the
+        group knows the roles' speed and a prefill rate."""
+        a = self.adaptive
+        return a is not None and a.cfg.prefill_tok_s > 0 and (self.speed is not None or a.model.prior is not None)
+
+    def turn_cost(self, server: str, prompt_tokens: int, new_tokens: int) -> tuple[float, float]:
+        """(the stream-seconds a turn of `prompt_tokens`, `new_tokens` of them not cached, adds on
+        `server`, the streams the server holds now): affinity.turn_cost at the fitted step times, at
+        the server's own tokens (ours, and the others' at the group's context), else at the
+        curves' speeds; the group must be priced()."""
+        a = self.adaptive
+        assert a is not None
+        role = self._servers[server].role
+        batch = self.placement_load(server)
+        speed = self.speed
+        if speed is not None:
+            fit = speed.step(role)
+            others = max(batch - self.tracker.count(server), 0.0)
+            held = self.tracker.tokens(server) + others * speed.context
+            now, more = fit.step_s(max(batch, 1.0), held), fit.step_s(batch + 1.0, held + prompt_tokens)
+        else:
+            v_now, v_more = self._rates(role, float(round(batch)))
+            now, more = 1.0 / max(v_now, 1e-9), 1.0 / max(v_more, 1e-9)
+        per_step = 1.0
+        if role == Role.SPECULATIVE:
+            per_step = self.engine_accept() or a.estimate.accept_live or (speed.accept if speed else 0.0) or 1.0
+        steps = self.out_tokens / per_step
+        return turn_cost(steps, batch, now, more, new_tokens, a.cfg.prefill_tok_s), batch
+
+    def affinity_move(
+        self, held: str, peers: Sequence[str], cached_tokens: int, prompt_tokens: int, slack: float
+    ) -> tuple[bool, str | None]:
+        """Whether a turn whose cache `held` holds moves off it to one of its role's other healthy
+        servers `peers` (affinity.py's rule: priced where the group is, else by requests in flight),
+        and where to (None: the least loaded, picked at admission)."""
+        if self.priced():
+            assert self.adaptive is not None
+            new = max(prompt_tokens - cached_tokens, 0)
+            held_cost, _ = self.turn_cost(held, prompt_tokens, new)
+            costs = {s: self.turn_cost(s, prompt_tokens, new) for s in peers}
+            best = min(costs, key=lambda s: costs[s][0])
+            best_cost, best_batch = costs[best]
+            prefill = self.adaptive.cfg.prefill_tok_s
+            if keep_priced(held_cost, best_cost, best_batch, cached_tokens, prefill, slack):
+                return False, None
+            return True, best
+        least = min(self.placement_load(s) for s in (held, *peers))
+        return not keep(self.placement_load(held), least, cached_tokens, slack), None
+
     def class_marks(self, accept: float) -> tuple[int, int] | None:
         """(high, low) for a traffic class of acceptance `accept` (policy.class_choice): the speed
         model's at the group's context, or the adaptive curves'; None under a policy without a
@@ -475,6 +533,8 @@ class Router:
     def note_output(self, backend: Role, tokens: int, events: int | None = None, client: str = "") -> None:
         """A response from `backend` ended with `tokens` output tokens (from its usage), in `events`
         content events (counted only for probes), for client `client`."""
+        if tokens > 0:
+            self.out_tokens += OUT_ALPHA * (tokens - self.out_tokens)
         if self.adaptive is None:
             return
         # What each client is served weighs its acceptance (evidence.py).
@@ -784,12 +844,12 @@ class Fleet:
         decision = mine.decide(can_probe, batch, role, _view(mine, klass), prompt_tokens, held.tokens)
         if decision.backend != role:
             return Placement(decision, mine, affinity="break_mode")
-        peers = mine.group.of(role)
-        if len(peers) == 1:  # a pair: no other server of the role to compare with
+        peers = [s for s in mine.group.of(role) if s != held.server and mine.server_healthy(s)]
+        if not peers:  # a pair, or the role's only server up: none to compare with
             return Placement(decision, mine, held.server, "hit")
-        best = min(mine.placement_load(s) for s in peers if mine.server_healthy(s))
-        if not keep(mine.placement_load(held.server), best, held.tokens, self.affinity_slack):
-            return Placement(decision, mine, affinity="break_load")
+        moves, to = mine.affinity_move(held.server, peers, held.tokens, prompt_tokens, self.affinity_slack)
+        if moves:
+            return Placement(decision, mine, to, "break_load")
         return Placement(decision, mine, held.server, "hit")
 
     def refresh(self) -> None:

@@ -1,23 +1,30 @@
 """Cache affinity: a conversation's next turn goes where its prefix is cached, unless that server's
-load exceeds the alternative's by more than the re-prefill saved (proxy/affinity.py), and the
-engines' prefix cache hit rate per server."""
+predicted cost exceeds the alternative's by more than the re-prefill saved (proxy/affinity.py), and
+the engines' prefix cache hit rate per server."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from proxy.affinity import MAX_ID_BYTES, AffinityTable, conversation_key, keep
+from proxy.affinity import MAX_ID_BYTES, AffinityTable, Held, conversation_key, keep, keep_priced, turn_cost
+from proxy.calibration import ModelFit, StepFit
 from proxy.engines import ENGINES
-from proxy.policy import Decision, PolicyState, Role, affinity_choice
+from proxy.policy import Decision, PolicyName, PolicyState, Role, affinity_choice
 from proxy.readings import read
+from proxy.routing import Fleet
 from proxy.servers import Health
 
-from .helpers import policy_cfg, wait_until
+from .helpers import Clock, adaptive_cfg, policy_cfg, rig, wait_until
 from .inprocess import Gateway, StartGateway, start_sim
+from .test_adaptive import calibration
+from .test_model_stack import calibration_file
+from .test_speedmodel import MODEL
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 20}
 
@@ -54,6 +61,84 @@ def test_a_conversation_keeps_its_key_from_turn_to_turn() -> None:
     for nothing in ({}, {"messages": "x"}, {"prompt": [1, 2, 3]}):
         assert conversation_key(None, nothing, "chat") is None
         assert conversation_key(None, nothing, "completions") is None
+
+
+def test_the_priced_rule() -> None:
+    # 100 decode steps on a server of 4 streams whose step goes from 10 to 11 ms with the turn: its
+    # own 1.1 s, and 0.1 s of delay to each of the 4; its 1,000 new tokens at 20k/s hold up 5.
+    assert turn_cost(100, 4, 0.010, 0.011, 1000, 20_000) == pytest.approx(1.1 + 0.4 + 0.25)
+    assert turn_cost(100, 0, 0.010, 0.010, 0, 20_000) == pytest.approx(1.0)  # an idle server: its own
+    # Staying costs 2 s more than the best, whose 3 streams and the turn would wait 10,000 / 20,000 s
+    # each for the re-prefill: 2 s, the line at slack 1.
+    assert keep_priced(3.0, 1.0, 3, 10_000, 20_000, 1.0)
+    assert not keep_priced(3.0, 1.0, 3, 9_999, 20_000, 1.0)
+    assert not keep_priced(3.0, 1.0, 3, 10_000, 20_000, 0.99)
+    assert keep_priced(3.0, 1.0, 3, 5_000, 20_000, 2.0)
+    assert not keep_priced(1.5, 1.0, 0, 10**9, 20_000, 0.0)  # slack 0: the cheapest, always
+    assert keep_priced(1.0, 2.0, 0, 0, 20_000, 0.0)  # the held one is the cheapest
+
+
+def _priced_pool(slack: float, policy: PolicyName = "model", high: int = 16) -> Fleet:
+    """A pool of one speculative server and two baseline ones, b0 and b1, whose mode is the
+    baseline at every load (speculation never pays on this fit), priced at 20,000 prefill tokens/s."""
+    r = rig(
+        topology="pooled",
+        speculative_url="s0=http://127.0.0.1:9",
+        baseline_url="b0=http://127.0.0.1:10,b1=http://127.0.0.1:11",
+    )
+    fit = ModelFit(StepFit(0.05, 1e-4, 1e-7), StepFit(0.006, 1e-4, 1e-7), (1000, 4000), 128, 1.0)
+    cal = dataclasses.replace(calibration(), model=fit)
+    cfg = policy_cfg(policy, high, min(high, 8), probe_s=0.0, affinity_slack=slack)
+    adaptive = adaptive_cfg(min_watermark=0, max_watermark=0, prefill_tok_s=20_000.0)
+    return Fleet(r.topology, r.servers, cfg, r.metrics, adaptive, cal, clock=Clock())
+
+
+def test_a_turn_leaves_a_server_whose_tokens_cost_more_than_its_cache_saves() -> None:
+    # b0 and b1 hold 4 streams each, b0's of 8,000 tokens, b1's of 500: requests in flight tie.
+    slack_line = 0.384  # where the decode b0 would cost more equals slack * the re-prefill saved
+    for slack, cached, where, outcome in (
+        (slack_line + 0.001, 8000, "b0", "hit"),
+        (slack_line - 0.001, 8000, "b1", "break_load"),
+        (1.0, 1000, "b1", "break_load"),  # little cached: little to lose
+    ):
+        fleet = _priced_pool(slack)
+        (router,) = fleet.routers
+        assert router.priced()
+        leases = [router.admit(Role.BASELINE, "b0", 8000) for _ in range(4)]
+        leases += [router.admit(Role.BASELINE, "b1", 500) for _ in range(4)]
+        placed = fleet.decide(held=Held("b0", cached), prompt_tokens=8500)
+        assert placed.decision.backend == Role.BASELINE
+        assert (placed.server, placed.affinity) == (where, outcome), (slack, cached)
+        # The figures: 256 output tokens a turn until responses say. On b0 a step goes from
+        # 6 + 0.4 + 3.2 = 9.6 ms to 6 + 0.5 + 4.05 = 10.55 ms with the turn; on b1 from 6.6 to
+        # 7.55 ms. Both prefill the turn's new tokens; b1 would also prefill the 8,000 cached ones,
+        # holding up its 4 streams and the turn 0.4 s each: 2 s to weigh against 256 * 3 ms.
+        new = 8500 - cached
+        b0 = turn_cost(256, 4, 0.0096, 0.01055, new, 20_000)
+        b1 = turn_cost(256, 4, 0.0066, 0.00755, new, 20_000)
+        assert router.turn_cost("b0", 8500, new) == pytest.approx((b0, 4.0))
+        assert router.turn_cost("b1", 8500, new) == pytest.approx((b1, 4.0))
+        assert (b0 - b1) / (5 * 8000 / 20_000) == pytest.approx(slack_line, abs=5e-4)
+        for lease in leases:
+            lease.release()
+    # The adaptive policy prices at the calibration's curves, by streams: the busier server costs more.
+    (curves,) = _priced_pool(1.0, "adaptive").routers
+    assert curves.priced() and curves.speed is None
+    leases = [curves.admit(Role.BASELINE, "b0", 500) for _ in range(4)]
+    assert curves.turn_cost("b0", 600, 100)[0] > curves.turn_cost("b1", 600, 100)[0] > 0
+    # Without a speed model, requests in flight stand for the cost: 4 and 4, the turn stays.
+    fleet = _priced_pool(0.0, "threshold", high=0)
+    (router,) = fleet.routers
+    assert not router.priced()
+    leases += [router.admit(Role.BASELINE, "b0", 8000) for _ in range(4)]
+    leases += [router.admit(Role.BASELINE, "b1", 500) for _ in range(4)]
+    placed = fleet.decide(held=Held("b0", 1000), prompt_tokens=8500)
+    assert (placed.server, placed.affinity) == ("b0", "hit")
+    leases.append(router.admit(Role.BASELINE, "b0"))
+    placed = fleet.decide(held=Held("b0", 999), prompt_tokens=8500)
+    assert (placed.server, placed.affinity) == (None, "break_load")  # 5 against 4, slack 0
+    for lease in leases:
+        lease.release()
 
 
 def test_the_slack_rule() -> None:
@@ -207,12 +292,43 @@ async def test_a_turn_leaves_a_server_busier_than_its_cache_is_worth(gateway: St
 
 
 @pytest.mark.anyio
+async def test_under_the_model_policy_the_pool_prices_a_turns_stay(gateway: StartGateway, tmp_path: Path) -> None:
+    # A fit on which speculation never pays: every request goes to the baseline pool.
+    spec = MODEL["speculative"]
+    assert isinstance(spec, dict)
+    never = {**MODEL, "speculative": {**spec, "a": 1.0}}
+    cal = calibration_file(tmp_path, never)
+    async with _pool(gateway, policy="model", calibration=cal, prefill_tok_s=20_000, sim={"time_scale": 1.0}) as gw:
+        routing = await gw.routing()
+        assert routing["affinity"]["rule"] == "priced"
+        assert (routing["groups"][0]["affinity_rule"], routing["groups"][0]["turn_out_tokens"]) == ("priced", 256)
+        hdr = {"x-session-id": "conv-1"}
+        body = {**_chat("hello there"), "max_tokens": 2}
+        before = await _server_requests(gw)
+        assert (await gw.client.post("/v1/chat/completions", json=body, headers=hdr)).status_code == 200
+        held = await _served_by(gw, before)
+        # The group learns a turn's output from responses: 2 tokens moved it off 256.
+        assert (await gw.routing())["groups"][0]["turn_out_tokens"] < 256
+        long = {"prompt": "p", "max_tokens": 120_000, "stream": True}
+        before = await _server_requests(gw)
+        async with gw.client.stream("POST", "/v1/completions", json=long, headers=hdr) as r:
+            await anext(r.aiter_lines())
+            assert await _served_by(gw, before) == held
+            # The next turn's few cached tokens save the idle server a prefill of milliseconds: less
+            # than the decode the long stream would cost it on its server.
+            before = await _server_requests(gw)
+            assert (await gw.client.post("/v1/chat/completions", json=body, headers=hdr)).status_code == 200
+            assert await _served_by(gw, before) != held
+        assert 'specgate_affinity_breaks_total{reason="load"} 1.0' in await gw.metrics_text()
+
+
+@pytest.mark.anyio
 async def test_affinity_off_and_a_server_that_went_down(gateway: StartGateway) -> None:
     off = await gateway(affinity_entries=0)
     await off.client.post("/v1/chat/completions", json={**_chat("hi"), "max_tokens": 2})
     m = await off.metrics()
     assert (m["specgate_affinity_entries"], m["specgate_affinity_misses_total"]) == (0, 0)
-    assert (await off.routing())["affinity"] == {"entries": 0, "slack": 1.0}
+    assert (await off.routing())["affinity"] == {"entries": 0, "slack": 1.0, "rule": "in_flight"}
     on = await gateway(health_interval_s=0.2)
     first = await on.client.post("/v1/chat/completions", json={**_chat("hi"), "max_tokens": 2})
     assert first.headers["x-specgate-backend"] == "speculative"
