@@ -422,6 +422,12 @@ class Router:
         """Whether a turn whose cache `held` holds moves off it to one of its role's other healthy
         servers `peers` (affinity.py's rule: priced where the group is, else by requests in flight),
         and where to (None: the least loaded, picked at admission)."""
+        held_load = self.placement_load(held)
+        tokens = self.tracker.tokens
+        if all(held_load <= self.placement_load(s) and tokens(held) <= tokens(s) for s in peers):
+            # No peer holds fewer streams or tokens: none costs less (cost(s) rises with both),
+            # under either rule. Most turns end here, without pricing.
+            return False, None
         if self.priced():
             assert self.adaptive is not None
             new = max(prompt_tokens - cached_tokens, 0)
@@ -434,7 +440,7 @@ class Router:
                 return False, None
             return True, best
         least = min(self.placement_load(s) for s in (held, *peers))
-        return not keep(self.placement_load(held), least, cached_tokens, slack), None
+        return not keep(held_load, least, cached_tokens, slack), None
 
     def class_marks(self, accept: float) -> tuple[int, int] | None:
         """(high, low) for a traffic class of acceptance `accept` (policy.class_choice): the speed
@@ -747,8 +753,9 @@ class Placement(NamedTuple):
 
     decision: Decision
     router: Router
-    # The server the request goes to (Router.pinned, or its conversation's: affinity); None: the
-    # router picks one at admission.
+    # The server the request goes to (Router.pinned; its conversation's, affinity; or the cheapest
+    # of the role's servers, where a priced turn moved off its own); None: the router picks one at
+    # admission.
     server: str | None = None
     # How a turn whose conversation has a remembered server went (affinity.Outcome); None: no such turn.
     affinity: Outcome | None = None

@@ -119,6 +119,9 @@ def test_a_turn_leaves_a_server_whose_tokens_cost_more_than_its_cache_saves() ->
         assert router.turn_cost("b0", 8500, new) == pytest.approx((b0, 4.0))
         assert router.turn_cost("b1", 8500, new) == pytest.approx((b1, 4.0))
         assert (b0 - b1) / (5 * 8000 / 20_000) == pytest.approx(slack_line, abs=5e-4)
+        # A turn held on the server with no more streams or tokens than any other stays, even with
+        # nothing cached.
+        assert fleet.decide(held=Held("b1", 0), prompt_tokens=8500)[2:] == ("b1", "hit")
         for lease in leases:
             lease.release()
     # The adaptive policy prices at the calibration's curves, by streams: the busier server costs more.
