@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from . import chaos, compare, demo, headtohead, overhead, scaleout, shift, slowloris
 from .calibrate import command as calibrate
-from .headtohead import twoclass
+from .headtohead import affinityrule, twoclass
 from .sweep import TargetUnreachable
 
 # Each command's module defines its subparser and runs it; the order is that of `--help`.
@@ -25,6 +25,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "slowloris": slowloris.cmd_slowloris,
     "headtohead": headtohead.cmd_headtohead,
     "headtohead-classes": twoclass.cmd_headtohead_classes,
+    "headtohead-affinity": affinityrule.cmd_headtohead_affinity,
 }
 
 
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     compare.add_parsers(sub)
-    for module in (calibrate, demo, chaos, overhead, shift, scaleout, slowloris, headtohead, twoclass):
+    for module in (calibrate, demo, chaos, overhead, shift, scaleout, slowloris, headtohead, twoclass, affinityrule):
         module.add_parser(sub)
     return parser
 

@@ -50,6 +50,7 @@ MODULE_TIERS = {
     "test_evidence": "inprocess",
     "test_gateway": "inprocess",
     "test_headtohead": "inprocess",
+    "test_headtohead_affinity": "inprocess",
     "test_headtohead_classes": "inprocess",
     "test_headtohead_run": "loopback",
     "test_hostile_config": "inprocess",

@@ -1,0 +1,306 @@
+"""`python -m loadtest headtohead-affinity`: cache affinity's rule among a role's servers, side by side
+(issue 28): a conversation's next turn stays on the server holding its cache unless that server's
+cost exceeds the best alternative's by more than the re-prefill staying saves.
+
+    python -m loadtest headtohead-affinity [--contexts 8k] [--sessions 16,48] [--baseline-servers 2]
+                                           [--repeats 8] [--out-dir DIR]
+
+Every target is specgate as headtohead-classes' `features` (SPECGATE_POLICY=adaptive from a
+calibration, SPECGATE_TOPOLOGY=pooled, classes from x-specgate-class, sessions by x-session-id) in
+front of a pool of its own: one speculative server and --baseline-servers baseline ones, each a
+simulated H200 (`--profile h200-llama8b`) with a GPU of its own, and the same two classes of
+multi-turn traffic as headtohead-classes (accepting about 1.3 and 3.0 tokens a step):
+
+  priced       the rule priced in stream-seconds, at the fitted curves and SPECGATE_PREFILL_TOK_S
+               (its default, 20,000), the default wherever a group knows its speed;
+  in-flight    the same with SPECGATE_PREFILL_TOK_S=0: requests in flight stand for the cost, a
+               thousand cached tokens for one request (the rule before it was priced);
+  no-affinity  SPECGATE_AFFINITY_ENTRIES=0: every turn to the least loaded server of its role.
+
+The calibration is headtohead-classes' for a pooled 1+1 (`--calibrations DIR` reuses one), read by
+each specgate for its role's servers. Scored per cell, in simulated time: each target's goodput
+(requests finishing in the window within --slo-ttft-ms and --slo-tpot-ms), its prefix-cache hit rate
+and the oracle's (every turn back on the server of its last turn, nothing evicted), and the turns
+each specgate moved off their server for load (specgate_affinity_breaks_total{reason="load"}, over
+the whole run). Over --repeats runs (sessions drawn from seeds --seed, --seed + 1, ...), `priced`
+over each other target pooled (the goodputs summed over the runs), with the 90% bootstrap interval
+of that ratio over runs: better or worse where the interval clears 1, else no difference measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from proxy.promtext import by_label, totals
+
+from ..args import count, level_tuple, positive
+from ..classes import summarise_class
+from ..kit.command import add_run_options, check_max_tokens, say
+from ..kit.processes import Fleet, at_time_scale
+from ..kit.sampling import cpu_use, self_cpu_s
+from ..kit.settings import specgate_env
+from ..procs import free_port
+from ..report import write_json
+from .plan import context_label, context_list, default_time_scale, sizes_for
+from .run import Servers, measure_cell
+from .score import NO_GOODPUT, TargetCell, target_cell
+from .twoclass import ClassPlan, _interval, calibrate, calibration_scale_of, oracle_hit_rate
+
+TARGETS = ("priced", "in-flight", "no-affinity")
+PRICED = "priced"
+# Stacks whose servers a time scale of headtohead's is made for: three, of two servers each.
+REFERENCE_SERVERS = 6
+
+
+def target_settings(target: str) -> dict[str, object]:
+    """specgate's settings (Settings' fields) for a target."""
+    features: dict[str, object] = {"policy": "adaptive", "class_key": "header", "topology": "pooled"}
+    if target == "priced":
+        return features
+    if target == "in-flight":
+        return {**features, "prefill_tok_s": 0}
+    if target == "no-affinity":
+        return {**features, "affinity_entries": 0}
+    raise ValueError(f"{target!r} is not a target")
+
+
+@dataclass(frozen=True)
+class AffinityPlan(ClassPlan):
+    """headtohead-classes' plan on a pool (its traffic, windows and calibration), with
+    `baselines` baseline servers a target."""
+
+    topology: str = "pooled"
+    baselines: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.baselines <= 8:
+            raise ValueError("--baseline-servers must be 1 to 8")
+
+    def time_scale(self, sessions: int, context: int) -> float:
+        """headtohead's, times this run's simulated servers over its three stacks of two."""
+        servers = len(TARGETS) * (1 + self.baselines)
+        return round(default_time_scale(sessions, context) * servers / REFERENCE_SERVERS, 4)
+
+    def baseline_args(self, time_scale: float, port: int) -> list[str]:
+        """One more baseline server, a GPU of its own, as the pair's (ClassPlan.pair)."""
+        return ["-m", "loadtest.simulator", "--role", "baseline", "--port", str(port), "--log-level", "warning",
+                "--profile", self.profile, "--enable-cache-report", "--time-scale", f"{time_scale:g}"]  # fmt: skip
+
+
+@dataclass
+class AffinityCell:
+    context: int
+    sessions: int
+    time_scale: float
+    targets: dict[str, TargetCell]
+    oracle_hit: dict[str, float | None] = field(default_factory=dict)
+    # Turns each specgate moved off the server holding their cache for its load, and kept there.
+    breaks: dict[str, float | None] = field(default_factory=dict)
+    hits: dict[str, float | None] = field(default_factory=dict)
+    cpu_busy: float | None = None
+    seed: int = 0
+
+
+def _scrape(url: str) -> tuple[float | None, float | None]:
+    """(affinity breaks for load, affinity hits) from a specgate's /metrics; None where unread."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None, None
+    breaks = by_label(text, "specgate_affinity_breaks_total", "reason").get("load")
+    return breaks, totals(text, ("specgate_affinity_hits_total",)).get("specgate_affinity_hits_total")
+
+
+def stack_env(target: str, port: int, servers: dict[str, str], time_scale: float, calibration: Path) -> dict[str, str]:
+    """SPECGATE_* for a target's specgate in front of `servers` (speculative, then b0, b1, ...)."""
+    baselines = ",".join(f"{name}={url}" for name, url in servers.items() if name != "speculative")
+    env = specgate_env(port, servers["speculative"], baselines, time_scale)
+    settings = {**target_settings(target), "calibration": calibration}
+    return env | {f"SPECGATE_{k.upper()}": str(v) for k, v in settings.items()}
+
+
+def start_stacks(plan: AffinityPlan, sessions: int, context: int, calibration: Path) -> Servers:
+    t = plan.time_scale(sessions, context)
+    fleet = Fleet()
+    urls: dict[str, str] = {}
+    servers: dict[str, dict[str, str]] = {}
+    try:
+        for target in TARGETS:
+            sp, bp = free_port(), free_port()
+            spec, base = f"http://127.0.0.1:{sp}", f"http://127.0.0.1:{bp}"
+            fleet.start(f"pool-{target}", plan.pair(t, sp, bp), [spec + "/health", base + "/health"])
+            servers[target] = {"speculative": spec, "b0": base}
+            for i in range(1, plan.baselines):
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                fleet.start(f"pool-{target}-b{i}", plan.baseline_args(t, port), [url + "/health"])
+                servers[target][f"b{i}"] = url
+        fleet.ready()
+        for target in TARGETS:
+            port = free_port()
+            urls[target] = f"http://127.0.0.1:{port}"
+            env = stack_env(target, port, servers[target], t, calibration)
+            fleet.start(f"specgate-{target}", ["-m", "proxy"], [urls[target] + "/ready"], env)
+        fleet.ready()
+    except BaseException:
+        fleet.stop()
+        raise
+    return Servers(urls=urls, servers=servers, fleet=fleet)
+
+
+def run_cell(plan: AffinityPlan, context: int, sessions: int, calibration: Path, quiet: bool) -> AffinityCell:
+    t = plan.time_scale(sessions, context)
+    say(f"  {sessions} sessions (time scale {t:g}): {len(TARGETS)} pools of 1+{plan.baselines}...", quiet)
+    stacks = start_stacks(plan, sessions, context, calibration)
+    try:
+        cpu0 = self_cpu_s()
+        cap = asyncio.run(measure_cell(plan, context, sessions, stacks, tag_requests=True))
+        cpu = cpu_use(cap.cpu_samples, stacks.fleet.procs, self_cpu_s() - cpu0)
+        scraped = {target: _scrape(url) for target, url in stacks.urls.items()}
+    finally:
+        stacks.fleet.stop()
+    slo = plan.wall_slo(sessions, context)
+    system = sizes_for(context, plan.turns, plan.max_tokens).system_tokens
+    cell = AffinityCell(context, sessions, t, {}, cpu_busy=cpu.machine_busy_mean, seed=plan.seed)
+    for name in TARGETS:
+        run = cap.runs[name]
+        everything = summarise_class("all", run.results, run.t0, run.t1, slo)
+        queued = cap.queued.get(name)
+        stats = run.stats(slo, plan.min_requests)
+        cell.targets[name] = target_cell(name, stats, everything, t, sum(queued) / len(queued) if queued else None)
+        cell.oracle_hit[name] = oracle_hit_rate(run.results, run.t0, run.t1, system)
+        cell.breaks[name], cell.hits[name] = scraped[name]
+    figures = ", ".join(f"{n} {c.goodput_req_s:.2f}{'' if c.conclusive else '*'}" for n, c in cell.targets.items())
+    say(f"    goodput {figures}; CPU {cpu.machine_busy_mean:.0%}", quiet)
+    return cell
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring: pure
+
+
+def pairs(runs: Sequence[AffinityCell], target: str, other: str) -> list[tuple[float, float]]:
+    """(target's goodput, other's) of each run where both are conclusive."""
+    out = []
+    for c in runs:
+        a, b = c.targets[target], c.targets[other]
+        if a.conclusive and b.conclusive:
+            out.append((a.goodput_req_s, b.goodput_req_s))
+    return out
+
+
+def comparison(runs: Sequence[AffinityCell], target: str, other: str) -> str:
+    """target over other, pooled over the runs, with its interval and what it says."""
+    known = pairs(runs, target, other)
+    below = sum(b for _, b in known)
+    if not known or below < NO_GOODPUT:
+        return f"{target} / {other}: unknown (no conclusive run with goodput)"
+    ratio = sum(a for a, _ in known) / below
+    interval = _interval(known)
+    if interval is None:
+        return f"{target} / {other}: {ratio:.2f}x over {len(known)} runs (too few for an interval)"
+    lo, hi = interval
+    verdict = "better" if lo > 1 else "worse" if hi < 1 else "no difference measured"
+    return f"{target} / {other}: {ratio:.2f}x over {len(known)} runs (90% interval {lo:.2f}x-{hi:.2f}x): {verdict}"
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def summary_lines(cells: Sequence[AffinityCell]) -> list[str]:
+    by_cell: dict[tuple[int, int], list[AffinityCell]] = {}
+    for c in cells:
+        by_cell.setdefault((c.context, c.sessions), []).append(c)
+    lines = []
+    for (context, sessions), runs in by_cell.items():
+        lines.append(f"{context_label(context)}/{sessions} ({len(runs)} runs):")
+        for name in TARGETS:
+            good = _mean([c.targets[name].goodput_req_s for c in runs if c.targets[name].conclusive])
+            hit = _mean([c.targets[name].prefix_cache_hit_rate for c in runs])
+            oracle = _mean([c.oracle_hit[name] for c in runs])
+            breaks = _mean([c.breaks.get(name) for c in runs])
+            lines.append(
+                f"  {name:<12} goodput {'-' if good is None else f'{good:.2f}'} req/s, hit {_pct(hit)} "
+                f"(oracle {_pct(oracle)}), load breaks {'-' if breaks is None else f'{breaks:.0f}'} a run"
+            )
+        for other in TARGETS[1:]:
+            lines.append("  " + comparison(runs, PRICED, other))
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Command
+
+
+def run(plan: AffinityPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> dict[str, Any]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cells: list[AffinityCell] = []
+    for context in plan.contexts:
+        if reuse is not None:
+            path = reuse / f"calibration-{context_label(context)}" / "calibration.json"
+            if not path.exists():
+                raise ValueError(f"--calibrations: no {path}")
+        else:
+            path = calibrate(plan, context, out_dir, quiet)
+        measured = calibration_scale_of(plan, path, context)
+        for s in plan.sessions:
+            where = out_dir / f"calibration-{context_label(context)}" / f"at-{s}-sessions.json"
+            where.parent.mkdir(parents=True, exist_ok=True)
+            scaled = at_time_scale(path, measured, plan.time_scale(s, context), where)
+            for i in range(plan.repeats):
+                cells.append(run_cell(dataclasses.replace(plan, seed=plan.seed + i), context, s, scaled, quiet))
+                write_json(out_dir / "headtohead-affinity.json", {"settings": vars(plan), "cells": cells})
+    return {"settings": vars(plan), "cells": cells, "summary": summary_lines(cells)}
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "headtohead-affinity",
+        help="cache affinity's rule among a role's servers: priced, by requests in flight, and none (issue 28)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--contexts", type=context_list, default=(8000,), help="comma list (default 8k)")
+    p.add_argument("--sessions", type=level_tuple, default=(16, 48), help="comma list (default 16,48)")
+    p.add_argument("--baseline-servers", type=int, default=2, help="baseline servers in each pool (default 2)")
+    p.add_argument("--turns", type=count, default=4)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--window-s", type=positive, default=12.0, help="simulated seconds (default 12)")
+    p.add_argument("--repeats", type=count, default=1, help="runs of each cell, seeds --seed, --seed + 1, ...")
+    p.add_argument("--calibrations", default=None, metavar="DIR",
+                   help="reuse a pooled headtohead-classes (or this command's) run's calibrations")  # fmt: skip
+    add_run_options(p, "a cell needs per target", "headtohead-affinity-results")
+
+
+def cmd_headtohead_affinity(args: argparse.Namespace) -> int:
+    check_max_tokens(args.max_tokens)
+    plan = AffinityPlan(
+        contexts=args.contexts, sessions=args.sessions, turns=args.turns, max_tokens=args.max_tokens,
+        window_s=args.window_s, max_window_s=max(60.0, args.window_s), seed=args.seed,
+        min_requests=args.min_requests, repeats=args.repeats, baselines=args.baseline_servers,
+    )  # fmt: skip
+    out_dir = Path(args.out_dir)
+    started = time.monotonic()
+    report = run(plan, out_dir, Path(args.calibrations) if args.calibrations else None, args.quiet)
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    for line in report["summary"]:
+        print(line)
+    write_json(out_dir / "headtohead-affinity.json", report)
+    print(f"\ndata: {out_dir / 'headtohead-affinity.json'}   ({report['wall_s']:.0f} s)")
+    return 0

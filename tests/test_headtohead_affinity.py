@@ -1,0 +1,119 @@
+"""`loadtest headtohead-affinity`'s plan, stacks and scoring (loadtest/headtohead/affinityrule.py): pure,
+no process started."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from loadtest.__main__ import build_parser
+from loadtest.headtohead.affinityrule import (
+    PRICED,
+    TARGETS,
+    AffinityCell,
+    AffinityPlan,
+    comparison,
+    stack_env,
+    summary_lines,
+    target_settings,
+)
+from loadtest.headtohead.plan import default_time_scale
+from loadtest.headtohead.score import TargetCell
+from proxy.config import Settings
+from proxy.policy import Role
+
+
+def test_the_targets_differ_only_in_the_affinity_rule() -> None:
+    priced = target_settings("priced")
+    assert priced == {"policy": "adaptive", "class_key": "header", "topology": "pooled"}
+    assert target_settings("in-flight") == {**priced, "prefill_tok_s": 0}
+    assert target_settings("no-affinity") == {**priced, "affinity_entries": 0}
+    with pytest.raises(ValueError):
+        target_settings("smg")
+
+
+def test_a_stack_is_a_pool_of_one_speculative_and_n_baseline_servers(tmp_path: Path) -> None:
+    servers = {"speculative": "http://127.0.0.1:1", "b0": "http://127.0.0.1:2", "b1": "http://127.0.0.1:3"}
+    env = stack_env("in-flight", 4000, servers, 2.0, tmp_path / "cal.json")
+    assert env["SPECGATE_BASELINE_URL"] == "b0=http://127.0.0.1:2,b1=http://127.0.0.1:3"
+    assert (env["SPECGATE_PREFILL_TOK_S"], env["SPECGATE_TOPOLOGY"]) == ("0", "pooled")
+    assert env["SPECGATE_CALIBRATION"] == str(tmp_path / "cal.json")
+    # specgate reads it as one pool whose baseline role has both servers.
+    s = Settings(_env_file=None, speculative_url=env["SPECGATE_SPECULATIVE_URL"],
+                 baseline_url=env["SPECGATE_BASELINE_URL"], topology="pooled")  # fmt: skip
+    (group,) = s.routing_topology().groups
+    assert group.of(Role.BASELINE) == ("b0", "b1") and len(group.of(Role.SPECULATIVE)) == 1
+    # priced: the default prefill rate, on the simulators' clock (twice as fast at time scale 2).
+    assert stack_env("priced", 4000, servers, 2.0, tmp_path / "cal.json")["SPECGATE_PREFILL_TOK_S"] == "40000"
+
+
+def test_the_plan_scales_time_by_its_servers() -> None:
+    plan = AffinityPlan(contexts=(8000,), sessions=(16,), baselines=2)
+    # Three pools of three servers, where headtohead's scale is made for six servers.
+    assert plan.time_scale(16, 8000) == pytest.approx(default_time_scale(16, 8000) * 9 / 6, abs=1e-4)
+    assert AffinityPlan(baselines=1).time_scale(16, 8000) < plan.time_scale(16, 8000)
+    assert plan.topology == "pooled"
+    # The sessions' think time and stagger are on the simulators' clock at that scale.
+    w = plan.workload(8000, 16)
+    assert w.stagger_s == pytest.approx(plan.stagger_s / plan.time_scale(16, 8000))
+    args = plan.baseline_args(3.0, 5555)
+    assert args[:4] == ["-m", "loadtest.simulator", "--role", "baseline"]
+    assert {"--enable-cache-report", "h200-llama8b", "5555", "3"} <= set(args)
+    with pytest.raises(ValueError):
+        AffinityPlan(baselines=0)
+
+
+def _target(name: str, goodput: float, conclusive: bool = True) -> TargetCell:
+    return TargetCell(
+        target=name, completed=50, errors=0, client_errors=0, min_ok=10, conclusive=conclusive,
+        output_tok_s=1000.0, goodput_req_s=goodput, goodput_share=0.9, prefix_cache_hit_rate=0.6,
+        mean_prompt_tokens=8000.0, p50_ttft_ms=300.0, p99_ttft_ms=900.0, p50_tpot_ms=30.0, p99_tpot_ms=45.0,
+        window_s=12.0,
+    )  # fmt: skip
+
+
+def _cell(priced: float, in_flight: float, none: float = 4.0, seed: int = 0, conclusive: bool = True) -> AffinityCell:
+    goodput = {"priced": priced, "in-flight": in_flight, "no-affinity": none}
+    targets = {n: _target(n, goodput[n], conclusive or n != PRICED) for n in TARGETS}
+    return AffinityCell(8000, 16, 2.0, targets, {n: 0.65 for n in TARGETS}, {n: 3.0 for n in TARGETS}, seed=seed)
+
+
+def test_priced_against_each_other_target_pooled_over_runs() -> None:
+    same = [_cell(5.0 + 0.3 * (-1) ** i, 5.0 - 0.3 * (-1) ** i, seed=i) for i in range(10)]
+    line = comparison(same, PRICED, "in-flight")
+    assert "1.00x over 10 runs" in line and line.endswith("no difference measured")
+    better = [_cell(5.5 + 0.1 * i, 5.0 + 0.1 * i, seed=i) for i in range(10)]
+    assert comparison(better, PRICED, "in-flight").endswith(": better")
+    assert comparison(better, PRICED, "no-affinity").endswith(": better")
+    worse = [_cell(4.0 + 0.1 * i, 5.0 + 0.1 * i, seed=i) for i in range(10)]
+    assert comparison(worse, PRICED, "in-flight").endswith(": worse")
+    # Fewer runs than an interval needs: the ratio alone; an inconclusive run is left out.
+    few = [_cell(5.0, 4.0), _cell(9.0, 1.0, conclusive=False)]
+    assert comparison(few, PRICED, "in-flight") == "priced / in-flight: 1.25x over 1 runs (too few for an interval)"
+    assert "unknown" in comparison([_cell(1.0, 0.0)], PRICED, "in-flight")
+
+
+def test_summary_lines_name_every_target_and_each_comparison() -> None:
+    runs = [_cell(5.0, 5.0, seed=i) for i in range(3)]
+    runs.append(dataclass_replace_hit(runs[0]))
+    lines = summary_lines(runs)
+    assert lines[0] == "8k/16 (4 runs):"
+    assert any(line.strip().startswith("priced ") and "hit 60%" in line and "oracle 65%" in line for line in lines)
+    assert sum("priced / " in line for line in lines) == len(TARGETS) - 1
+    assert any("load breaks 3 a run" in line for line in lines)
+
+
+def dataclass_replace_hit(cell: AffinityCell) -> AffinityCell:
+    """A run whose breaks were not read: left out of the mean, not counted as 0."""
+    return AffinityCell(
+        cell.context, cell.sessions, cell.time_scale, cell.targets, cell.oracle_hit,
+        {n: None for n in TARGETS}, seed=9,
+    )  # fmt: skip
+
+
+def test_the_command_parses() -> None:
+    args = build_parser().parse_args(["headtohead-affinity", "--contexts", "1k,8k", "--baseline-servers", "3"])
+    assert (args.contexts, args.baseline_servers, args.sessions) == ((1000, 8000), 3, (16, 48))
+    assert math.isclose(args.window_s, 12.0)
