@@ -13,26 +13,32 @@ left cached there:
 
 in a bounded LRU table (SPECGATE_AFFINITY_ENTRIES). A turn stays with the server that holds its
 cache unless that server's predicted cost exceeds the best alternative's by more than the
-re-prefill staying saves. Among a role's servers, where the group knows the role's speed (the
-model policy's fitted step times; the adaptive policy's calibrated curves) and a prefill rate P
-(SPECGATE_PREFILL_TOK_S), the cost is priced in stream-seconds:
+re-prefill staying saves. Among a role's servers, where the group has the model policy's fitted
+decode step times and a prefill rate P (SPECGATE_PREFILL_TOK_S), the cost is priced in
+stream-seconds:
 
     cost(s) = n * (step_s(B+1) + B * (step_s(B+1) - step_s(B)))     the turn's own decode steps,
                                                                      and what it delays B others by,
               + (B+1) * (t - c) / P                                  and its new tokens' prefill
     stay  iff  cost(held) - cost(best) <= slack * (B_best + 1) * c / P      (SPECGATE_AFFINITY_SLACK)
 
-with B a server's streams (routing.Router.placement_load), step_s(B) its step time holding them
-and their tokens (the fit's, at each server's own tokens in flight; the curves', at its streams),
+with B a server's streams (routing.Router.placement_load), step_s(B) its fitted step time holding
+them and their tokens (each server's own tokens in flight, the others' at the group's context),
 n the turn's decode steps (the group's mean output tokens per response, over the role's acceptance
 where it drafts), t its prompt's tokens and c those the held server has cached: a prefill holds up
 the turn and the server's B streams for its tokens / P seconds each, the new ones anywhere, the
 cached ones again on the alternative. So slack 1 moves a turn exactly
 where the time it would save the others and itself is more than the prefill it would cost them; a
-turn moved goes to that cheapest server. Elsewhere (no speed known, P 0, the threshold policy) and
-between groups, requests in flight stand for the cost, a thousand cached tokens for one request:
+turn moved goes to that cheapest server. Elsewhere (no fit, P 0) and between groups, requests in
+flight stand for the cost, a thousand cached tokens for one request:
 
     stay  iff  load(held) - load(best) <= slack * cached_tokens / 1000
+
+Not the adaptive policy's calibrated curves: measured through a multi-turn sweep, their slope
+between levels carries each stream's later prefills too, which the rule counts apart, and at small
+batches it reads a stream more as a tenth slower for all. Priced on them, on 1+3 pools at 8k and 72
+sessions, affinity moved 20 turns a run against 12 and lost 0.86x of the goodput by requests in
+flight (loadtest headtohead-affinity, docs/headtohead-affinity.md).
 
 Which role serves a turn is the policy's: only between the watermarks, where either role pays, and
 only where the roles do not share a GPU, does the held server's role win (policy.affinity_choice).

@@ -388,31 +388,26 @@ class Router:
 
     def priced(self) -> bool:
         """Whether the affinity rule prices a turn's cost among a role's servers (affinity.py): the
-        group knows the roles' speed and a prefill rate."""
+        group has the model policy's fitted step times and a prefill rate."""
         a = self.adaptive
-        return a is not None and a.cfg.prefill_tok_s > 0 and (self.speed is not None or a.model.prior is not None)
+        return a is not None and a.cfg.prefill_tok_s > 0 and self.speed is not None
 
     def turn_cost(self, server: str, prompt_tokens: int, new_tokens: int) -> tuple[float, float]:
         """(the stream-seconds a turn of `prompt_tokens`, `new_tokens` of them not cached, adds on
         `server`, the streams the server holds now): affinity.turn_cost at the fitted step times, at
-        the server's own tokens (ours, and the others' at the group's context), else at the
-        curves' speeds; the group must be priced()."""
-        a = self.adaptive
-        assert a is not None
+        the server's own tokens (ours, and the others' at the group's context); the group must be
+        priced()."""
+        a, speed = self.adaptive, self.speed
+        assert a is not None and speed is not None
         role = self._servers[server].role
         batch = self.placement_load(server)
-        speed = self.speed
-        if speed is not None:
-            fit = speed.step(role)
-            others = max(batch - self.tracker.count(server), 0.0)
-            held = self.tracker.tokens(server) + others * speed.context
-            now, more = fit.step_s(max(batch, 1.0), held), fit.step_s(batch + 1.0, held + prompt_tokens)
-        else:
-            v_now, v_more = self._rates(role, float(round(batch)))
-            now, more = 1.0 / max(v_now, 1e-9), 1.0 / max(v_more, 1e-9)
+        fit = speed.step(role)
+        others = max(batch - self.tracker.count(server), 0.0)
+        held = self.tracker.tokens(server) + others * speed.context
+        now, more = fit.step_s(max(batch, 1.0), held), fit.step_s(batch + 1.0, held + prompt_tokens)
         per_step = 1.0
         if role == Role.SPECULATIVE:
-            per_step = self.engine_accept() or a.estimate.accept_live or (speed.accept if speed else 0.0) or 1.0
+            per_step = self.engine_accept() or a.estimate.accept_live or speed.accept or 1.0
         steps = self.out_tokens / per_step
         return turn_cost(steps, batch, now, more, new_tokens, a.cfg.prefill_tok_s), batch
 
