@@ -3,6 +3,7 @@ no process started."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from loadtest.headtohead.affinityrule import (
     AffinityCell,
     AffinityPlan,
     comparison,
+    has_fit,
     stack_env,
     summary_lines,
     target_settings,
@@ -27,11 +29,23 @@ from proxy.policy import Role
 
 def test_the_targets_differ_only_in_the_affinity_rule() -> None:
     priced = target_settings("priced")
-    assert priced == {"policy": "adaptive", "class_key": "header", "topology": "pooled"}
+    assert priced == {"policy": "model", "class_key": "header", "topology": "pooled"}
     assert target_settings("in-flight") == {**priced, "prefill_tok_s": 0}
     assert target_settings("no-affinity") == {**priced, "affinity_entries": 0}
+    assert target_settings("priced", "adaptive")["policy"] == "adaptive"
     with pytest.raises(ValueError):
         target_settings("smg")
+
+
+def test_the_model_policy_needs_a_calibration_with_a_fit(tmp_path: Path) -> None:
+    with_fit, without, broken = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    with_fit.write_text(json.dumps({"format": "specgate-calibration/2", "model": {"form": "step_s = a + b*B + c*T"}}))
+    without.write_text(json.dumps({"format": "specgate-calibration/2", "model": None}))
+    broken.write_text("[")
+    assert has_fit(with_fit) and not has_fit(without) and not has_fit(broken)
+    assert not has_fit(tmp_path / "missing.json")
+    with pytest.raises(ValueError):
+        AffinityPlan(policy="threshold")
 
 
 def test_a_stack_is_a_pool_of_one_speculative_and_n_baseline_servers(tmp_path: Path) -> None:
@@ -115,5 +129,5 @@ def dataclass_replace_hit(cell: AffinityCell) -> AffinityCell:
 
 def test_the_command_parses() -> None:
     args = build_parser().parse_args(["headtohead-affinity", "--contexts", "1k,8k", "--baseline-servers", "3"])
-    assert (args.contexts, args.baseline_servers, args.sessions) == ((1000, 8000), 3, (16, 48))
+    assert (args.contexts, args.baseline_servers, args.sessions, args.policy) == ((1000, 8000), 3, (16, 48), "model")
     assert math.isclose(args.window_s, 12.0)

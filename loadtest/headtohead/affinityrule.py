@@ -5,23 +5,27 @@ cost exceeds the best alternative's by more than the re-prefill staying saves.
     python -m loadtest headtohead-affinity [--contexts 8k] [--sessions 16,48] [--baseline-servers 2]
                                            [--repeats 8] [--out-dir DIR]
 
-Every target is specgate as headtohead-classes' `features` (SPECGATE_POLICY=adaptive from a
-calibration, SPECGATE_TOPOLOGY=pooled, classes from x-specgate-class, sessions by x-session-id) in
-front of a pool of its own: one speculative server and --baseline-servers baseline ones, each a
+Every target is specgate as headtohead-classes' `features` (SPECGATE_POLICY=model, or --policy
+adaptive, from a calibration; SPECGATE_TOPOLOGY=pooled, classes from x-specgate-class, sessions by
+x-session-id) in front of a pool of its own: one speculative server and --baseline-servers baseline ones, each a
 simulated H200 (`--profile h200-llama8b`) with a GPU of its own, and the same two classes of
 multi-turn traffic as headtohead-classes (accepting about 1.3 and 3.0 tokens a step):
 
-  priced       the rule priced in stream-seconds, at the fitted curves and SPECGATE_PREFILL_TOK_S
-               (its default, 20,000), the default wherever a group knows its speed;
+  priced       the rule priced in stream-seconds, at the fitted step times and
+               SPECGATE_PREFILL_TOK_S (its default, 20,000): the default under the model policy;
   in-flight    the same with SPECGATE_PREFILL_TOK_S=0: requests in flight stand for the cost, a
                thousand cached tokens for one request (the rule before it was priced);
   no-affinity  SPECGATE_AFFINITY_ENTRIES=0: every turn to the least loaded server of its role.
 
-The calibration is headtohead-classes' for a pooled 1+1 (`--calibrations DIR` reuses one), read by
-each specgate for its role's servers. Scored per cell, in simulated time: each target's goodput
-(requests finishing in the window within --slo-ttft-ms and --slo-tpot-ms), its prefix-cache hit rate
-and the oracle's (every turn back on the server of its last turn, nothing evicted), and the turns
-each specgate moved off their server for load (specgate_affinity_breaks_total{reason="load"}, over
+The calibration is headtohead-classes' for a pooled 1+1, with the speed model's fit (a sweep at
+1,000-token prompts beside the traffic's own; `--calibrations DIR` reuses one, which the model
+policy needs with a fit), read by each specgate for its role's servers. Under --policy adaptive
+the rule is never priced (the curves are not), and `priced` runs as `in-flight` does.
+
+Scored per cell, in simulated time: each target's goodput (requests finishing in the window within
+--slo-ttft-ms and --slo-tpot-ms), its prefix-cache hit rate and the oracle's (every turn back on
+the server of its last turn, nothing evicted), and the turns each specgate moved off their server
+for load (specgate_affinity_breaks_total{reason="load"}, over
 the whole run). Over --repeats runs (sessions drawn from seeds --seed, --seed + 1, ...), `priced`
 over each other target pooled (the goodputs summed over the runs), with the 90% bootstrap interval
 of that ratio over runs: better or worse where the interval clears 1, else no difference measured.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -55,14 +60,18 @@ from .score import NO_GOODPUT, TargetCell, target_cell
 from .twoclass import ClassPlan, _interval, calibrate, calibration_scale_of, oracle_hit_rate
 
 TARGETS = ("priced", "in-flight", "no-affinity")
+POLICIES = ("model", "adaptive")
+# The speed model's sweep beside the traffic's own: a context far from 8k's, so that the fit's
+# KV term is known.
+FIT_PROMPT_TOKENS = "1000"
 PRICED = "priced"
 # Stacks whose servers a time scale of headtohead's is made for: three, of two servers each.
 REFERENCE_SERVERS = 6
 
 
-def target_settings(target: str) -> dict[str, object]:
-    """specgate's settings (Settings' fields) for a target."""
-    features: dict[str, object] = {"policy": "adaptive", "class_key": "header", "topology": "pooled"}
+def target_settings(target: str, policy: str = "model") -> dict[str, object]:
+    """specgate's settings (Settings' fields) for a target under `policy`."""
+    features: dict[str, object] = {"policy": policy, "class_key": "header", "topology": "pooled"}
     if target == "priced":
         return features
     if target == "in-flight":
@@ -79,11 +88,14 @@ class AffinityPlan(ClassPlan):
 
     topology: str = "pooled"
     baselines: int = 2
+    policy: str = "model"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 1 <= self.baselines <= 8:
             raise ValueError("--baseline-servers must be 1 to 8")
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy: one of {', '.join(POLICIES)}")
 
     def time_scale(self, sessions: int, context: int) -> float:
         """headtohead's, times this run's simulated servers over its three stacks of two."""
@@ -121,11 +133,13 @@ def _scrape(url: str) -> tuple[float | None, float | None]:
     return breaks, totals(text, ("specgate_affinity_hits_total",)).get("specgate_affinity_hits_total")
 
 
-def stack_env(target: str, port: int, servers: dict[str, str], time_scale: float, calibration: Path) -> dict[str, str]:
+def stack_env(
+    target: str, port: int, servers: dict[str, str], time_scale: float, calibration: Path, policy: str = "model"
+) -> dict[str, str]:
     """SPECGATE_* for a target's specgate in front of `servers` (speculative, then b0, b1, ...)."""
     baselines = ",".join(f"{name}={url}" for name, url in servers.items() if name != "speculative")
     env = specgate_env(port, servers["speculative"], baselines, time_scale)
-    settings = {**target_settings(target), "calibration": calibration}
+    settings = {**target_settings(target, policy), "calibration": calibration}
     return env | {f"SPECGATE_{k.upper()}": str(v) for k, v in settings.items()}
 
 
@@ -149,7 +163,7 @@ def start_stacks(plan: AffinityPlan, sessions: int, context: int, calibration: P
         for target in TARGETS:
             port = free_port()
             urls[target] = f"http://127.0.0.1:{port}"
-            env = stack_env(target, port, servers[target], t, calibration)
+            env = stack_env(target, port, servers[target], t, calibration, plan.policy)
             fleet.start(f"specgate-{target}", ["-m", "proxy"], [urls[target] + "/ready"], env)
         fleet.ready()
     except BaseException:
@@ -248,6 +262,14 @@ def summary_lines(cells: Sequence[AffinityCell]) -> list[str]:
 # Command
 
 
+def has_fit(path: Path) -> bool:
+    """Whether a calibration file holds the speed model's fit."""
+    try:
+        return bool(json.loads(path.read_text()).get("model"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def run(plan: AffinityPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     cells: list[AffinityCell] = []
@@ -257,7 +279,9 @@ def run(plan: AffinityPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> d
             if not path.exists():
                 raise ValueError(f"--calibrations: no {path}")
         else:
-            path = calibrate(plan, context, out_dir, quiet)
+            path = calibrate(plan, context, out_dir, quiet, prompt_tokens=FIT_PROMPT_TOKENS)
+        if plan.policy == "model" and not has_fit(path):
+            raise ValueError(f"--policy model: {path} has no speed model fit; calibrate afresh or --policy adaptive")
         measured = calibration_scale_of(plan, path, context)
         for s in plan.sessions:
             where = out_dir / f"calibration-{context_label(context)}" / f"at-{s}-sessions.json"
@@ -279,6 +303,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--contexts", type=context_list, default=(8000,), help="comma list (default 8k)")
     p.add_argument("--sessions", type=level_tuple, default=(16, 48), help="comma list (default 16,48)")
     p.add_argument("--baseline-servers", type=int, default=2, help="baseline servers in each pool (default 2)")
+    p.add_argument("--policy", choices=POLICIES, default="model",
+                   help="the specgates' policy (default model, the one whose affinity rule is priced)")  # fmt: skip
     p.add_argument("--turns", type=count, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--window-s", type=positive, default=12.0, help="simulated seconds (default 12)")
@@ -293,7 +319,7 @@ def cmd_headtohead_affinity(args: argparse.Namespace) -> int:
     plan = AffinityPlan(
         contexts=args.contexts, sessions=args.sessions, turns=args.turns, max_tokens=args.max_tokens,
         window_s=args.window_s, max_window_s=max(60.0, args.window_s), seed=args.seed,
-        min_requests=args.min_requests, repeats=args.repeats, baselines=args.baseline_servers,
+        min_requests=args.min_requests, repeats=args.repeats, baselines=args.baseline_servers, policy=args.policy,
     )  # fmt: skip
     out_dir = Path(args.out_dir)
     started = time.monotonic()

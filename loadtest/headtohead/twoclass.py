@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -377,7 +378,9 @@ def oracle_gap(cell: ClassCell, target: str) -> float | None:
 # Running
 
 
-def calibrate(plan: ClassPlan, context: int, out_dir: Path, quiet: bool) -> Path:
+def calibrate(plan: ClassPlan, context: int, out_dir: Path, quiet: bool, prompt_tokens: str = "none") -> Path:
+    """A fresh pair calibrated with the plan's traffic (`prompt_tokens`: the speed model's sweeps,
+    calibrate's --prompt-tokens; none: no fit)."""
     where = out_dir / f"calibration-{context_label(context)}"
     where.mkdir(parents=True, exist_ok=True)
     s = sizes_for(context, plan.turns, plan.max_tokens)
@@ -390,7 +393,14 @@ def calibrate(plan: ClassPlan, context: int, out_dir: Path, quiet: bool) -> Path
     ]  # fmt: skip
     say(f"{context_label(context)} context: calibrating at time scale {t:g}", quiet)
     path = calibrate_fresh_pair(
-        lambda sp, bp: plan.pair(t, sp, bp), plan.calibration_levels(), extra, 2.0 / t, where, quiet, prompts=None
+        lambda sp, bp: plan.pair(t, sp, bp),
+        plan.calibration_levels(),
+        extra,
+        2.0 / t,
+        where,
+        quiet,
+        prompts=None,
+        prompt_tokens=prompt_tokens,
     )
     write_json(where / SCALE_FILE, {"time_scale": t})
     return path
@@ -606,14 +616,16 @@ def pooled_interval(runs: Sequence[ClassCell], target: str) -> tuple[float, floa
 
 
 def _interval(known: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
-    """pooled_interval's bootstrap of sum(a) / sum(b) over (a, b) pairs, b > 0."""
+    """pooled_interval's bootstrap of sum(a) / sum(b) over (a, b) pairs, b >= 0 (a draw of b's
+    that sum to 0 is an infinite ratio)."""
     if len(known) < POOLED_MIN_RUNS:
         return None
     rng, n = random.Random(0), len(known)
     draws = []
     for _ in range(RESAMPLES):
         picks = [known[rng.randrange(n)] for _ in range(n)]
-        draws.append(sum(t for t, _ in picks) / sum(b for _, b in picks))
+        below = sum(b for _, b in picks)
+        draws.append(sum(t for t, _ in picks) / below if below > 0 else math.inf)
     draws.sort()
     tail = (1 - CONFIDENCE) / 2
     return draws[int(tail * RESAMPLES)], draws[min(RESAMPLES - 1, int((1 - tail) * RESAMPLES))]

@@ -71,11 +71,13 @@ def calibrate_fresh_pair(
     out_dir: Path,
     quiet: bool,
     prompts: str | None = "diverse",
+    prompt_tokens: str = "none",
 ) -> Path:
     """Start a simulated pair (`pair_args(speculative_port, baseline_port)`), run `loadtest calibrate
     --save` on it with `prompts` at `levels`, stop it; the calibration file's path. `extra`: more
     calibrate arguments (seed, tokens, minimum requests; a --workload, with `prompts` None, since
-    --prompts is refused beside one). Its output goes to calibration.txt."""
+    --prompts is refused beside one); `prompt_tokens`: calibrate's --prompt-tokens, the lengths the
+    speed model's fit sweeps (none: no fit). Its output goes to calibration.txt."""
     spec_port, base_port = free_port(), free_port()
     spec, base = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{base_port}"
     pair = Fleet()
@@ -87,8 +89,8 @@ def calibrate_fresh_pair(
             sys.executable, "-m", "loadtest", "calibrate", "--speculative", spec, "--baseline", base,
             *(["--prompts", prompts] if prompts else []), "--concurrency", ",".join(map(str, levels)),
             "--duration-s", f"{duration_s:g}", *extra, "--save", str(path),
-            # The scenarios route by watermarks, not by the speed model: no sweeps for it.
-            "--prompt-tokens", "none",
+            # Most scenarios route by watermarks, not by the speed model: no sweeps for it.
+            "--prompt-tokens", prompt_tokens,
             "--out", str(out_dir / "calibration-sweep.json"), "--quiet",
         ]  # fmt: skip
         what = f"{prompts} prompts" if prompts else "the scenario's workload"
