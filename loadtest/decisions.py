@@ -7,9 +7,9 @@ the prompt's token estimate, the conversation key and the class name (when on), 
 and the affinity table's lookups, the routing decision, and the lease taken and released. The
 requests are a 10-message chat of a few hundred tokens, 1,000 conversations in 4 classes of known
 acceptance (1.3 to 3.0), against a pool of two healthy servers (SPECGATE_TOPOLOGY=pooled, where
-classes are routed apart) with 17 requests in flight, the adaptive policy starting from a
-calibration (the `crossover` profile's curves), so that each class's own watermarks are solved as
-in service; each figure is the median of `reps` runs of
+classes are routed apart) with 17 requests in flight, the adaptive and model policies starting
+from a calibration (the `crossover` profile's curves, and a fit of step times), so that each
+class's own watermarks are solved as in service; each figure is the median of `reps` runs of
 `n` decisions, timed by the process's CPU clock (what the decision takes from the event loop).
 `--baseline-servers N` puts N servers in the baseline role, where a conversation's turn is weighed
 against the role's other servers (affinity.py's rule, priced under the adaptive policy).
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.affinity import AffinityTable, conversation_key
-from proxy.calibration import Calibration, Curve
+from proxy.calibration import Calibration, Curve, ModelFit, StepFit
 from proxy.classes import ClassBook, class_of
 from proxy.config import Settings
 from proxy.metrics import Metrics
@@ -36,12 +36,12 @@ from proxy.tokens import TokenRatio, prompt_estimate
 
 from .simulator.profile import load_profile
 
-POLICIES: tuple[str, ...] = ("threshold", "adaptive")
+POLICIES: tuple[str, ...] = ("threshold", "adaptive", "model")
 CONVERSATIONS = 1000
 CLASSES = ("code", "chat", "agent", "batch-eval")
 CLASS_ACCEPT = (3.0, 1.3, 2.2, 1.8)
 # The calibration the adaptive policy starts from: the `crossover` profile's curves, equal at 20
-# streams at acceptance 3.
+# streams at acceptance 3; the model policy's fit, step times of an 8B model's shape on one GPU.
 PROFILE = "crossover"
 CALIBRATED_ACCEPT = 3.0
 
@@ -58,6 +58,7 @@ def _calibration() -> Calibration:
         high_watermark=19,
         low_watermark=14,
         verdict="crosses",
+        model=ModelFit(StepFit(0.008, 1.2e-4, 3e-8), StepFit(0.006, 8e-5, 3e-8), (1000, 4000), 128, CALIBRATED_ACCEPT),
     )
 
 

@@ -242,17 +242,25 @@ class StepModel:
     crossover: float | None = None
     high: int = 0
     low: int = 0
-    predictions: dict[str, dict[str, Prediction]] = field(default_factory=dict)
-    why: str = ""
+    # The group's load the watermarks were last solved at (None: never); predictions and why are
+    # made from it when read (/routing), not on every request.
+    load_seen: int | None = None
 
     def __post_init__(self) -> None:
         self.corrections = {r: Correction() for r in ROLES}
+        # Each role's fit scaled by its correction, as last scaled (solved for every request and
+        # lease: made again only when the correction moved).
+        self._steps: dict[Role, tuple[float, StepFit]] = {}
         # Until a stream is seen, the mean context is the calibration's first prompt length.
         self.context = float(self.fit.prompt_tokens[0] + self.fit.max_tokens / 2)
         self.accept = self.fit.accept_length
 
     def step(self, role: Role) -> StepFit:
-        return _scaled(self.fit.of(role), self.corrections[role].k)
+        log_k = self.corrections[role].log_k
+        kept = self._steps.get(role)
+        if kept is None or kept[0] != log_k:
+            kept = self._steps[role] = (log_k, _scaled(self.fit.of(role), math.exp(log_k)))
+        return kept[1]
 
     def per_step(self, role: Role) -> float:
         return self.accept if role == Role.SPECULATIVE else 1.0
@@ -278,22 +286,34 @@ class StepModel:
         at, high, low = self._solve(a, t)
         self.crossover = at if math.isfinite(at) else None
         self.high, self.low = high, low
+        self.load_seen = load
+        return high, low
+
+    @property
+    def predictions(self) -> dict[str, dict[str, Prediction]]:
+        """Each role's step, speed and throughput at the load last solved at, and with one more."""
+        if self.load_seen is None:
+            return {}
+        t, load = self.context, self.load_seen
         now, more = float(max(load, 1)), float(load + 1)
-        self.predictions = {
-            role: {
-                "now": self.predict(role, now, now * t),
-                "with_one_more": self.predict(role, more, more * t),
-            }
+        return {
+            role: {"now": self.predict(role, now, now * t), "with_one_more": self.predict(role, more, more * t)}
             for role in ROLES
         }
+
+    @property
+    def why(self) -> str:
+        """The last solve, in words."""
+        if self.load_seen is None:
+            return ""
+        at = math.inf if self.crossover is None else self.crossover
         where = "at every load" if self.crossover is None else f"below {at:.1f} streams"
         if at == 0:
             where = "at no load"
-        self.why = (
-            f"speculation pays {where} at {t:.0f} tokens of context a stream and acceptance {a:.2f} "
-            f"({self.accept_source}); leave at {high}, come back at {low}"
+        return (
+            f"speculation pays {where} at {self.context:.0f} tokens of context a stream and acceptance "
+            f"{self.accept:.2f} ({self.accept_source}); leave at {self.high}, come back at {self.low}"
         )
-        return high, low
 
     def _solve(self, a: float, t: float) -> tuple[float, int, int]:
         """L*(t, a) and the watermarks it calls for (the module's rule)."""
