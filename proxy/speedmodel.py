@@ -47,7 +47,8 @@ The rule (SPECGATE_POLICY=model): the threshold rule, with watermarks from L* an
     low  = min(floor(L*(t, A/(1+m))), high - max(1, ceil(high/4)))   come back where speculation is
 
 both within [SPECGATE_ADAPTIVE_MIN_WATERMARK, _MAX_WATERMARK]. They are recomputed for each new
-request (its prompt counted in t) and whenever load changes; the adaptive policy's dwell and probes
+request (its prompt counted in t) and whenever load changes, each (A, t) solved once to 0.01 of A
+and 1% of t while the live corrections stand; the adaptive policy's dwell and probes
 apply unchanged. Without a fit, the adaptive policy's watermarks are used as they are.
 
 Topology. A pair shares one GPU: the model is of one server alone on it (calibrate sweeps one at a
@@ -78,6 +79,8 @@ MAX_CORRECTION = 2.0
 # A fit needs points at two per-stream contexts at least this far apart (relative), or c is unknown.
 MIN_CONTEXT_SPREAD = 0.25
 MIN_POINTS = 3
+# Solves kept (StepModel._solve): acceptances and contexts a group sees in a while.
+MAX_SOLVED = 4096
 
 
 @dataclass(frozen=True)
@@ -251,6 +254,7 @@ class StepModel:
         # Each role's fit scaled by its correction, as last scaled (solved for every request and
         # lease: made again only when the correction moved).
         self._steps: dict[Role, tuple[float, StepFit]] = {}
+        self._solved: dict[tuple[int, int, float, float], tuple[float, int, int]] = {}
         # Until a stream is seen, the mean context is the calibration's first prompt length.
         self.context = float(self.fit.prompt_tokens[0] + self.fit.max_tokens / 2)
         self.accept = self.fit.accept_length
@@ -316,7 +320,19 @@ class StepModel:
         )
 
     def _solve(self, a: float, t: float) -> tuple[float, int, int]:
-        """L*(t, a) and the watermarks it calls for (the module's rule)."""
+        """L*(t, a) and the watermarks it calls for (the module's rule), solved once per acceptance
+        to 0.01 and context to 1% (at the first of each seen) while the corrections stand: every
+        request and lease asks, and within those steps the answer moves by under 1%."""
+        c = self.corrections
+        key = (round(a * 100), round(math.log(max(t, 1.0)) * 100), c[Role.SPECULATIVE].log_k, c[Role.BASELINE].log_k)
+        found = self._solved.get(key)
+        if found is None:
+            if len(self._solved) >= MAX_SOLVED:
+                self._solved.clear()
+            found = self._solved[key] = self._solve_at(a, t)
+        return found
+
+    def _solve_at(self, a: float, t: float) -> tuple[float, int, int]:
         spec, base = self.step(Role.SPECULATIVE), self.step(Role.BASELINE)
         ns, nb = self.servers.get(Role.SPECULATIVE, 1) or 1, self.servers.get(Role.BASELINE, 1) or 1
         up = 1.0 + self.limits.margin
