@@ -10,7 +10,7 @@ import pytest
 from loadtest.simulator.steptimes import load_steptimes
 from proxy.calibration import ModelFit, StepFit
 from proxy.policy import Role
-from proxy.speedmodel import MAX_CORRECTION, ModelLimits, Point, StepModel, crossover, fit_step
+from proxy.speedmodel import MAX_CORRECTION, MAX_SOLVED, ModelLimits, Point, StepModel, crossover, fit_step
 
 SPEC = StepFit(0.014, 5.6e-4, 1.6e-7)
 BASE = StepFit(0.006, 2e-5, 2e-8)
@@ -199,3 +199,23 @@ def test_the_model_round_trips_and_is_checked() -> None:
             parse({**FILE_V1, "model": bad})
     with pytest.raises(CalibrationError, match="format"):
         parse({**FILE_V1, "format": "specgate-calibration/3"})
+
+
+def test_a_solve_is_kept_per_hundredth_of_acceptance_and_percent_of_context() -> None:
+    m = model()
+    at = m._solve(3.0, 100.0)
+    assert 0 < at[0] < math.inf  # speculation pays below some load here
+    # Within 0.5% of the context and 0.005 of the acceptance: the same solve, not solved again.
+    assert m._solve(3.004, 100.4) is at
+    assert len(m._solved) == 1
+    assert m._solve(3.0, 102.0) is not at  # another percent: solved afresh
+    # A correction that moved solves afresh, at the corrected step times: a baseline read at half
+    # its fitted speed moves the crossover out.
+    for _ in range(5):
+        m.observe(Role.BASELINE, 8, 8 * 100.0, 0.5 / BASE.step_s(8, 800.0), None)
+    again = m._solve(3.0, 100.0)
+    assert again == m._solve_at(3.0, 100.0) and again[0] > at[0]
+    # Bounded: past MAX_SOLVED entries it starts afresh.
+    for i in range(MAX_SOLVED + 5):
+        m._solve(1.0 + i / 100, 100.0)
+    assert len(m._solved) <= MAX_SOLVED
