@@ -269,24 +269,32 @@ async def test_later_turns_land_on_their_server_and_find_their_prefix_cached(gat
         assert m["specgate_affinity_breaks_total"] == 0
 
 
+async def _a_turn_beside_a_long_one(gw: Gateway) -> tuple[str, str, str]:
+    """A conversation's short first turn, a long streamed turn of it, and while that streams a
+    third short one: the server each went to."""
+    hdr = {"x-session-id": "conv-1"}
+    body = {**_chat("hello there"), "max_tokens": 2}
+    before = await _server_requests(gw)
+    assert (await gw.client.post("/v1/chat/completions", json=body, headers=hdr)).status_code == 200
+    first = await _served_by(gw, before)
+    long = {"prompt": "p", "max_tokens": 120_000, "stream": True}
+    before = await _server_requests(gw)
+    async with gw.client.stream("POST", "/v1/completions", json=long, headers=hdr) as r:
+        await anext(r.aiter_lines())
+        second = await _served_by(gw, before)
+        before = await _server_requests(gw)
+        assert (await gw.client.post("/v1/chat/completions", json=body, headers=hdr)).status_code == 200
+        third = await _served_by(gw, before)
+    return first, second, third
+
+
 @pytest.mark.anyio
 async def test_a_turn_leaves_a_server_busier_than_its_cache_is_worth(gateway: StartGateway) -> None:
     async with _pool(gateway, affinity_slack=0.0, sim={"time_scale": 1.0}) as gw:
-        hdr = {"x-session-id": "conv-1"}
-        body = {**_chat("hello there"), "max_tokens": 2}
-        before = await _server_requests(gw)
-        assert (await gw.client.post("/v1/chat/completions", json=body, headers=hdr)).status_code == 200
-        held = await _served_by(gw, before)
-        # A long turn of the same conversation: its server holds nothing else, so it stays.
-        long = {"prompt": "p", "max_tokens": 120_000, "stream": True}
-        before = await _server_requests(gw)
-        async with gw.client.stream("POST", "/v1/completions", json=long, headers=hdr) as r:
-            await anext(r.aiter_lines())
-            assert await _served_by(gw, before) == held
-            # Now it holds one request more than the other server, and slack 0 allows none.
-            before = await _server_requests(gw)
-            assert (await gw.client.post("/v1/chat/completions", json=body, headers=hdr)).status_code == 200
-            assert await _served_by(gw, before) != held
+        # While the long turn streams its server holds one request more than the other server,
+        # and slack 0 allows none.
+        held, long, third = await _a_turn_beside_a_long_one(gw)
+        assert long == held and third != held
         text = await gw.metrics_text()
         assert 'specgate_affinity_breaks_total{reason="load"} 1.0' in text
         assert "specgate_affinity_hits_total 1.0" in text
@@ -303,23 +311,12 @@ async def test_under_the_model_policy_the_pool_prices_a_turns_stay(gateway: Star
         routing = await gw.routing()
         assert routing["affinity"]["rule"] == "priced"
         assert (routing["groups"][0]["affinity_rule"], routing["groups"][0]["turn_out_tokens"]) == ("priced", 256)
-        hdr = {"x-session-id": "conv-1"}
-        body = {**_chat("hello there"), "max_tokens": 2}
-        before = await _server_requests(gw)
-        assert (await gw.client.post("/v1/chat/completions", json=body, headers=hdr)).status_code == 200
-        held = await _served_by(gw, before)
-        # The group learns a turn's output from responses: 2 tokens moved it off 256.
+        # The third turn's few cached tokens save the idle server a prefill of milliseconds: less
+        # than the decode the long stream would cost it on its server.
+        held, long, third = await _a_turn_beside_a_long_one(gw)
+        assert long == held and third != held
+        # The group learns a turn's output from responses: 2 tokens a turn moved it off 256.
         assert (await gw.routing())["groups"][0]["turn_out_tokens"] < 256
-        long = {"prompt": "p", "max_tokens": 120_000, "stream": True}
-        before = await _server_requests(gw)
-        async with gw.client.stream("POST", "/v1/completions", json=long, headers=hdr) as r:
-            await anext(r.aiter_lines())
-            assert await _served_by(gw, before) == held
-            # The next turn's few cached tokens save the idle server a prefill of milliseconds: less
-            # than the decode the long stream would cost it on its server.
-            before = await _server_requests(gw)
-            assert (await gw.client.post("/v1/chat/completions", json=body, headers=hdr)).status_code == 200
-            assert await _served_by(gw, before) != held
         assert 'specgate_affinity_breaks_total{reason="load"} 1.0' in await gw.metrics_text()
 
 

@@ -49,7 +49,7 @@ from proxy.promtext import by_label, totals
 from ..args import count, level_tuple, positive
 from ..classes import summarise_class
 from ..kit.command import add_run_options, check_max_tokens, say
-from ..kit.processes import Fleet, at_time_scale
+from ..kit.processes import Fleet
 from ..kit.sampling import cpu_use, self_cpu_s
 from ..kit.settings import specgate_env
 from ..procs import free_port
@@ -57,7 +57,7 @@ from ..report import write_json
 from .plan import context_label, context_list, default_time_scale, sizes_for
 from .run import Servers, measure_cell
 from .score import NO_GOODPUT, TargetCell, target_cell
-from .twoclass import ClassPlan, _interval, calibrate, calibration_scale_of, oracle_hit_rate
+from .twoclass import ClassPlan, _interval, at_sessions, context_calibration, oracle_hit_rate
 
 TARGETS = ("priced", "in-flight", "no-affinity")
 POLICIES = ("model", "adaptive")
@@ -274,19 +274,11 @@ def run(plan: AffinityPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> d
     out_dir.mkdir(parents=True, exist_ok=True)
     cells: list[AffinityCell] = []
     for context in plan.contexts:
-        if reuse is not None:
-            path = reuse / f"calibration-{context_label(context)}" / "calibration.json"
-            if not path.exists():
-                raise ValueError(f"--calibrations: no {path}")
-        else:
-            path = calibrate(plan, context, out_dir, quiet, prompt_tokens=FIT_PROMPT_TOKENS)
+        path = context_calibration(plan, context, out_dir, reuse, quiet, FIT_PROMPT_TOKENS)
         if plan.policy == "model" and not has_fit(path):
             raise ValueError(f"--policy model: {path} has no speed model fit; calibrate afresh or --policy adaptive")
-        measured = calibration_scale_of(plan, path, context)
         for s in plan.sessions:
-            where = out_dir / f"calibration-{context_label(context)}" / f"at-{s}-sessions.json"
-            where.parent.mkdir(parents=True, exist_ok=True)
-            scaled = at_time_scale(path, measured, plan.time_scale(s, context), where)
+            scaled = at_sessions(plan, context, s, path, out_dir)
             for i in range(plan.repeats):
                 cells.append(run_cell(dataclasses.replace(plan, seed=plan.seed + i), context, s, scaled, quiet))
                 write_json(out_dir / "headtohead-affinity.json", {"settings": vars(plan), "cells": cells})

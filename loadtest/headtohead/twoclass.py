@@ -740,23 +740,33 @@ def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
 # Command
 
 
+def context_calibration(
+    plan: ClassPlan, context: int, out_dir: Path, reuse: Path | None, quiet: bool, prompt_tokens: str = "none"
+) -> Path:
+    """The context's calibration file: `reuse`'s, else a fresh one (calibrate)."""
+    if reuse is None:
+        return calibrate(plan, context, out_dir, quiet, prompt_tokens)
+    path = reuse / f"calibration-{context_label(context)}" / "calibration.json"
+    if not path.exists():
+        raise ValueError(f"--calibrations: no {path}")
+    return path
+
+
+def at_sessions(plan: ClassPlan, context: int, sessions: int, path: Path, out_dir: Path) -> Path:
+    """The calibration in the cell's wall seconds, as a user's would read it on the GPU it was made on."""
+    where = out_dir / f"calibration-{context_label(context)}" / f"at-{sessions}-sessions.json"
+    where.parent.mkdir(parents=True, exist_ok=True)
+    measured = calibration_scale_of(plan, path, context)
+    return at_time_scale(path, measured, plan.time_scale(sessions, context), where)
+
+
 def run(plan: ClassPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     cells: list[ClassCell] = []
     for context in plan.contexts:
-        if reuse is not None:
-            path = reuse / f"calibration-{context_label(context)}" / "calibration.json"
-            if not path.exists():
-                raise ValueError(f"--calibrations: no {path}")
-        else:
-            path = calibrate(plan, context, out_dir, quiet)
-        measured = calibration_scale_of(plan, path, context)
+        path = context_calibration(plan, context, out_dir, reuse, quiet)
         for s in plan.sessions:
-            # The gates read the calibration in the cell's wall seconds, as a user's would read it
-            # on the GPU it was made on.
-            where = out_dir / f"calibration-{context_label(context)}" / f"at-{s}-sessions.json"
-            where.parent.mkdir(parents=True, exist_ok=True)
-            scaled = at_time_scale(path, measured, plan.time_scale(s, context), where)
+            scaled = at_sessions(plan, context, s, path, out_dir)
             for i in range(plan.repeats):
                 cells.append(run_cell(dataclasses.replace(plan, seed=plan.seed + i), context, s, scaled, quiet))
         write_json(out_dir / "headtohead-classes.json", {"settings": vars(plan), "cells": cells})
