@@ -111,7 +111,7 @@ def test_priced_against_each_other_target_pooled_over_runs() -> None:
 
 def test_summary_lines_name_every_target_and_each_comparison() -> None:
     runs = [_cell(5.0, 5.0, seed=i) for i in range(3)]
-    runs.append(dataclass_replace_hit(runs[0]))
+    runs.append(_breaks_unread(runs[0]))
     lines = summary_lines(runs)
     assert lines[0] == "8k/16 (4 runs):"
     assert any(line.strip().startswith("priced ") and "hit 60%" in line and "oracle 65%" in line for line in lines)
@@ -119,7 +119,7 @@ def test_summary_lines_name_every_target_and_each_comparison() -> None:
     assert any("load breaks 3 a run" in line for line in lines)
 
 
-def dataclass_replace_hit(cell: AffinityCell) -> AffinityCell:
+def _breaks_unread(cell: AffinityCell) -> AffinityCell:
     """A run whose breaks were not read: left out of the mean, not counted as 0."""
     return AffinityCell(
         cell.context, cell.sessions, cell.time_scale, cell.targets, cell.oracle_hit,
