@@ -27,9 +27,9 @@ them and their tokens (each server's own tokens in flight, the others' at the gr
 n the turn's decode steps (the group's mean output tokens per response, over the role's acceptance
 where it drafts), t its prompt's tokens and c those the held server has cached: a prefill holds up
 the turn and the server's B streams for its tokens / P seconds each, the new ones anywhere, the
-cached ones again on the alternative. So slack 1 moves a turn exactly
-where the time it would save the others and itself is more than the prefill it would cost them; a
-turn moved goes to that cheapest server. Elsewhere (no fit, P 0) and between groups, requests in
+cached ones again on the alternative. So slack 1 moves a turn exactly where the time it would save
+the others and itself is more than the prefill it would cost them; a turn moved goes to that
+cheapest server. Elsewhere (no fit, P 0) and between groups, requests in
 flight stand for the cost, a thousand cached tokens for one request:
 
     stay  iff  load(held) - load(best) <= slack * cached_tokens / 1000
@@ -37,8 +37,8 @@ flight stand for the cost, a thousand cached tokens for one request:
 Not the adaptive policy's calibrated curves: measured through a multi-turn sweep, their slope
 between levels carries each stream's later prefills too, which the rule counts apart, and at small
 batches it reads a stream more as a tenth slower for all. Priced on them, on 1+3 pools at 8k and 72
-sessions, affinity moved 20 turns a run against 12 and lost 0.86x of the goodput by requests in
-flight (loadtest headtohead-affinity, docs/headtohead-affinity.md).
+sessions, affinity moved 20 turns a run against 12 and had 0.86x the goodput of the rule by
+requests in flight (loadtest headtohead-affinity, docs/headtohead-affinity.md).
 
 Which role serves a turn is the policy's: only between the watermarks, where either role pays, and
 only where the roles do not share a GPU, does the held server's role win (policy.affinity_choice).
