@@ -12,7 +12,7 @@ from a calibration (the `crossover` profile's curves, and a fit of step times), 
 class's own watermarks are solved as in service; each figure is the median of `reps` runs of
 `n` decisions, timed by the process's CPU clock (what the decision takes from the event loop).
 `--baseline-servers N` puts N servers in the baseline role, where a conversation's turn is weighed
-against the role's other servers (affinity.py's rule, priced under the adaptive policy).
+against the role's other servers (affinity.py's rule, priced under the model policy).
 """
 
 from __future__ import annotations

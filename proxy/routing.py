@@ -417,9 +417,8 @@ class Router:
         """Whether a turn whose cache `held` holds moves off it to one of its role's other healthy
         servers `peers` (affinity.py's rule: priced where the group is, else by requests in flight),
         and where to (None: the least loaded, picked at admission)."""
-        held_load = self.placement_load(held)
-        tokens = self.tracker.tokens
-        if all(held_load <= self.placement_load(s) and tokens(held) <= tokens(s) for s in peers):
+        held_load, held_tokens = self.placement_load(held), self.tracker.tokens(held)
+        if all(held_load <= self.placement_load(s) and held_tokens <= self.tracker.tokens(s) for s in peers):
             # No peer holds fewer streams or tokens: none costs less (cost(s) rises with both),
             # under either rule. Most turns end here, without pricing.
             return False, None

@@ -38,11 +38,12 @@ import asyncio
 import dataclasses
 import json
 import time
-import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 from proxy.promtext import by_label, totals
 
@@ -50,10 +51,11 @@ from ..args import count, level_tuple, positive
 from ..classes import summarise_class
 from ..kit.command import add_run_options, check_max_tokens, say
 from ..kit.processes import Fleet
-from ..kit.sampling import cpu_use, self_cpu_s
+from ..kit.sampling import cpu_use, get_text, self_cpu_s
 from ..kit.settings import specgate_env
 from ..procs import free_port
 from ..report import write_json
+from ..sweep import make_session
 from .plan import context_label, context_list, default_time_scale, sizes_for
 from .run import Servers, measure_cell
 from .score import NO_GOODPUT, TargetCell, target_cell
@@ -122,15 +124,19 @@ class AffinityCell:
     seed: int = 0
 
 
-def _scrape(url: str) -> tuple[float | None, float | None]:
-    """(affinity breaks for load, affinity hits) from a specgate's /metrics; None where unread."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
-        return None, None
-    breaks = by_label(text, "specgate_affinity_breaks_total", "reason").get("load")
-    return breaks, totals(text, ("specgate_affinity_hits_total",)).get("specgate_affinity_hits_total")
+async def _scrape(urls: Mapping[str, str]) -> dict[str, tuple[float | None, float | None]]:
+    """Each specgate's (affinity breaks for load, affinity hits) from its /metrics; None where unread."""
+    out: dict[str, tuple[float | None, float | None]] = {}
+    async with make_session() as session:
+        for target, url in urls.items():
+            try:
+                text = await get_text(session, url + "/metrics")
+            except (aiohttp.ClientError, TimeoutError):
+                out[target] = (None, None)
+                continue
+            breaks = by_label(text, "specgate_affinity_breaks_total", "reason").get("load")
+            out[target] = breaks, totals(text, ("specgate_affinity_hits_total",)).get("specgate_affinity_hits_total")
+    return out
 
 
 def stack_env(
@@ -180,7 +186,7 @@ def run_cell(plan: AffinityPlan, context: int, sessions: int, calibration: Path,
         cpu0 = self_cpu_s()
         cap = asyncio.run(measure_cell(plan, context, sessions, stacks, tag_requests=True))
         cpu = cpu_use(cap.cpu_samples, stacks.fleet.procs, self_cpu_s() - cpu0)
-        scraped = {target: _scrape(url) for target, url in stacks.urls.items()}
+        scraped = asyncio.run(_scrape(stacks.urls))
     finally:
         stacks.fleet.stop()
     slo = plan.wall_slo(sessions, context)
