@@ -112,10 +112,13 @@ def measure(
     table = AffinityTable(settings.affinity_entries if affinity else 0)
     ratio = TokenRatio()
     bodies = _bodies()
+    # Each body's prompt estimate, which the decision is given (the model policy counts it in the
+    # group's context); estimating it is timed with the whole request.
+    estimates = [ratio.scaled(prompt_estimate(body, "chat")) for body in bodies]
     headers = [name.encode() for name in CLASSES]
     held_open = [fleet.routers[0].admit(Role.BASELINE) for _ in range(17)]
 
-    def decide(i: int) -> tuple[Any, bytes | None]:
+    def decide(i: int, prompt_tokens: int | None = None) -> tuple[Any, bytes | None]:
         body = bodies[i % CONVERSATIONS]
         key = conversation_key(None, body, "chat") if affinity else None
         klass = None
@@ -126,11 +129,12 @@ def measure(
                 tracked = book.tracked(name, now)
                 klass = (book.gains_most(tracked, now), book.accept(tracked))
         held = table.get(key) if key is not None else None
-        return fleet.decide(can_probe=True, held=held, klass=klass), key
+        tokens = estimates[i % CONVERSATIONS] if prompt_tokens is None else prompt_tokens
+        return fleet.decide(can_probe=True, held=held, klass=klass, prompt_tokens=tokens), key
 
     def request(i: int) -> None:
         tokens = ratio.scaled(prompt_estimate(bodies[i % CONVERSATIONS], "chat"))
-        placed, key = decide(i)
+        placed, key = decide(i, tokens)
         backend = placed.decision.backend
         assert backend is not None
         lease = placed.router.admit(backend, placed.server, tokens)

@@ -120,13 +120,18 @@ class Router:
         # includes the probes' steps once refreshed) takes over again.
         self.evidence = AcceptanceEvidence(cfg.accept_fresh_s)
         self._accept_seen: float | None = None
+        # The acceptance and its source as _update last read them (accept_live), which the model
+        # policy solves at for every request and lease: read at most every UPDATE_EVERY_S, and at
+        # once when a probe's evidence comes, as the adaptive policy reads it.
+        self._accept_now: tuple[float | None, str] = (None, "live")
         self.adaptive: Adaptive | None = None
         # What the policy is told of a class, by rank and acceptance (rounded): a class's every
         # request asks, and solving its watermarks walks the curves. Solved again once the
         # estimate moves.
-        self._class_views: dict[tuple[bool | None, float], ClassView] = {}
-        # Each role's curve speeds at a load and one more (_rates), as asked.
-        self._rates_seen: dict[tuple[Role, float], tuple[float, float]] = {}
+        self._class_views: dict[tuple[bool | None, float, int], ClassView] = {}
+        # Each role's curve speeds at a load and one more (_rates), as asked; under the model
+        # policy, its fitted ones at a context too (to 1%, StepModel's key).
+        self._rates_seen: dict[tuple[Role, float, int], tuple[float, float]] = {}
         # The model policy's step-time model: None without a fit (the adaptive rule then, as it is).
         self.speed: StepModel | None = None
         # 1 / (P * H), which prices a switch of a paired group per token it re-prefills
@@ -168,6 +173,7 @@ class Router:
                 )
                 counts = {role: len(group.of(role)) for role in ROLES}
                 self.speed = StepModel(calibration.model, limits, counts)
+                self._accept_now = self.accept_live(clock())
                 self._model_watermarks()
         self._publish_watermarks()
         self._publish_mode()
@@ -297,6 +303,7 @@ class Router:
         `prompt_tokens`: its prompt's, which the model policy counts in the context the group
         would hold."""
         if self.speed is not None and not batch:
+            self._update(self._clock())
             self._model_watermarks(prompt_tokens, new=True)
         snapshot = self.snapshot()
         if batch:
@@ -324,15 +331,16 @@ class Router:
         pair's classes never split: nothing more to solve)."""
         if accept is None or not self._pooled:
             return _RANKED[gains]
-        if self.speed is None:  # the adaptive curves: what stands until the estimate moves
-            key = (gains, round(accept, 2))
-            view = self._class_views.get(key)
-            if view is None:
-                if len(self._class_views) >= MAX_CLASS_VIEWS:
-                    self._class_views.clear()
-                view = self._class_views[key] = self._view_of(gains, self.class_marks(key[1]), key[1])
-            return view
-        return self._view_of(gains, self.class_marks(accept), accept)
+        # What stands until the estimate moves (the adaptive curves) or, under the model policy,
+        # the context (to 1%) or a correction (observe).
+        rounded = round(accept, 2)
+        key = (gains, rounded, 0 if self.speed is None else self.speed.context_key)
+        view = self._class_views.get(key)
+        if view is None:
+            if len(self._class_views) >= MAX_CLASS_VIEWS:
+                self._class_views.clear()
+            view = self._class_views[key] = self._view_of(gains, self.class_marks(rounded), rounded)
+        return view
 
     @staticmethod
     def _view_of(gains: bool | None, marks: tuple[int, int] | None, accept: float) -> ClassView:
@@ -367,20 +375,23 @@ class Router:
 
     def _rates(self, role: Role, streams: float) -> tuple[float, float]:
         """A stream's steps a second on `role` at `streams` streams a server and at one more: the
-        model policy's fitted step times at the group's context, else the calibration's curves
-        (which do not change: kept, as every class's request asks)."""
+        model policy's fitted step times at the group's context (to 1%), else the calibration's
+        curves; neither changes (the fit is not corrected here, pool_gains), so each is kept, as
+        every class's request asks."""
         speed = self.speed
-        if speed is not None:
-            fit, t = speed.fit.of(role), speed.context
-            n, m = max(streams, 1.0), streams + 1
-            return 1.0 / max(fit.step_s(n, n * t), 1e-9), 1.0 / max(fit.step_s(m, m * t), 1e-9)
-        key = (role, streams)
+        key = (role, streams, 0 if speed is None else speed.context_key)
         rates = self._rates_seen.get(key)
         if rates is None:
-            assert self.adaptive is not None
-            v = self.adaptive.model.prior_v
-            now, more = v(role, max(streams, 1.0)), v(role, streams + 1)
-            assert now is not None and more is not None  # pool_gains checked there is a prior
+            if speed is not None:
+                fit, t = speed.fit.of(role), speed.context
+                n, m = max(streams, 1.0), streams + 1
+                now, more = 1.0 / max(fit.step_s(n, n * t), 1e-9), 1.0 / max(fit.step_s(m, m * t), 1e-9)
+            else:
+                assert self.adaptive is not None
+                v = self.adaptive.model.prior_v
+                found, found_more = v(role, max(streams, 1.0)), v(role, streams + 1)
+                assert found is not None and found_more is not None  # pool_gains checked there is a prior
+                now, more = found, found_more
             if len(self._rates_seen) >= MAX_RATES_SEEN:
                 self._rates_seen.clear()
             rates = self._rates_seen[key] = (now, more)
@@ -492,6 +503,7 @@ class Router:
         a.model.observe(backend, load, tok_s, accept, now)
         if self.speed is not None:
             self.speed.observe(backend, load, tokens, tok_s, accept)
+            self._class_views.clear()  # solved at the corrections that stood
         self._update(now)
 
     def role_tokens(self, role: Role) -> int:
@@ -512,9 +524,12 @@ class Router:
         `prompt_tokens` (`new`): its context is the mean over this gateway's streams in the group."""
         speed = self.speed
         assert speed is not None
-        streams = self.group_streams() + new
-        tokens = self.group_tokens() + max(0, prompt_tokens)
-        accept, source = self.accept_live(self._clock())
+        streams, tokens = int(new), max(0, prompt_tokens)
+        for _, members in self._members:  # one pass: group_streams and group_tokens
+            for _, _, counters in members:
+                streams += counters.count
+                tokens += counters.tokens
+        accept, source = self._accept_now
         high, low = speed.watermarks(self.last_load, tokens, streams, accept, source)
         if (high, low) != (self.cfg.high_watermark, self.cfg.low_watermark):
             self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)
@@ -527,7 +542,10 @@ class Router:
 
     def engine_accept(self) -> float | None:
         """The speculative servers' acceptance as their engines report it (their mean)."""
-        found = [a for s in self.group.of(Role.SPECULATIVE) if (a := self._servers[s].spec_accept_length) is not None]
+        servers = self.group.of(Role.SPECULATIVE)
+        if len(servers) == 1:  # most groups: read for every pool's class request
+            return self._servers[servers[0]].spec_accept_length
+        found = [a for s in servers if (a := self._servers[s].spec_accept_length) is not None]
         return sum(found) / len(found) if found else None
 
     def note_output(self, backend: Role, tokens: int, events: int | None = None, client: str = "") -> None:
@@ -700,7 +718,7 @@ class Router:
         a = self.adaptive
         if a is None or now - a.updated_at < UPDATE_EVERY_S:
             return
-        accept, source = self.accept_live(now)
+        accept, source = self._accept_now = self.accept_live(now)
         seen, self._accept_seen = self._accept_seen, accept
         if accept is not None and seen is not None and abs(accept - seen) > ACCEPT_CHANGE * seen:
             self.state = probes_restarted(self.state)

@@ -218,6 +218,10 @@ class Correction:
         self.observations += 1
 
 
+def _context_key(t: float) -> int:
+    return round(math.log(max(t, 1.0)) * 100)
+
+
 def _scaled(fit: StepFit, k: float) -> StepFit:
     return StepFit(fit.a * k, fit.b * k, fit.c * k, fit.points, fit.rms_rel, fit.max_rel)
 
@@ -257,6 +261,8 @@ class StepModel:
         self._solved: dict[tuple[int, int, float, float], tuple[float, int, int]] = {}
         # Until a stream is seen, the mean context is the calibration's first prompt length.
         self.context = float(self.fit.prompt_tokens[0] + self.fit.max_tokens / 2)
+        # The context's bucket (1%) that solves and the pool's rates are kept by.
+        self.context_key = _context_key(self.context)
         self.accept = self.fit.accept_length
 
     def step(self, role: Role) -> StepFit:
@@ -282,12 +288,13 @@ class StepModel:
         (this gateway's, the new request included) hold `tokens` tokens; `accept` the live
         acceptance (None: the calibration's)."""
         if streams > 0 and tokens > 0:
-            self.context = tokens / streams
+            t = tokens / streams
+            if t != self.context:
+                self.context, self.context_key = t, _context_key(t)
         self.accept, self.accept_source = (
             (accept, source) if accept is not None else (self.fit.accept_length, "calibrated")
         )
-        t, a = self.context, self.accept
-        at, high, low = self._solve(a, t)
+        at, high, low = self._solve(self.accept)
         self.crossover = at if math.isfinite(at) else None
         self.high, self.low = high, low
         self.load_seen = load
@@ -319,17 +326,18 @@ class StepModel:
             f"{self.accept:.2f} ({self.accept_source}); leave at {self.high}, come back at {self.low}"
         )
 
-    def _solve(self, a: float, t: float) -> tuple[float, int, int]:
-        """L*(t, a) and the watermarks it calls for (the module's rule), solved once per acceptance
-        to 0.01 and context to 1% (at the first of each seen) while the corrections stand: every
-        request and lease asks, and within those steps the answer moves by under 1%."""
+    def _solve(self, a: float) -> tuple[float, int, int]:
+        """L*(t, a) at the context last seen and the watermarks it calls for (the module's rule),
+        solved once per acceptance to 0.01 and context to 1% (at the first of each seen) while the
+        corrections stand: every request and lease asks, and within those steps the answer moves by
+        under 1%."""
         c = self.corrections
-        key = (round(a * 100), round(math.log(max(t, 1.0)) * 100), c[Role.SPECULATIVE].log_k, c[Role.BASELINE].log_k)
+        key = (round(a * 100), self.context_key, c[Role.SPECULATIVE].log_k, c[Role.BASELINE].log_k)
         found = self._solved.get(key)
         if found is None:
             if len(self._solved) >= MAX_SOLVED:
                 self._solved.clear()
-            found = self._solved[key] = self._solve_at(a, t)
+            found = self._solved[key] = self._solve_at(a, self.context)
         return found
 
     def _solve_at(self, a: float, t: float) -> tuple[float, int, int]:
@@ -347,7 +355,7 @@ class StepModel:
 
     def class_watermarks(self, accept: float) -> tuple[int, int]:
         """(high, low) for a traffic class of acceptance `accept`, at the context last seen."""
-        _, high, low = self._solve(accept, self.context)
+        _, high, low = self._solve(accept)
         return high, low
 
     def observe(self, role: Role, batch: float, tokens: float, tok_s: float, accept: float | None) -> None:

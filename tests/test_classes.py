@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from loadtest.procs import free_port
+from proxy.adaptive import UPDATE_EVERY_S
 from proxy.calibration import ModelFit, StepFit
 from proxy.classes import CLASS_HALF_LIFE_S, MIN_STEPS, NAME_CHARS, OTHER, RANK_EVERY_S, ClassBook, class_of
 from proxy.policy import ClassView, Decision, PolicyState, PoolGains, Role, class_choice, marginal_gain
@@ -274,6 +275,27 @@ def test_under_the_model_policy_a_pools_gains_are_the_fitted_step_times_not_corr
     assert router.pool_gains(3.0) == pytest.approx(expected)
     for lease in leases:
         lease.release()
+
+
+def test_the_model_policy_solves_at_the_acceptance_read_at_most_every_update() -> None:
+    clock = Clock()
+    r = rig()
+    r.health["speculative"].spec_accept_length = 3.0
+    fit = ModelFit(StepFit(0.012, 1e-4, 0.0), StepFit(0.006, 1e-4, 0.0), (1000, 4000), 128, 3.0)
+    cal = dataclasses.replace(calibration(), model=fit)
+    policy = policy_cfg("model", 16, 8, probe_s=0.0)
+    (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive_cfg(), cal, clock=clock).routers
+    assert router.speed is not None and router.speed.accept == 3.0
+    before = router.cfg.high_watermark
+    # The engine's gauge falls: every request and lease solves again, at the acceptance read last
+    # (reading it is most of a decision's cost), until the next read is due.
+    r.health["speculative"].spec_accept_length = 1.5
+    router.decide()
+    assert router.speed.accept == 3.0 and router.cfg.high_watermark == before
+    clock.t += UPDATE_EVERY_S
+    router.decide()
+    assert (router.speed.accept, router.speed.accept_source) == (1.5, "live")
+    assert router.cfg.high_watermark < before
 
 
 def test_a_classs_watermarks_are_the_groups_curves_at_its_acceptance() -> None:

@@ -201,21 +201,29 @@ def test_the_model_round_trips_and_is_checked() -> None:
         parse({**FILE_V1, "format": "specgate-calibration/3"})
 
 
+def _solve(m: StepModel, a: float, t: float) -> tuple[float, int, int]:
+    """The solve at acceptance `a` for a stream of `t` tokens of context, as a request asks it."""
+    m.watermarks(1, t, 1, a, "live")
+    return m._solve(a)
+
+
 def test_a_solve_is_kept_per_hundredth_of_acceptance_and_percent_of_context() -> None:
     m = model()
-    at = m._solve(3.0, 100.0)
+    at = _solve(m, 3.0, 100.0)
     assert 0 < at[0] < math.inf  # speculation pays below some load here
     # Within 0.5% of the context and 0.005 of the acceptance: the same solve, not solved again.
-    assert m._solve(3.004, 100.4) is at
+    assert _solve(m, 3.004, 100.4) is at
     assert len(m._solved) == 1
-    assert m._solve(3.0, 102.0) is not at  # another percent: solved afresh
+    assert _solve(m, 3.0, 102.0) is not at  # another percent: solved afresh
+    # A class's watermarks at the context last seen are solved there too.
+    assert m.class_watermarks(3.0) == _solve(m, 3.0, 102.0)[1:]
     # A correction that moved solves afresh, at the corrected step times: a baseline read at half
     # its fitted speed moves the crossover out.
     for _ in range(5):
         m.observe(Role.BASELINE, 8, 8 * 100.0, 0.5 / BASE.step_s(8, 800.0), None)
-    again = m._solve(3.0, 100.0)
+    again = _solve(m, 3.0, 100.0)
     assert again == m._solve_at(3.0, 100.0) and again[0] > at[0]
     # Bounded: past MAX_SOLVED entries it starts afresh.
     for i in range(MAX_SOLVED + 5):
-        m._solve(1.0 + i / 100, 100.0)
+        _solve(m, 1.0 + i / 100, 100.0)
     assert len(m._solved) <= MAX_SOLVED
