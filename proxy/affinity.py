@@ -20,7 +20,7 @@ stream-seconds:
     cost(s) = n * (step_s(B+1) + B * (step_s(B+1) - step_s(B)))     the turn's own decode steps,
                                                                      and what it delays B others by,
               + (B+1) * (t - c) / P                                  and its new tokens' prefill
-    stay  iff  cost(held) - cost(best) <= slack * (B_best + 1) * c / P      (SPECGATE_AFFINITY_SLACK)
+    stay  iff  cost(held) <= min over s of  cost(s) + slack * (B_s + 1) * c / P   (SPECGATE_AFFINITY_SLACK)
 
 with B a server's streams (routing.Router.placement_load), step_s(B) its fitted step time holding
 them and their tokens (each server's own tokens in flight, the others' at the group's context),
@@ -28,8 +28,9 @@ n the turn's decode steps (the group's mean output tokens per response, over the
 where it drafts), t its prompt's tokens and c those the held server has cached: a prefill holds up
 the turn and the server's B streams for its tokens / P seconds each, the new ones anywhere, the
 cached ones again on the alternative. So slack 1 moves a turn exactly where the time it would save
-the others and itself is more than the prefill it would cost them; a turn moved goes to that
-cheapest server. Elsewhere (no fit, P 0) and between groups, requests in
+the others and itself is more than the prefill it would cost them, and to the server where it
+costs least in all, its re-prefill counted (a server of few streams may cost less than one of
+fewer tokens, or the other way). Elsewhere (no fit, P 0) and between groups, requests in
 flight stand for the cost, a thousand cached tokens for one request:
 
     stay  iff  load(held) - load(best) <= slack * cached_tokens / 1000
@@ -140,11 +141,12 @@ def turn_cost(
     return decode + (batch + 1.0) * max(new_tokens, 0.0) / prefill_tok_s
 
 
-def keep_priced(
-    held_cost: float, best_cost: float, best_batch: float, cached_tokens: int, prefill_tok_s: float, slack: float
-) -> bool:
-    """Whether a turn stays on the server holding its cache, by its priced cost (the module's rule)."""
-    return held_cost - best_cost <= slack * (best_batch + 1.0) * cached_tokens / prefill_tok_s
+def moved_cost(cost: float, batch: float, cached_tokens: int, prefill_tok_s: float, slack: float) -> float:
+    """What a turn costs on a server of `batch` streams that does not hold its cache, `cost` there
+    with its new tokens: the `cached_tokens` prefilled again too, holding up the server's streams
+    and the turn, weighed by `slack`. The turn stays iff its cost on the server holding its cache
+    is at most the least of these over the others (the module's rule)."""
+    return cost + slack * (batch + 1.0) * cached_tokens / prefill_tok_s
 
 
 @dataclass

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from .adaptive import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig, stream_accept
-from .affinity import Held, Outcome, keep, keep_priced, turn_cost
+from .affinity import Held, Outcome, keep, moved_cost, turn_cost
 from .calibration import MAX_WATERMARK, Calibration
 from .classes import ClassBook
 from .engines import ENGINES
@@ -413,8 +413,7 @@ class Router:
         role = self._servers[server].role
         batch = self.placement_load(server)
         fit = speed.step(role)
-        others = max(batch - self.tracker.count(server), 0.0)
-        held = self.tracker.tokens(server) + others * speed.context
+        held = self._tokens_on(server, batch)
         now, more = fit.step_s(max(batch, 1.0), held), fit.step_s(batch + 1.0, held + prompt_tokens)
         per_step = 1.0
         if role == Role.SPECULATIVE:
@@ -422,29 +421,43 @@ class Router:
         steps = self.out_tokens / per_step
         return turn_cost(steps, batch, now, more, new_tokens, a.cfg.prefill_tok_s), batch
 
+    def _tokens_on(self, server: str, batch: float) -> float:
+        """The tokens `server` holds with `batch` streams (placement_load): ours, and the others'
+        streams at the group's context where the model policy knows it (turn_cost)."""
+        ours = self.tracker.tokens(server)
+        if self.speed is None:
+            return ours
+        return ours + max(batch - self.tracker.count(server), 0.0) * self.speed.context
+
     def affinity_move(
         self, held: str, peers: Sequence[str], cached_tokens: int, prompt_tokens: int, slack: float
     ) -> tuple[bool, str | None]:
         """Whether a turn whose cache `held` holds moves off it to one of its role's other healthy
         servers `peers` (affinity.py's rule: priced where the group is, else by requests in flight),
         and where to (None: the least loaded, picked at admission)."""
-        held_load, held_tokens = self.placement_load(held), self.tracker.tokens(held)
-        if all(held_load <= self.placement_load(s) and held_tokens <= self.tracker.tokens(s) for s in peers):
-            # No peer holds fewer streams or tokens: none costs less (cost(s) rises with both),
-            # under either rule. Most turns end here, without pricing.
+        held_load = self.placement_load(held)
+        held_tokens = self._tokens_on(held, held_load)
+        loads = [(s, self.placement_load(s)) for s in peers]
+        if all(held_load <= load and held_tokens <= self._tokens_on(s, load) for s, load in loads):
+            # No peer holds fewer streams or tokens (as turn_cost counts them): none costs less,
+            # cost(s) rising with both, under either rule. Most turns end here, without pricing.
             return False, None
         if self.priced():
             assert self.adaptive is not None
-            new = max(prompt_tokens - cached_tokens, 0)
-            held_cost, _ = self.turn_cost(held, prompt_tokens, new)
-            costs = {s: self.turn_cost(s, prompt_tokens, new) for s in peers}
-            best = min(costs, key=lambda s: costs[s][0])
-            best_cost, best_batch = costs[best]
+            # What the held server has cached of this prompt: no more than the prompt (a
+            # conversation cut short, or another with the same opening).
+            cached = min(cached_tokens, prompt_tokens) if prompt_tokens > 0 else cached_tokens
+            new = max(prompt_tokens - cached, 0)
             prefill = self.adaptive.cfg.prefill_tok_s
-            if keep_priced(held_cost, best_cost, best_batch, cached_tokens, prefill, slack):
+            held_cost, _ = self.turn_cost(held, prompt_tokens, new)
+            # Where it would cost least elsewhere, its re-prefill there counted.
+            moved, best = min(
+                (moved_cost(*self.turn_cost(s, prompt_tokens, new), cached, prefill, slack), s) for s, _ in loads
+            )
+            if held_cost <= moved:
                 return False, None
             return True, best
-        least = min(self.placement_load(s) for s in (held, *peers))
+        least = min(held_load, *(load for _, load in loads))
         return not keep(held_load, least, cached_tokens, slack), None
 
     def class_marks(self, accept: float) -> tuple[int, int] | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from proxy.affinity import MAX_ID_BYTES, AffinityTable, Held, conversation_key, keep, keep_priced, turn_cost
+from proxy.affinity import MAX_ID_BYTES, AffinityTable, Held, conversation_key, keep, moved_cost, turn_cost
 from proxy.calibration import ModelFit, StepFit
 from proxy.engines import ENGINES
 from proxy.policy import Decision, PolicyName, PolicyState, Role, affinity_choice
@@ -68,27 +68,26 @@ def test_the_priced_rule() -> None:
     # own 1.1 s, and 0.1 s of delay to each of the 4; its 1,000 new tokens at 20k/s hold up 5.
     assert turn_cost(100, 4, 0.010, 0.011, 1000, 20_000) == pytest.approx(1.1 + 0.4 + 0.25)
     assert turn_cost(100, 0, 0.010, 0.010, 0, 20_000) == pytest.approx(1.0)  # an idle server: its own
-    # Staying costs 2 s more than the best, whose 3 streams and the turn would wait 10,000 / 20,000 s
-    # each for the re-prefill: 2 s, the line at slack 1.
-    assert keep_priced(3.0, 1.0, 3, 10_000, 20_000, 1.0)
-    assert not keep_priced(3.0, 1.0, 3, 9_999, 20_000, 1.0)
-    assert not keep_priced(3.0, 1.0, 3, 10_000, 20_000, 0.99)
-    assert keep_priced(3.0, 1.0, 3, 5_000, 20_000, 2.0)
-    assert not keep_priced(1.5, 1.0, 0, 10**9, 20_000, 0.0)  # slack 0: the cheapest, always
-    assert keep_priced(1.0, 2.0, 0, 0, 20_000, 0.0)  # the held one is the cheapest
+    # A server costing 1 s for the turn, whose 3 streams and the turn would wait 10,000 / 20,000 s
+    # each for the re-prefill: 3 s in all at slack 1, the line a held server's cost stays under.
+    assert moved_cost(1.0, 3, 10_000, 20_000, 1.0) == pytest.approx(3.0)
+    assert moved_cost(1.0, 3, 10_000, 20_000, 0.5) == pytest.approx(2.0)
+    assert moved_cost(1.0, 3, 10**9, 20_000, 0.0) == 1.0  # slack 0: the cheapest, always
 
 
-def _priced_pool(slack: float, policy: PolicyName = "model", high: int = 16) -> Fleet:
-    """A pool of one speculative server and two baseline ones, b0 and b1, whose mode is the
+def _priced_pool(
+    slack: float, policy: PolicyName = "model", high: int = 16, baselines: int = 2, load_signal: str = "local"
+) -> Fleet:
+    """A pool of one speculative server and `baselines` baseline ones, b0, b1..., whose mode is the
     baseline at every load (speculation never pays on this fit), priced at 20,000 prefill tokens/s."""
     r = rig(
         topology="pooled",
         speculative_url="s0=http://127.0.0.1:9",
-        baseline_url="b0=http://127.0.0.1:10,b1=http://127.0.0.1:11",
+        baseline_url=",".join(f"b{i}=http://127.0.0.1:{10 + i}" for i in range(baselines)),
     )
     fit = ModelFit(StepFit(0.05, 1e-4, 1e-7), StepFit(0.006, 1e-4, 1e-7), (1000, 4000), 128, 1.0)
     cal = dataclasses.replace(calibration(), model=fit)
-    cfg = policy_cfg(policy, high, min(high, 8), probe_s=0.0, affinity_slack=slack)
+    cfg = policy_cfg(policy, high, min(high, 8), probe_s=0.0, affinity_slack=slack, load_signal=load_signal)
     adaptive = adaptive_cfg(min_watermark=0, max_watermark=0, prefill_tok_s=20_000.0)
     return Fleet(r.topology, r.servers, cfg, r.metrics, adaptive, cal, clock=Clock())
 
@@ -138,6 +137,53 @@ def test_a_turn_leaves_a_server_whose_tokens_cost_more_than_its_cache_saves() ->
     leases.append(router.admit(Role.BASELINE, "b0"))
     placed = fleet.decide(held=Held("b0", 999), prompt_tokens=8500)
     assert (placed.server, placed.affinity) == (None, "break_load")  # 5 against 4, slack 0
+    for lease in leases:
+        lease.release()
+
+
+def test_a_turn_moves_where_it_costs_least_with_its_re_prefill() -> None:
+    # b1's 4 short chats cost the turn least, b2's 2 long ones more; but re-prefilling the 8,000
+    # cached tokens would hold up b1's 4 streams and b2's 2: in all b2 costs least, and only it
+    # less than staying on b0.
+    for slack in (0.45, 0.1):
+        fleet = _priced_pool(slack, baselines=3)
+        (router,) = fleet.routers
+        leases = [router.admit(Role.BASELINE, "b0", 8000) for _ in range(4)]
+        leases += [router.admit(Role.BASELINE, "b1", 200) for _ in range(4)]
+        leases += [router.admit(Role.BASELINE, "b2", 16000) for _ in range(2)]
+        if slack == 0.45:
+            costs = {s: router.turn_cost(s, 8500, 500) for s in ("b0", "b1", "b2")}
+            assert costs["b1"][0] < costs["b2"][0] < costs["b0"][0]
+            moved = {s: moved_cost(cost, batch, 8000, 20_000, slack) for s, (cost, batch) in costs.items()}
+            assert moved["b2"] < costs["b0"][0] < moved["b1"]
+            placed = fleet.decide(held=Held("b0", 8000), prompt_tokens=8500)
+            assert (placed.server, placed.affinity) == ("b2", "break_load")
+        else:
+            # A conversation cut short: its server has more cached than the prompt, which is all
+            # staying can save. Counted whole, 100,000 tokens cached would keep it there.
+            placed = fleet.decide(held=Held("b0", 100_000), prompt_tokens=8500)
+            assert (placed.server, placed.affinity) == ("b1", "break_load")
+        for lease in leases:
+            lease.release()
+
+
+def test_under_an_engine_signal_a_turn_is_priced_with_the_other_gateways_streams() -> None:
+    # b0 holds 4 streams of other gateways' (at the group's context, 10,250 tokens a stream here),
+    # none of ours; b1 4 of ours of 500 tokens. Streams tie; b0's tokens, as priced, do not.
+    fleet = _priced_pool(1.0, load_signal="max")
+    (router,) = fleet.routers
+    leases = [router.admit(Role.BASELINE, "b1", 500) for _ in range(4)]
+    leases += [router.admit(Role.SPECULATIVE, "s0", 40_000)]
+    for server, streams in (("b0", 4), ("b1", 4), ("s0", 1)):
+        router.tracker.scraping(server)
+        router.tracker.scraped(server, streams)
+    router.refresh()
+    assert router.speed is not None and router.speed.context > 5000
+    assert router.placement_load("b0") == router.placement_load("b1") == 4
+    b0, b1 = router.turn_cost("b0", 1000, 500)[0], router.turn_cost("b1", 1000, 500)[0]
+    assert b0 - b1 > 5 * 500 / 20_000  # more than the re-prefill moving saves
+    placed = fleet.decide(held=Held("b0", 500), prompt_tokens=1000)
+    assert (placed.server, placed.affinity) == ("b1", "break_load")
     for lease in leases:
         lease.release()
 
