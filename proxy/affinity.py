@@ -55,6 +55,8 @@ from typing import Any, Literal
 from .kinds import Endpoint
 from .lru import Lru
 
+# The most of a priced turn's cost taken as the fit's error (stays): a worse fit prices nothing.
+MAX_FIT_ERROR = 0.5
 # Characters of a prompt the key is made of: enough for any system prompt to set conversations
 # apart, few enough that the hash costs nothing.
 CHARS = 4096
@@ -139,6 +141,14 @@ def turn_cost(
     module's cost(s))."""
     decode = steps * (step_more + batch * max(step_more - step_now, 0.0))
     return decode + (batch + 1.0) * max(new_tokens, 0.0) / prefill_tok_s
+
+
+def stays(held_cost: float, moved: float, fit_error: float) -> bool:
+    """Whether a turn stays on the server holding its cache, where it costs `held_cost`, against
+    the least `moved` (moved_cost) elsewhere: unless its cost there is higher by more than the
+    fit's own error, `fit_error` (its relative residual, at most MAX_FIT_ERROR; the module's rule)."""
+    e = min(fit_error, MAX_FIT_ERROR) if fit_error > 0 else 0.0
+    return held_cost * (1.0 - e) <= moved
 
 
 def moved_cost(cost: float, batch: float, cached_tokens: int, prefill_tok_s: float, slack: float) -> float:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from .adaptive import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig, stream_accept
-from .affinity import Held, Outcome, keep, moved_cost, turn_cost
+from .affinity import Held, Outcome, keep, moved_cost, stays, turn_cost
 from .calibration import MAX_WATERMARK, Calibration
 from .classes import ClassBook
 from .engines import ENGINES
@@ -454,7 +454,7 @@ class Router:
             moved, best = min(
                 (moved_cost(*self.turn_cost(s, prompt_tokens, new), cached, prefill, slack), s) for s, _ in loads
             )
-            if held_cost <= moved:
+            if stays(held_cost, moved, self.speed.step(self._servers[held].role).rms_rel if self.speed else 0.0):
                 return False, None
             return True, best
         least = min(held_load, *(load for _, load in loads))

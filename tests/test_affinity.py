@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from proxy.affinity import MAX_ID_BYTES, AffinityTable, Held, conversation_key, keep, moved_cost, turn_cost
+from proxy.affinity import MAX_ID_BYTES, AffinityTable, Held, conversation_key, keep, moved_cost, stays, turn_cost
 from proxy.calibration import ModelFit, StepFit
 from proxy.engines import ENGINES
 from proxy.policy import Decision, PolicyName, PolicyState, Role, affinity_choice
@@ -73,19 +74,30 @@ def test_the_priced_rule() -> None:
     assert moved_cost(1.0, 3, 10_000, 20_000, 1.0) == pytest.approx(3.0)
     assert moved_cost(1.0, 3, 10_000, 20_000, 0.5) == pytest.approx(2.0)
     assert moved_cost(1.0, 3, 10**9, 20_000, 0.0) == 1.0  # slack 0: the cheapest, always
+    # A turn leaves only for a saving beyond the fit's error, a share of its cost where it is.
+    assert stays(1.0, 0.9, 0.1) and not stays(1.0, 0.89, 0.1)
+    assert not stays(1.0, 0.99, 0.0) and not stays(1.0, 0.99, math.nan)
+    assert stays(1.0, 0.5, 5.0) and not stays(1.0, 0.49, 5.0)  # at most MAX_FIT_ERROR = 0.5
 
 
 def _priced_pool(
-    slack: float, policy: PolicyName = "model", high: int = 16, baselines: int = 2, load_signal: str = "local"
+    slack: float,
+    policy: PolicyName = "model",
+    high: int = 16,
+    baselines: int = 2,
+    load_signal: str = "local",
+    fit_error: float = 0.0,
 ) -> Fleet:
     """A pool of one speculative server and `baselines` baseline ones, b0, b1..., whose mode is the
-    baseline at every load (speculation never pays on this fit), priced at 20,000 prefill tokens/s."""
+    baseline at every load (speculation never pays on this fit, whose baseline step times are off
+    by `fit_error`), priced at 20,000 prefill tokens/s."""
     r = rig(
         topology="pooled",
         speculative_url="s0=http://127.0.0.1:9",
         baseline_url=",".join(f"b{i}=http://127.0.0.1:{10 + i}" for i in range(baselines)),
     )
-    fit = ModelFit(StepFit(0.05, 1e-4, 1e-7), StepFit(0.006, 1e-4, 1e-7), (1000, 4000), 128, 1.0)
+    base = StepFit(0.006, 1e-4, 1e-7, rms_rel=fit_error)
+    fit = ModelFit(StepFit(0.05, 1e-4, 1e-7), base, (1000, 4000), 128, 1.0)
     cal = dataclasses.replace(calibration(), model=fit)
     cfg = policy_cfg(policy, high, min(high, 8), probe_s=0.0, affinity_slack=slack, load_signal=load_signal)
     adaptive = adaptive_cfg(min_watermark=0, max_watermark=0, prefill_tok_s=20_000.0)
@@ -145,13 +157,20 @@ def test_a_turn_moves_where_it_costs_least_with_its_re_prefill() -> None:
     # b1's 4 short chats cost the turn least, b2's 2 long ones more; but re-prefilling the 8,000
     # cached tokens would hold up b1's 4 streams and b2's 2: in all b2 costs least, and only it
     # less than staying on b0.
-    for slack in (0.45, 0.1):
-        fleet = _priced_pool(slack, baselines=3)
+    for slack, fit_error in ((0.45, 0.0), (0.1, 0.0), (0.45, 0.05)):
+        fleet = _priced_pool(slack, baselines=3, fit_error=fit_error)
         (router,) = fleet.routers
         leases = [router.admit(Role.BASELINE, "b0", 8000) for _ in range(4)]
         leases += [router.admit(Role.BASELINE, "b1", 200) for _ in range(4)]
         leases += [router.admit(Role.BASELINE, "b2", 16000) for _ in range(2)]
-        if slack == 0.45:
+        if fit_error:
+            # b2 would save the turn 1.3% of its cost on b0: within the fit's 5% error, it stays.
+            costs = {s: router.turn_cost(s, 8500, 500) for s in ("b0", "b2")}
+            gain = costs["b0"][0] - moved_cost(*costs["b2"], 8000, 20_000, slack)
+            assert 0 < gain < 0.05 * costs["b0"][0]
+            placed = fleet.decide(held=Held("b0", 8000), prompt_tokens=8500)
+            assert (placed.server, placed.affinity) == ("b0", "hit")
+        elif slack == 0.45:
             costs = {s: router.turn_cost(s, 8500, 500) for s in ("b0", "b1", "b2")}
             assert costs["b1"][0] < costs["b2"][0] < costs["b0"][0]
             moved = {s: moved_cost(cost, batch, 8000, 20_000, slack) for s, (cost, batch) in costs.items()}
@@ -349,9 +368,10 @@ async def test_a_turn_leaves_a_server_busier_than_its_cache_is_worth(gateway: St
 @pytest.mark.anyio
 async def test_under_the_model_policy_the_pool_prices_a_turns_stay(gateway: StartGateway, tmp_path: Path) -> None:
     # A fit on which speculation never pays: every request goes to the baseline pool.
-    spec = MODEL["speculative"]
-    assert isinstance(spec, dict)
-    never = {**MODEL, "speculative": {**spec, "a": 1.0}}
+    spec, base = MODEL["speculative"], MODEL["baseline"]
+    assert isinstance(spec, dict) and isinstance(base, dict)
+    # Its baseline's error 0: the turn below saves little, but more than nothing.
+    never = {**MODEL, "speculative": {**spec, "a": 1.0}, "baseline": {**base, "rms_rel": 0.0}}
     cal = calibration_file(tmp_path, never)
     async with _pool(gateway, policy="model", calibration=cal, prefill_tok_s=20_000, sim={"time_scale": 1.0}) as gw:
         routing = await gw.routing()
