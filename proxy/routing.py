@@ -630,6 +630,10 @@ class Router:
         now = self._clock()
         self._update(now)
         if self.speed is not None:
+            # A role's load is spread over its servers that are up (all while none is).
+            up = {role: sum(view.healthy for _, view, _ in members) or len(members) for role, members in self._members}
+            if self.speed.serve(up):
+                self._class_views.clear()
             self._model_watermarks()
         if now - self._kv_read_at >= UPDATE_EVERY_S:
             before, self._kv_read_at, self.kv_streams = self.kv_streams, now, self.capacity()

@@ -54,7 +54,7 @@ apply unchanged. Without a fit, the adaptive policy's watermarks are used as the
 Topology. A pair shares one GPU: the model is of one server alone on it (calibrate sweeps one at a
 time, and live corrections come only from streams that ran while the other server had none from
 this gateway); the drain after a switch, when both run at once, is not modelled. A pool's servers
-each have a GPU: a role's load is taken as spread evenly over its m_r servers.
+each have a GPU: a role's load is taken as spread evenly over its m_r servers that are up.
 
 The live correction. Each stream that ran alone on its server (observe.py) gives an observed step
 time n_r / tok_s at its batch and context; k_r moves toward observed / predicted as an exponential
@@ -265,6 +265,15 @@ class StepModel:
         self.context_key = _context_key(self.context)
         self.accept = self.fit.accept_length
 
+    def serve(self, servers: Mapping[Role, int]) -> bool:
+        """The servers of each role that are up now, which a role's load is spread over: True where
+        that changed (and every solve is made afresh)."""
+        if servers == self.servers:
+            return False
+        self.servers = dict(servers)
+        self._solved.clear()
+        return True
+
     def step(self, role: Role) -> StepFit:
         log_k = self.corrections[role].log_k
         kept = self._steps.get(role)
@@ -384,6 +393,7 @@ class StepModel:
             "accept_length": self.accept,
             "accept_length_source": self.accept_source,
             "context_per_stream": round(self.context, 1),
+            "servers_up": {role: self.servers.get(role, 1) for role in ROLES},
             "crossover_streams": None if self.crossover is None else round(self.crossover, 2),
             "watermarks": {"high": self.high, "low": self.low},
             "predictions": {role: {k: p.describe() for k, p in by.items()} for role, by in self.predictions.items()},

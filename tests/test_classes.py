@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -296,6 +297,34 @@ def test_the_model_policy_solves_at_the_acceptance_read_at_most_every_update() -
     router.decide()
     assert (router.speed.accept, router.speed.accept_source) == (1.5, "live")
     assert router.cfg.high_watermark < before
+
+
+def test_the_model_policy_spreads_a_roles_load_over_its_servers_that_are_up() -> None:
+    r = rig(
+        topology="pooled",
+        speculative_url="s0=http://127.0.0.1:9",
+        baseline_url="b0=http://127.0.0.1:10,b1=http://127.0.0.1:11",
+    )
+    r.health["s0"].spec_accept_length = 3.0
+    fit = ModelFit(StepFit(0.012, 1e-3, 0.0), StepFit(0.006, 1e-4, 0.0), (1000, 4000), 128, 3.0)
+    cal = dataclasses.replace(calibration(), model=fit)
+    policy = policy_cfg("model", 16, 8, probe_s=0.0)
+    adaptive = adaptive_cfg(min_watermark=0, max_watermark=200)
+    (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, cal, clock=Clock()).routers
+    assert router.speed is not None and router.speed.servers[Role.BASELINE] == 2
+    both = (router.speed.crossover, router.cfg.high_watermark)
+    # One baseline server down: the same load on the one left is a batch twice the size, slower a
+    # stream, so speculation pays to more streams.
+    r.health["b1"].healthy = False
+    router.refresh()
+    assert router.speed.servers[Role.BASELINE] == 1
+    assert router.speed.describe()["servers_up"] == {Role.SPECULATIVE: 1, Role.BASELINE: 1}
+    crossover = math.inf if router.speed.crossover is None else router.speed.crossover  # None: every load
+    assert both[0] is not None and crossover > both[0]
+    assert router.cfg.high_watermark > both[1]
+    r.health["b1"].healthy = True
+    router.refresh()
+    assert (router.speed.crossover, router.cfg.high_watermark) == both
 
 
 def test_a_classs_watermarks_are_the_groups_curves_at_its_acceptance() -> None:
