@@ -299,6 +299,34 @@ def test_the_model_policy_solves_at_the_acceptance_read_at_most_every_update() -
     assert router.cfg.high_watermark < before
 
 
+def test_under_the_model_policy_what_a_class_is_told_follows_the_context_and_the_corrections() -> None:
+    r = rig(topology="pooled")
+    r.health["speculative"].spec_accept_length = 3.0
+    fit = ModelFit(StepFit(0.012, 1e-3, 1e-7), StepFit(0.006, 1e-4, 1e-7), (1000, 4000), 128, 3.0)
+    cal = dataclasses.replace(calibration(), model=fit)
+    policy = policy_cfg("model", 16, 8, probe_s=0.0)
+    adaptive = adaptive_cfg(min_watermark=0, max_watermark=200)
+    (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, cal, clock=Clock()).routers
+    assert router.speed is not None
+    short = (router.pool_gains(3.0, (4, 4)), router.class_view(True, 3.0))
+    # Four streams of 20,000 tokens: each step reads 2 ms more KV a stream; both are told anew.
+    leases = [router.admit(Role.SPECULATIVE, tokens=20_000) for _ in range(4)]
+    assert router.speed.context == pytest.approx(20_000)
+    long = (router.pool_gains(3.0, (4, 4)), router.class_view(True, 3.0))
+    t = 20_000.0
+    assert long[0] is not None and long[0].speed_baseline == pytest.approx(1 / fit.baseline.step_s(5, 5 * t))
+    assert short[0] is not None and long[0].speed_baseline < short[0].speed_baseline
+    assert long[1] != short[1]
+    # Streams read at half the speculative server's fitted speed move its correction: the class's
+    # watermarks are solved again at it (the gains are not, pool_gains' rule).
+    for _ in range(40):
+        router.observe(Role.SPECULATIVE, 4, 0.5 * 3.0 / fit.speculative.step_s(4, 4 * t), 4 * t, 3.0)
+    corrected = router.class_view(True, 3.0)
+    assert corrected.high is not None and long[1].high is not None and corrected.high < long[1].high
+    for lease in leases:
+        lease.release()
+
+
 def test_the_model_policy_spreads_a_roles_load_over_its_servers_that_are_up() -> None:
     r = rig(
         topology="pooled",
