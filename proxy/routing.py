@@ -368,7 +368,7 @@ class Router:
         """(what `role`, holding `load`, gains with one more stream of acceptance `accept`, that
         stream's speed)."""
         servers = self.group.of(role)
-        n = len(servers) if len(servers) == 1 else sum(1 for s in servers if self._servers[s].healthy) or 1
+        n = len(servers) if len(servers) == 1 else sum(1 for s in servers if self._servers[s].healthy) or len(servers)
         streams = load / n
         now, more = self._rates(role, streams)
         return marginal_gain(accept, streams, held_accept, now, more), accept * more
@@ -403,15 +403,18 @@ class Router:
         a = self.adaptive
         return a is not None and a.cfg.prefill_tok_s > 0 and self.speed is not None
 
-    def turn_cost(self, server: str, prompt_tokens: int, new_tokens: int) -> tuple[float, float]:
+    def turn_cost(
+        self, server: str, prompt_tokens: int, new_tokens: int, batch: float | None = None
+    ) -> tuple[float, float]:
         """(the stream-seconds a turn of `prompt_tokens`, `new_tokens` of them not cached, adds on
         `server`, the streams the server holds now): affinity.turn_cost at the fitted step times, at
         the server's own tokens (ours, and the others' at the group's context); the group must be
-        priced()."""
+        priced(); `batch`: its placement_load, where the caller has read it."""
         a, speed = self.adaptive, self.speed
         assert a is not None and speed is not None
         role = self._servers[server].role
-        batch = self.placement_load(server)
+        if batch is None:
+            batch = self.placement_load(server)
         fit = speed.step(role)
         held = self._tokens_on(server, batch)
         now, more = fit.step_s(max(batch, 1.0), held), fit.step_s(batch + 1.0, held + prompt_tokens)
@@ -425,9 +428,10 @@ class Router:
         """The tokens `server` holds with `batch` streams (placement_load): ours, and the others'
         streams at the group's context where the model policy knows it (turn_cost)."""
         ours = self.tracker.tokens(server)
-        if self.speed is None:
+        others = batch - self.tracker.count(server)
+        if self.speed is None or others <= 0:  # the local signal's always: its load is ours
             return ours
-        return ours + max(batch - self.tracker.count(server), 0.0) * self.speed.context
+        return ours + others * self.speed.context
 
     def affinity_move(
         self, held: str, peers: Sequence[str], cached_tokens: int, prompt_tokens: int, slack: float
@@ -443,18 +447,17 @@ class Router:
             # cost(s) rising with both, under either rule. Most turns end here, without pricing.
             return False, None
         if self.priced():
-            assert self.adaptive is not None
-            # What the held server has cached of this prompt: no more than the prompt (a
-            # conversation cut short, or another with the same opening).
-            cached = min(cached_tokens, prompt_tokens) if prompt_tokens > 0 else cached_tokens
-            new = max(prompt_tokens - cached, 0)
-            prefill = self.adaptive.cfg.prefill_tok_s
-            held_cost, _ = self.turn_cost(held, prompt_tokens, new)
+            a, speed = self.adaptive, self.speed
+            assert a is not None and speed is not None
+            new = max(prompt_tokens - cached_tokens, 0)
+            prefill = a.cfg.prefill_tok_s
+            held_cost, _ = self.turn_cost(held, prompt_tokens, new, held_load)
             # Where it would cost least elsewhere, its re-prefill there counted.
             moved, best = min(
-                (moved_cost(*self.turn_cost(s, prompt_tokens, new), cached, prefill, slack), s) for s, _ in loads
+                (moved_cost(*self.turn_cost(s, prompt_tokens, new, load), cached_tokens, prefill, slack), s)
+                for s, load in loads
             )
-            if stays(held_cost, moved, self.speed.step(self._servers[held].role).rms_rel if self.speed else 0.0):
+            if stays(held_cost, moved, speed.step(self._servers[held].role).rms_rel):
                 return False, None
             return True, best
         least = min(held_load, *(load for _, load in loads))
@@ -616,8 +619,9 @@ class Router:
             return accept, "from traffic classes"
         return share * accept + (1.0 - share) * live, _MIXED[source]
 
-    def refresh(self) -> None:
-        """Re-apply the policy's rule after load or health changed, so the mode gauge tells the truth."""
+    def refresh(self, health: bool = False) -> None:
+        """Re-apply the policy's rule after load or (`health`) health changed, so the mode gauge
+        tells the truth."""
         if self.cfg.load_signal == "local":
             # The common case, on every admit and release: no snapshot to build.
             spec_load = self.interactive_count(Role.SPECULATIVE)
@@ -630,10 +634,11 @@ class Router:
         now = self._clock()
         self._update(now)
         if self.speed is not None:
-            # A role's load is spread over its servers that are up (all while none is).
-            up = {role: sum(view.healthy for _, view, _ in members) or len(members) for role, members in self._members}
-            if self.speed.serve(up):
-                self._class_views.clear()
+            if health:
+                # A role's load is spread over its servers that are up (all while none is).
+                up = {role: sum(v.healthy for _, v, _ in members) or len(members) for role, members in self._members}
+                if self.speed.serve(up):
+                    self._class_views.clear()
             self._model_watermarks()
         if now - self._kv_read_at >= UPDATE_EVERY_S:
             before, self._kv_read_at, self.kv_streams = self.kv_streams, now, self.capacity()
@@ -866,31 +871,35 @@ class Fleet:
         mine = self._router_of.get(held.server)
         if mine is not None and prompt_tokens:
             mine.note_turn(prompt_tokens - held.tokens)
+        # What its server has cached of this prompt: no more than the prompt (a conversation cut
+        # short, or another with the same opening), under every rule.
+        cached = min(held.tokens, prompt_tokens) if prompt_tokens > 0 else held.tokens
         if mine is None or not mine.server_healthy(held.server):
             router = self.choose()
             decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens)
             return Placement(decision, router, affinity="break_down")
         if len(self.routers) > 1:
             loads = [r.group_placement_load() for r in self.routers if any(r.healthy_map().values())]
-            if not keep(mine.group_placement_load(), min(loads), held.tokens, self.affinity_slack):
+            if not keep(mine.group_placement_load(), min(loads), cached, self.affinity_slack):
                 router = self.choose()
                 decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens)
                 return Placement(decision, router, affinity="break_load")
         role = mine.server_role(held.server)
-        decision = mine.decide(can_probe, batch, role, _view(mine, klass), prompt_tokens, held.tokens)
+        decision = mine.decide(can_probe, batch, role, _view(mine, klass), prompt_tokens, cached)
         if decision.backend != role:
             return Placement(decision, mine, affinity="break_mode")
         peers = [s for s in mine.group.of(role) if s != held.server and mine.server_healthy(s)]
         if not peers:  # a pair, or the role's only server up: none to compare with
             return Placement(decision, mine, held.server, "hit")
-        moves, to = mine.affinity_move(held.server, peers, held.tokens, prompt_tokens, self.affinity_slack)
+        moves, to = mine.affinity_move(held.server, peers, cached, prompt_tokens, self.affinity_slack)
         if moves:
             return Placement(decision, mine, to, "break_load")
         return Placement(decision, mine, held.server, "hit")
 
     def refresh(self) -> None:
+        """After a round of health checks or a change of health (health.py's on_change)."""
         for r in self.routers:
-            r.refresh()
+            r.refresh(health=True)
 
     def _changed(self, server: str, count: int) -> None:
         self._router_of[server].server_changed(server)

@@ -187,7 +187,7 @@ def test_a_turn_moves_where_it_costs_least_with_its_re_prefill() -> None:
 
 
 def test_under_an_engine_signal_a_turn_is_priced_with_the_other_gateways_streams() -> None:
-    # b0 holds 4 streams of other gateways' (at the group's context, 10,250 tokens a stream here),
+    # b0 holds 4 streams of other gateways' (at the group's context, over 5,000 tokens a stream here),
     # none of ours; b1 4 of ours of 500 tokens. Streams tie; b0's tokens, as priced, do not.
     fleet = _priced_pool(1.0, load_signal="max")
     (router,) = fleet.routers

@@ -338,21 +338,30 @@ def test_the_model_policy_spreads_a_roles_load_over_its_servers_that_are_up() ->
     cal = dataclasses.replace(calibration(), model=fit)
     policy = policy_cfg("model", 16, 8, probe_s=0.0)
     adaptive = adaptive_cfg(min_watermark=0, max_watermark=200)
-    (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, cal, clock=Clock()).routers
+    fleet = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, cal, clock=Clock())
+    (router,) = fleet.routers
     assert router.speed is not None and router.speed.servers[Role.BASELINE] == 2
-    both = (router.speed.crossover, router.cfg.high_watermark)
-    # One baseline server down: the same load on the one left is a batch twice the size, slower a
-    # stream, so speculation pays to more streams.
+    both = (router.speed.crossover, router.cfg.high_watermark, router.class_view(True, 3.0))
+    # One baseline server down (health's on_change refreshes the fleet): the same load on the one
+    # left is a batch twice the size, slower a stream, so speculation pays to more streams, the
+    # group's and a class's.
     r.health["b1"].healthy = False
-    router.refresh()
-    assert router.speed.servers[Role.BASELINE] == 1
+    router.refresh()  # a lease taken or released: health is not counted again
+    assert router.speed.servers[Role.BASELINE] == 2
+    fleet.refresh()
     assert router.speed.describe()["servers_up"] == {Role.SPECULATIVE: 1, Role.BASELINE: 1}
     crossover = math.inf if router.speed.crossover is None else router.speed.crossover  # None: every load
     assert both[0] is not None and crossover > both[0]
     assert router.cfg.high_watermark > both[1]
-    r.health["b1"].healthy = True
-    router.refresh()
-    assert (router.speed.crossover, router.cfg.high_watermark) == both
+    one = router.class_view(True, 3.0)
+    assert one.high is not None and both[2].high is not None and one.high > both[2].high
+    # Both down: the role's load is read as spread over all of them again, for when they return.
+    r.health["b0"].healthy = False
+    fleet.refresh()
+    assert router.speed.servers[Role.BASELINE] == 2
+    r.health["b0"].healthy = r.health["b1"].healthy = True
+    fleet.refresh()
+    assert (router.speed.crossover, router.cfg.high_watermark, router.class_view(True, 3.0)) == both
 
 
 def test_a_classs_watermarks_are_the_groups_curves_at_its_acceptance() -> None:
