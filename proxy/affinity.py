@@ -24,22 +24,21 @@ stream-seconds:
                                                                      (SPECGATE_AFFINITY_SLACK)
 
 with B a server's streams (routing.Router.placement_load), step_s(B) its fitted step time holding
-them and their tokens (each server's own tokens in flight, the others' at the group's context),
-n the turn's decode steps (the group's mean output tokens per response, over the role's acceptance
+them and their tokens (each server's own tokens in flight, the others' at the group's context), n
+the turn's decode steps (the group's mean output tokens per response, over the role's acceptance
 where it drafts), t its prompt's tokens and c those the held server has cached: a prefill holds up
 the turn and the server's B streams for its tokens / P seconds each, the new ones anywhere, the
 cached ones again on the alternative (c at most the prompt); e the fit's relative error for the
 held server's role (its rms_rel, at most MAX_FIT_ERROR; 0 where the calibration file has none), a
 share of the turn's whole cost where it is: a move pays its re-prefill for certain, its saving only
-as far as the fit is right. So slack 1 moves a turn where the time it would save the others and itself is
-more than the prefill it would cost them, beyond the fit's error, and to the server where it costs
-least in all, its re-prefill counted (a server of few streams may cost less than one of fewer
-tokens, or the other way). On 1+3 pools at 8k, with the margin, turns moved a run fell from 20 to
-12 at 72 sessions and from 30 to 21 at 144, beside the rule by requests in flight 0.95x and 1.70x
-against 0.86x and 1.44x without it, on the same seeds, the intervals overlapping
-(docs/headtohead-affinity.md). Elsewhere (no fit,
-P 0) and between groups, requests in flight stand for the cost, a thousand cached tokens for one
-request:
+as far as the fit is right. So slack 1 moves a turn where the time it would save the others and
+itself is more than the prefill it would cost them, beyond the fit's error, and to the server where
+it costs least in all, its re-prefill counted (a server of few streams may cost less than one of
+fewer tokens, or the other way). On 1+3 pools at 8k, with the margin, turns moved a run fell from
+20 to 12 at 72 sessions and from 30 to 21 at 144, beside the rule by requests in flight 0.95x and
+1.70x against 0.86x and 1.44x without it, on the same seeds, the intervals overlapping
+(docs/headtohead-affinity.md). Elsewhere (no fit, P 0) and between groups, requests in flight stand
+for the cost, a thousand cached tokens for one request:
 
     stay  iff  load(held) - load(best) <= slack * cached_tokens / 1000
 
