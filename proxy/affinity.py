@@ -76,7 +76,10 @@ BREAKS: tuple[Outcome, ...] = ("break_load", "break_mode", "break_down")
 
 
 def conversation_key(session: bytes | None, payload: dict[str, Any], endpoint: Endpoint) -> bytes | None:
-    """The key a request's conversation is remembered by, or None when it has none (no text)."""
+    """The key a request's conversation is remembered by, or None when it has none: no text, or no
+    generation (an embedding's tokens are cached nowhere a chat turn reads them)."""
+    if endpoint == "other":
+        return None
     if session:
         return b"s:" + _short(session)
     user = payload.get("user")
@@ -99,6 +102,10 @@ def _leading_parts(payload: dict[str, Any], endpoint: Endpoint) -> tuple[str, ..
     if endpoint == "chat":
         return _lead_of_messages(payload.get("messages"))
     if endpoint == "responses":
+        if isinstance(payload.get("previous_response_id"), str):
+            # Its input is the conversation's newest part, not its lead: such a turn goes where
+            # its stored response is (stored.py), and a key of its input would name no other.
+            return ()
         instructions = payload.get("instructions")
         given = payload.get("input")
         head = (instructions[:CHARS],) if isinstance(instructions, str) and instructions else ()

@@ -250,8 +250,12 @@ def _classes(raw: object) -> dict[str, float]:
         raise CalibrationError(f"classes: must be an object of at most {MAX_CLASSES} classes")
     out = {}
     for name, entry in raw.items():
-        if not 0 < len(name) <= MAX_CLASS_NAME or not name.isprintable() or '"' in name or "\\" in name:
-            raise CalibrationError(f"classes: {name[:80]!r} is not 1-{MAX_CLASS_NAME} printable characters")
+        bad = not name.isprintable() or '"' in name or "\\" in name or name != name.strip()
+        if not 0 < len(name) <= MAX_CLASS_NAME or bad:
+            # A name no request's class could be (classes.class_of strips it) would never match.
+            raise CalibrationError(
+                f"classes: {name[:80]!r} is not 1-{MAX_CLASS_NAME} printable characters, none at either end a space"
+            )
         if not isinstance(entry, dict):
             raise CalibrationError(f"classes.{name}: not an object")
         out[name] = _float(entry.get("accept_length"), f"classes.{name}.accept_length", (MIN_ACCEPT, MAX_ACCEPT))

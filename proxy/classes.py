@@ -47,6 +47,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .engines import MAX_ACCEPT_LENGTH
+
 ClassKey = Literal["none", "header", "api_key", "user", "model"]
 CLASS_KEYS: tuple[ClassKey, ...] = ("none", "header", "api_key", "user", "model")
 OTHER = "other"
@@ -67,7 +69,8 @@ RANK_EVERY_S = 0.5
 def class_of(key: ClassKey, header: bytes | None, payload: dict[str, Any], authorization: bytes) -> str | None:
     """A request's class name under SPECGATE_CLASS_KEY, or None (no class)."""
     if key == "header":
-        return _name(header.decode("latin-1")) if header else None
+        # Clients that send a name outside ASCII send UTF-8 (a calibration file's names are text).
+        return _name(header.decode("utf-8", "replace")) if header else None
     if key == "api_key":
         scheme, _, token = authorization.partition(b" ")
         token = token.strip()
@@ -149,6 +152,11 @@ class ClassBook:
         s.traffic += 1.0
         return name
 
+    def named(self, name: str) -> str:
+        """The name a request of class `name` that does not count in the mix is counted under (a
+        batch one: it never runs on speculation): itself while tracked, else `other`; no entry made."""
+        return name if name in self.stats else OTHER
+
     def unclassed(self, now: float) -> None:
         """A request of no class arrived: counted, once any class is tracked, in the share of the
         traffic the classes' mix stands for."""
@@ -196,9 +204,11 @@ class ClassBook:
         return None if s is None else s.accept
 
     def measured(self, name: str, tokens: int, steps: int, now: float) -> None:
-        """A stream of the class on a speculative server: `tokens` output in `steps` decode steps."""
+        """A stream of the class on a speculative server: `tokens` output in `steps` decode steps
+        (figures no server could make, more than MAX_ACCEPT_LENGTH a step, teach nothing: one
+        hostile `usage` would hold the class's acceptance for hours)."""
         s = self.stats.get(name)
-        if s is not None and steps > 0 and tokens >= steps:
+        if s is not None and 0 < steps <= tokens <= steps * MAX_ACCEPT_LENGTH:
             s.decay(now, self.half_life_s)
             s.tokens += tokens
             s.steps += steps

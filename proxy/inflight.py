@@ -44,7 +44,7 @@ class Lease:
         """More tokens held (generated) by this request on its server."""
         if tokens > 0 and not self._released:
             self.tokens += tokens
-            self._tracker._add_tokens(self.server, tokens)
+            self._tracker._add_tokens(self.server, tokens, self.batch)
 
     def release(self) -> None:
         if not self._released:
@@ -92,18 +92,25 @@ class InflightTracker:
         s.load.count += 1
         s.load.batch += batch
         s.load.tokens += max(0, tokens)
+        if batch:
+            s.load.batch_tokens += max(0, tokens)
         if self.on_change is not None:
             self.on_change(server, s.load.count)
         return Lease(self, server, s.role, max(0, tokens), batch)
 
-    def _add_tokens(self, server: str, tokens: int) -> None:
-        self._servers[server].load.tokens += tokens
+    def _add_tokens(self, server: str, tokens: int, batch: bool) -> None:
+        load = self._servers[server].load
+        load.tokens += tokens
+        if batch:
+            load.batch_tokens += tokens
 
     def _release(self, server: str, tokens: int, batch: bool) -> None:
         load = self._servers[server].load
         load.count -= 1
         load.batch -= batch
         load.tokens -= tokens
+        if batch:
+            load.batch_tokens -= tokens
         if self.on_change is not None:
             self.on_change(server, load.count)
 

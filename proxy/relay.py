@@ -26,7 +26,7 @@ from .engines import DONE_GRACE_S
 from .errors import ApiError
 from .gate import Gate
 from .inflight import Lease
-from .kinds import GENERATIONS
+from .kinds import CLASSED, GENERATIONS
 from .metrics import code_class
 from .observe import ClassLearning, Generated, Learning, Liveness, StreamObserver, StreamTiming, TokenCounts
 from .policy import Reason, Role, other
@@ -109,6 +109,10 @@ class _Relay:
         self.sending_since: float | None = None
         self._head: Message | None = None
         self._finished = False
+        # The server's usage (prompt, completion tokens), once its response ended.
+        self._usage: tuple[int, int] | None = None
+        # The upstream stream broke after its first bytes: the turn was cut short.
+        self._broken = False
         # The class the request counts under (classes.ClassBook.tracked), if it has one.
         self.traffic_class: str | None = None
 
@@ -123,13 +127,18 @@ class _Relay:
         stored = gate.stored.server_of(call.previous) if call.previous is not None else None
         held = gate.affinity.get(call.affinity) if call.affinity is not None else None
         klass = None
-        if call.traffic_class is not None:
+        if call.batch:
+            # Batch work never runs on speculation: it neither weighs in the classes' mix of
+            # acceptance nor in their ranking, which share speculation's room among interactive ones.
+            if call.traffic_class is not None:
+                self.traffic_class = gate.classes.named(call.traffic_class)
+        elif call.traffic_class is not None:
             now = asyncio.get_running_loop().time()
             self.traffic_class = name = gate.classes.tracked(call.traffic_class, now)
             for gone in gate.classes.take_forgotten():
                 gate.metrics.forget_class(gone)
             klass = (gate.classes.gains_most(name, now), gate.classes.accept(name))
-        elif gate.classes.stats:
+        elif gate.classes.stats and call.endpoint in CLASSED:
             gate.classes.unclassed(asyncio.get_running_loop().time())
         placed = gate.fleet.decide(
             can_probe=call.endpoint in GENERATIONS and not call.batch,
@@ -259,13 +268,17 @@ class _Relay:
             log.warning("request %s: stream from %s broke: %s", call.request_id, backend, err)
             if call.trace is not None:
                 call.trace.broke(err.kind, str(err))
+            # The turn did not end: its server is not where its conversation's next turn should go.
+            self._broken = True
             await self._last(reader.broken(f"Upstream stream broke: {err}", "upstream_" + err.kind))
             return
         tail = reader.flush()
-        usage = reader.usage()
+        usage = self._usage = reader.usage()
         for o in observers:
             o.end(usage, now)
-        if usage is not None:
+        if usage is not None and call.previous is None:
+            # A continuation's estimate is of its new input alone, its usage of the whole stored
+            # conversation: it would teach every estimate the conversation's length.
             gate.token_ratio.learn(call.prompt_estimate, usage[0])
         if call.stores and up.status == 200 and (made := reader.response_id()) is not None:
             gate.stored.remember(made, lease.server)
@@ -374,15 +387,20 @@ class _Relay:
             self.upstream = None
         if self.lease is not None:
             self.lease.release()
-            if self.call.affinity is not None and self.complete and self.status == 200:
-                # The turn's prompt and reply are cached where it ran: the next turn's place.
-                self.gate.affinity.remember(self.call.affinity, self.lease.server, self.lease.tokens)
+            if self.call.affinity is not None and self.complete and self.status == 200 and not self._broken:
+                # The turn's prompt and reply are cached where it ran: the next turn's place. The
+                # server's usage counts them exactly (a body not streamed passes as one event).
+                usage = self._usage
+                cached = usage[0] + usage[1] if usage is not None else self.lease.tokens
+                self.gate.affinity.remember(self.call.affinity, self.lease.server, cached)
         m = self.gate.metrics
         role = self.role
         status = self.status if self.complete else 499
         m.child(m.requests, role or "none", self.call.endpoint, code_class(status)).inc()
         if self.traffic_class is not None:
-            m.child(m.class_requests, self.traffic_class, role or "none").inc()
+            # A class forgotten while this request ran has had its series removed: not made again.
+            name = self.gate.classes.named(self.traffic_class)
+            m.child(m.class_requests, name, role or "none").inc()
         if role is not None:
             loop_time = asyncio.get_running_loop().time()
             m.child(m.duration, role, self.call.endpoint).observe(loop_time - self.call.started)

@@ -438,7 +438,7 @@ class Router:
     ) -> tuple[bool, str | None]:
         """Whether a turn whose cache `held` holds moves off it to one of its role's other healthy
         servers `peers` (affinity.py's rule: priced where the group is, else by requests in flight),
-        and where to (None: the least loaded, picked at admission)."""
+        and where to (None where it stays)."""
         held_load = self.placement_load(held)
         held_tokens = self._tokens_on(held, held_load)
         loads = [(s, self.placement_load(s)) for s in peers]
@@ -460,8 +460,11 @@ class Router:
             if stays(held_cost, moved, speed.step(self._servers[held].role).rms_rel):
                 return False, None
             return True, best
-        least = min(held_load, *(load for _, load in loads))
-        return not keep(held_load, least, cached_tokens, slack), None
+        least = min(load for _, load in loads)
+        if keep(held_load, least, cached_tokens, slack):
+            return False, None
+        # The least loaded of the others: a turn that breaks off its server never draws it again.
+        return True, least_loaded(loads, self._rng.random())
 
     def class_marks(self, accept: float) -> tuple[int, int] | None:
         """(high, low) for a traffic class of acceptance `accept` (policy.class_choice): the speed
@@ -527,24 +530,26 @@ class Router:
         return sum(self.tracker.tokens(s) for s in self.group.of(role))
 
     def group_tokens(self) -> int:
-        """Tokens this gateway's requests hold on the group's servers (read for every request
-        where switches are priced: switch_margin)."""
-        return sum(counters.tokens for _, members in self._members for _, _, counters in members)
+        """Tokens this gateway's interactive requests hold on the group's servers (read for every
+        request where switches are priced: switch_margin). Batch requests never move on a switch,
+        nor take speculation's room, so what they hold is left out, as their count is."""
+        return sum(c.tokens - c.batch_tokens for _, members in self._members for _, _, c in members)
 
     def group_streams(self) -> int:
-        """This gateway's requests in flight on the group's servers, batch ones included."""
-        return sum(counters.count for _, members in self._members for _, _, counters in members)
+        """This gateway's interactive requests in flight on the group's servers."""
+        return sum(c.count - c.batch for _, members in self._members for _, _, c in members)
 
     def _model_watermarks(self, prompt_tokens: int = 0, new: bool = False) -> None:
         """The model policy's watermarks for the group as it is, or with a new request of
-        `prompt_tokens` (`new`): its context is the mean over this gateway's streams in the group."""
+        `prompt_tokens` (`new`): its context is the mean over this gateway's interactive streams in
+        the group (batch ones take no room of speculation's, policy.py)."""
         speed = self.speed
         assert speed is not None
         streams, tokens = int(new), max(0, prompt_tokens)
         for _, members in self._members:  # one pass: group_streams and group_tokens
             for _, _, counters in members:
-                streams += counters.count
-                tokens += counters.tokens
+                streams += counters.count - counters.batch
+                tokens += counters.tokens - counters.batch_tokens
         accept, source = self._accept_now
         high, low = speed.watermarks(self.last_load, tokens, streams, accept, source)
         if (high, low) != (self.cfg.high_watermark, self.cfg.low_watermark):
@@ -840,10 +845,12 @@ class Fleet:
     def router_of(self, server: str) -> Router:
         return self._router_of[server]
 
-    def choose(self) -> Router:
-        if len(self.routers) == 1:
+    def choose(self, among: Sequence[Router] | None = None) -> Router:
+        """The least loaded healthy group (of `among`, where given), at random among near-ties."""
+        if among is None and len(self.routers) == 1:
             return self.routers[0]
-        up = [(r.group.name, r.group_placement_load()) for r in self.routers if any(r.healthy_map().values())]
+        candidates = self.routers if among is None else among
+        up = [(r.group.name, r.group_placement_load()) for r in candidates if any(r.healthy_map().values())]
         name = least_loaded(up, self._rng.random())
         return next((r for r in self.routers if r.group.name == name), self.routers[0])
 
@@ -879,9 +886,10 @@ class Fleet:
             decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens)
             return Placement(decision, router, affinity="break_down")
         if len(self.routers) > 1:
-            loads = [r.group_placement_load() for r in self.routers if any(r.healthy_map().values())]
-            if not keep(mine.group_placement_load(), min(loads), cached, self.affinity_slack):
-                router = self.choose()
+            others = [r for r in self.routers if r is not mine and any(r.healthy_map().values())]
+            least = min((r.group_placement_load() for r in others), default=math.inf)
+            if not keep(mine.group_placement_load(), least, cached, self.affinity_slack):
+                router = self.choose(others)
                 decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens)
                 return Placement(decision, router, affinity="break_load")
         role = mine.server_role(held.server)

@@ -71,6 +71,8 @@ class Load:
     batch: int = 0
     # The tokens those requests hold (their leases'): prompts as estimated, plus generated so far.
     tokens: int = 0
+    # Of those, the batch requests' (left out of what the mode reckons with, as their count is).
+    batch_tokens: int = 0
     at_scrape: int = 0
     others: int = 0
     others_smooth: float = 0.0

@@ -46,7 +46,8 @@ The rule (SPECGATE_POLICY=model): the threshold rule, with watermarks from L* an
     high = floor(L*(t, A*(1+m)))      leave speculation where the baseline is ahead by m
     low  = min(floor(L*(t, A/(1+m))), high - max(1, ceil(high/4)))   come back where speculation is
 
-both within [SPECGATE_ADAPTIVE_MIN_WATERMARK, _MAX_WATERMARK]. They are recomputed for each new
+high within [SPECGATE_ADAPTIVE_MIN_WATERMARK, _MAX_WATERMARK], low within [0, high] (as the adaptive
+policy's). They are recomputed for each new
 request (its prompt counted in t) and whenever load changes, each (A, t) solved once to 0.01 of A
 and 1% of t while the live corrections stand; the adaptive policy's dwell and probes
 apply unchanged. Without a fit, the adaptive policy's watermarks are used as they are.

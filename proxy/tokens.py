@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import orjson
+
 from .kinds import Endpoint
 
 # Characters a token takes before anything is learnt: English text through a Llama-3 or GPT
@@ -48,6 +50,11 @@ def prompt_estimate(payload: dict[str, Any], endpoint: Endpoint) -> int:
         chars, tokens = _prompt(payload.get("text") if "text" in payload else payload.get("input_ids"))
     else:  # embeddings and the like: an `input` of text or token ids
         chars, tokens = _prompt(payload.get("input"))
+    if endpoint in ("chat", "responses") and isinstance(tools := payload.get("tools"), list) and tools:
+        # The tools' schemas go into the prompt through the chat template, as JSON: an agent's are
+        # often thousands of tokens, and left out they would teach every estimate (TokenRatio) a
+        # ratio that is theirs. The body was parsed from JSON, so it serialises again.
+        chars += len(orjson.dumps(tools))
     return max(1, tokens + math.ceil(chars / CHARS_PER_TOKEN))
 
 

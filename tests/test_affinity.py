@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,7 @@ def test_a_turn_leaves_a_server_whose_tokens_cost_more_than_its_cache_saves() ->
     assert (placed.server, placed.affinity) == ("b0", "hit")
     leases.append(router.admit(Role.BASELINE, "b0"))
     placed = fleet.decide(held=Held("b0", 999), prompt_tokens=8500)
-    assert (placed.server, placed.affinity) == (None, "break_load")  # 5 against 4, slack 0
+    assert (placed.server, placed.affinity) == ("b1", "break_load")  # 5 against 4, slack 0
     for lease in leases:
         lease.release()
 
@@ -405,3 +406,94 @@ async def test_affinity_off_and_a_server_that_went_down(gateway: StartGateway) -
     r = await on.client.post("/v1/chat/completions", json={**_chat("hi", "again"), "max_tokens": 2})
     assert r.headers["x-specgate-backend"] == "baseline"
     assert 'specgate_affinity_breaks_total{reason="down"} 1.0' in await on.metrics_text()
+
+
+def test_a_turn_that_breaks_off_its_server_or_group_never_draws_it_again() -> None:
+    # Under an engine signal a server's load carries another gateway's smoothed streams: 0.3 here,
+    # within a near-tie of its peer's, yet past slack 0's line. The turn breaks off, to the peer.
+    for seed in range(12):
+        fleet = _priced_pool(0.0, "threshold", high=0, load_signal="max")
+        (router,) = fleet.routers
+        router._rng = random.Random(seed)
+        for s in ("b0", "b1", "s0"):
+            router.tracker.scraping(s)
+            router.tracker.scraped(s, 0)
+        router.tracker.load_of("b0").others_balance = 0.3
+        placed = fleet.decide(held=Held("b0", 100), prompt_tokens=1000)
+        assert (placed.affinity, placed.server) == ("break_load", "b1")
+    # Between groups alike: two pairs, the turn's group 0.3 busier.
+    r = rig(
+        speculative_url="s0=http://127.0.0.1:9,s1=http://127.0.0.1:10",
+        baseline_url="b0=http://127.0.0.1:11,b1=http://127.0.0.1:12",
+    )
+    cfg = policy_cfg("threshold", 0, 0, probe_s=0.0, affinity_slack=0.0, load_signal="max")
+    for seed in range(12):
+        pairs = Fleet(r.topology, r.servers, cfg, r.metrics, clock=Clock(), rng=random.Random(seed))
+        for s in r.servers:
+            pairs.tracker.scraping(s)
+            pairs.tracker.scraped(s, 0)
+        pairs.tracker.load_of("b0").others_balance = 0.3
+        placed = pairs.decide(held=Held("b0", 100), prompt_tokens=1000)
+        assert placed.affinity == "break_load" and placed.router is not pairs.router_of("b0")
+
+
+def test_what_has_no_conversation_to_remember() -> None:
+    # An embedding's tokens are cached nowhere a chat turn reads them, whatever its session.
+    assert conversation_key(b"abc", {"input": "embed me"}, "other") is None
+    # A Responses continuation goes where its stored response is; its input is no conversation's lead.
+    assert conversation_key(None, {"input": "go on", "previous_response_id": "resp_1"}, "responses") is None
+    assert conversation_key(b"abc", {"input": "go on", "previous_response_id": "resp_1"}, "responses") == b"s:abc"
+
+
+@pytest.mark.anyio
+async def test_a_turn_not_streamed_leaves_its_reply_cached_as_the_servers_usage_says(gateway: StartGateway) -> None:
+    # A first turn of 300 tokens' reply, not streamed (its body passes as one event), then one
+    # request more on its server: at slack 2.5 its next turn stays only if the reply counts as
+    # cached (2.5 * ~460 / 1000 >= 1; its ~160 prompt tokens alone would give 0.4).
+    async with _pool(gateway, affinity_slack=2.5, sim={"time_scale": 1.0}) as gw:
+        hdr = {"x-session-id": "conv-2"}
+        first = {**_chat("hello there"), "max_tokens": 300, "ignore_eos": True}
+        before = await _server_requests(gw)
+        r = await gw.client.post("/v1/chat/completions", json=first, headers=hdr)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 300
+        held = await _served_by(gw, before)
+        long = {"prompt": "p", "max_tokens": 120_000, "stream": True}
+        before = await _server_requests(gw)
+        async with gw.client.stream("POST", "/v1/completions", json=long, headers=hdr) as s:
+            await anext(s.aiter_lines())
+            assert await _served_by(gw, before) == held
+            # The next turn resends the reply: its prompt holds all that is cached.
+            later = {**_chat("hello there", "and now in detail: " + "more " * 400), "max_tokens": 2}
+            before = await _server_requests(gw)
+            assert (await gw.client.post("/v1/chat/completions", json=later, headers=hdr)).status_code == 200
+            assert await _served_by(gw, before) == held
+        assert "specgate_affinity_hits_total 2.0" in await gw.metrics_text()
+
+
+@pytest.mark.anyio
+async def test_a_turn_whose_stream_broke_is_not_remembered(gateway: StartGateway) -> None:
+    gw = await gateway(sim={"time_scale": 1.0}, spec={"stall_rate": 1.0}, read_timeout_s=0.5, high_watermark=8)
+    body = {"prompt": "hello " * 50, "max_tokens": 2000, "stream": True}
+    async with gw.client.stream("POST", "/v1/completions", json=body, headers={"x-session-id": "t"}) as r:
+        assert r.headers["x-specgate-backend"] == "speculative"
+        raw = b"".join([c async for c in r.aiter_bytes()])
+    assert b"upstream_timeout" in raw
+    m = await gw.metrics()
+    assert (m["specgate_affinity_entries"], m["specgate_affinity_misses_total"]) == (0, 1)
+
+
+@pytest.mark.anyio
+async def test_continuations_of_stored_responses_teach_the_token_estimate_nothing(gateway: StartGateway) -> None:
+    gw = await gateway()
+    r = await gw.client.post("/v1/responses", json={"input": "Tell me about Lisbon. " * 30, "max_output_tokens": 200})
+    assert r.status_code == 200, r.text
+    learnt = (await gw.routing())["prompt_token_ratio"]
+    previous = r.json()["id"]
+    for _ in range(10):
+        body = {"input": "go on", "previous_response_id": previous, "max_output_tokens": 50}
+        r = await gw.client.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        previous = r.json()["id"]
+    # Each continuation's usage counts the whole stored conversation, its estimate two words.
+    assert (await gw.routing())["prompt_token_ratio"] == learnt
+    assert (await gw.metrics())["specgate_affinity_entries"] == 1

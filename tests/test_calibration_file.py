@@ -236,6 +236,7 @@ def test_a_files_classes_are_optional_and_checked() -> None:
         ({"": {"accept_length": 2.0}}, "is not 1-64 printable"),
         ({"x" * 65: {"accept_length": 2.0}}, "is not 1-64 printable"),
         ({"a\nb": {"accept_length": 2.0}}, "is not 1-64 printable"),
+        ({" chat": {"accept_length": 2.0}}, "none at either end a space"),  # no request's class could match
         ({"chat": 1.3}, "classes.chat: not an object"),
         ({"chat": {}}, "classes.chat.accept_length"),
         ({"chat": {"accept_length": 0.5}}, "classes.chat.accept_length"),

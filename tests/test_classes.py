@@ -727,3 +727,67 @@ def _speed_ratio(router: Router, level: int) -> float:
     assert router.adaptive is not None
     observed = router.adaptive.describe(0.0)["observed"]["speculative"]
     return float(observed[str(level)]["speed_ratio"])
+
+
+def test_batch_work_is_left_out_of_what_the_model_policy_solves_and_the_switch_is_priced_at() -> None:
+    # A speculative server whose steps read much KV: the context the group holds moves its watermarks.
+    r = rig()
+    r.health["speculative"].spec_accept_length = 3.0
+    fit = ModelFit(StepFit(0.012, 1e-4, 1e-6), StepFit(0.006, 1e-4, 1e-8), (1000, 4000), 128, 3.0)
+    cal = dataclasses.replace(calibration(), model=fit)
+    policy = policy_cfg("model", 16, 8, probe_s=0.0)
+    adaptive = adaptive_cfg(min_watermark=0, max_watermark=200, prefill_tok_s=20_000.0)
+    (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, cal, clock=Clock()).routers
+    interactive = [router.admit(Role.SPECULATIVE, tokens=1000) for _ in range(2)]
+    router.decide(prompt_tokens=1000)
+    alone = (router.cfg.high_watermark, router.speed.context if router.speed else None, router.switch_margin())
+    assert alone[0] > 2
+    # Ten batch jobs of 100,000 tokens on the baseline: they never run on speculation, nor move
+    # on a switch, so the interactive streams' mode is solved and priced as before.
+    batch = [router.admit(Role.BASELINE, tokens=100_000, batch=True) for _ in range(10)]
+    for lease in batch[:3]:
+        lease.add(500)  # what they generate is theirs too
+    d = router.decide(prompt_tokens=1000)
+    assert d.backend == Role.SPECULATIVE
+    assert (router.cfg.high_watermark, router.speed.context if router.speed else None, router.switch_margin()) == alone
+    assert router.tracker.tokens("baseline") == 10 * 100_000 + 3 * 500  # still the server's
+    for lease in [*interactive, *batch]:
+        lease.release()
+    assert (router.tracker.load_of("baseline").batch_tokens, router.tracker.tokens("baseline")) == (0, 0)
+
+
+def test_figures_no_server_could_make_teach_a_class_nothing() -> None:
+    book = ClassBook(2)
+    book.tracked("a", 0.0)
+    book.measured("a", 10**12, 40, 0.0)  # a usage of a trillion tokens over 40 events
+    book.measured("a", 10, 40, 0.0)  # fewer tokens than steps
+    assert book.stats["a"].steps == 0 and book.accept("a") is None
+    book.measured("a", 3 * MIN_STEPS, MIN_STEPS, 0.0)
+    assert book.accept("a") == 3.0
+    # A request that outlived its class's place in the book counts under `other` (its series went
+    # with the class), and naming it makes no entry.
+    assert (book.named("a"), book.named("gone")) == ("a", OTHER) and "gone" not in book.stats
+
+
+def test_a_class_header_in_utf8_names_its_class_as_the_calibration_does() -> None:
+    assert class_of("header", "código".encode(), {}, b"") == "código"
+    assert class_of("header", b"\xff\xfe", {}, b"") == "\ufffd\ufffd"
+
+
+@pytest.mark.anyio
+async def test_batch_requests_neither_weigh_in_the_classes_mix_nor_rank_them(gateway: StartGateway) -> None:
+    gw = await gateway()
+    await _ask(gw, "chat", "hi", stream=False)
+    for _ in range(3):
+        r = await gw.client.post(
+            "/v1/completions",
+            json={"prompt": "p", "max_tokens": 2},
+            headers={"x-specgate-class": "bulk", "x-specgate-priority": "batch"},
+        )
+        assert (r.status_code, r.headers["x-specgate-reason"]) == (200, "batch")
+    tracked = (await gw.routing())["classes"]["tracked"]
+    assert set(tracked) == {"chat"} and tracked["chat"]["traffic"] == pytest.approx(1.0, abs=0.01)
+    # Counted, under `other`: a class seen only in batch work takes no room in the book.
+    text = await gw.metrics_text()
+    assert 'specgate_class_requests_total{backend="baseline",class="other"} 3.0' in text
+    assert 'class="bulk"' not in text

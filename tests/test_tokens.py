@@ -6,6 +6,7 @@ KV cache, read through the engine adapters."""
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import pytest
@@ -39,6 +40,11 @@ def test_prompt_estimates_count_the_text_of_each_api() -> None:
     assert prompt_estimate({"text": "t" * 80}, "generate") == 20
     assert prompt_estimate({"input_ids": [7] * 9}, "generate") == 9
     assert prompt_estimate({"input": "e" * 80}, "other") == 20
+    # An agent's tools go into the prompt as JSON: counted as their serialised characters.
+    tools = [{"type": "function", "function": {"name": "n" * 60}}]
+    serialised = len('[{"type":"function","function":{"name":""}}]') + 60
+    assert prompt_estimate({"messages": [], "tools": tools}, "chat") == math.ceil(serialised / CHARS_PER_TOKEN)
+    assert prompt_estimate({"input": "", "tools": tools}, "responses") == per + math.ceil(serialised / CHARS_PER_TOKEN)
     # Nonsense is the server's to refuse; its estimate is a floor, never an error.
     junk: dict[str, Any]
     for junk in ({"messages": "x"}, {"messages": [1, None, {"content": 3}]}, {"prompt": {}}, {}):
