@@ -75,6 +75,8 @@ MIN_ACCEPT, MAX_ACCEPT = 1.0, 64.0
 MAX_LEVEL = 1_000_000
 MAX_WATERMARK = 1_000_000
 MAX_STEP_COEF = 1e3
+# The least a fitted step of one stream may take, in seconds.
+MIN_STEP_S = 1e-6
 MAX_PROMPT = 10_000_000
 MAX_CLASSES = 256
 MAX_CLASS_NAME = 64
@@ -273,8 +275,9 @@ def _model(raw: object) -> ModelFit | None:
         if not isinstance(f, dict):
             raise CalibrationError(f"model.{role}: missing or not an object")
         a, b, c = (_float(f.get(k), f"model.{role}.{k}", (0.0, MAX_STEP_COEF)) for k in ("a", "b", "c"))
-        if a + b <= 0:
-            raise CalibrationError(f"model.{role}: a + b must be positive (a step takes time)")
+        if a + b < MIN_STEP_S:
+            # A step of one stream in less than a microsecond is no GPU's: speeds from it overflow.
+            raise CalibrationError(f"model.{role}: a + b must be at least {MIN_STEP_S:g} s (a step takes time)")
         points = f.get("points", 0)
         if isinstance(points, bool) or not isinstance(points, int) or not 0 <= points <= MAX_LEVEL:
             raise CalibrationError(f"model.{role}.points: {points!r} must be an integer in [0, {MAX_LEVEL}]")

@@ -134,7 +134,12 @@ def _least_squares(points: Sequence[Point], free: Sequence[int]) -> list[float] 
 def fit_step(points: Sequence[Point]) -> StepFit | None:
     """a, b, c by relative least squares, none negative; None when the points cannot tell them
     apart (fewer than MIN_POINTS, one batch size, or one per-stream context)."""
-    good = [p for p in points if p.batch >= 1 and p.tokens >= 0 and p.step_s > 0 and math.isfinite(p.step_s)]
+    good = [
+        p
+        for p in points
+        if math.isfinite(p.batch) and p.batch >= 1 and math.isfinite(p.tokens) and p.tokens >= 0
+        if p.step_s > 0 and math.isfinite(p.step_s)
+    ]
     if len(good) < MIN_POINTS or len({p.batch for p in good}) < 2:
         return None
     per_stream = sorted(p.tokens / p.batch for p in good)

@@ -39,6 +39,9 @@ def test_the_fit_needs_two_contexts_and_never_goes_negative() -> None:
     falling = [Point(b, b * ctx, 0.006 + 1e-5 * b - 1e-9 * b * ctx) for ctx in (512, 4096) for b in (1, 8, 64)]
     got = fit_step(falling)
     assert got is not None and got.c == 0.0 and got.a > 0 and got.b >= 0
+    # A point of no finite size is left out, not fitted into NaNs.
+    odd = fit_step([*falling, Point(8, math.inf, 0.01), Point(math.nan, 100.0, 0.01)])
+    assert odd == got
 
 
 @pytest.mark.parametrize("role", ["baseline", "speculative"])
@@ -190,6 +193,7 @@ def test_the_model_round_trips_and_is_checked() -> None:
     for bad in (
         {**MODEL, "baseline": {**MODEL["baseline"], "c": -1e-9}},  # type: ignore[dict-item]
         {**MODEL, "baseline": {**MODEL["baseline"], "a": 0, "b": 0}},  # type: ignore[dict-item]
+        {**MODEL, "baseline": {**MODEL["baseline"], "a": 0, "b": 1e-320}},  # type: ignore[dict-item]
         {**MODEL, "speculative": {**MODEL["speculative"], "a": math.inf}},  # type: ignore[dict-item]
         {**MODEL, "prompt_tokens": []},
         {**MODEL, "accept_length": 0.5},
