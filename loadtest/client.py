@@ -187,6 +187,10 @@ async def _attempt(
                     done = True
                     break
                 event = orjson.loads(payload)
+                if not isinstance(event, dict):
+                    # The server's bad answer, counted as its error (not the client's crash).
+                    result.error = f"malformed event: {payload[:200].decode('utf-8', 'replace')}"
+                    return result
                 if "error" in event:
                     result.error = f"stream error: {str(event['error'])[:200]}"
                     return result
@@ -236,7 +240,7 @@ def read_usage(result: RequestResult, usage: Mapping[str, Any]) -> None:
 def _content(event: dict[str, Any]) -> Any:
     """The event's text (a chat delta's content or a completion's text); falsy when it has none."""
     choices = event.get("choices")
-    if not choices:
+    if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
         return None
     choice = choices[0]
     delta = choice.get("delta")

@@ -34,13 +34,15 @@ class WorkloadRun:
     t1: float
     concurrency: int
     extended_s: float = 0.0
+    # What streams of the load tester died of (sweep.LevelRun.died).
+    died: tuple[str, ...] = ()
 
     def by_class(self, slo: Slo | None = None) -> dict[str, ClassSummary]:
         return summarise_by_class(self.results, self.t0, self.t1, slo)
 
     def stats(self, slo: Slo | None = None, min_requests: int = DEFAULT_MIN_REQUESTS) -> LevelStats:
         """The level's figures as a sweep reports them, with the classes'."""
-        run = LevelRun(self.results, self.t0, self.t1, self.extended_s)
+        run = LevelRun(self.results, self.t0, self.t1, self.extended_s, self.died)
         return level_stats(self.concurrency, run, min_requests, slo)
 
 
@@ -75,4 +77,4 @@ async def run_workload(
     else:
         async with make_session() as own:
             run = await measure_level(own, target, concurrency, plan, workload, min_requests=0)
-    return WorkloadRun(run.results, run.t0, run.t1, concurrency, run.extended_s)
+    return WorkloadRun(run.results, run.t0, run.t1, concurrency, run.extended_s, run.died)

@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,6 +212,9 @@ class LevelRun:
     t1: float
     # How long the window ran past its planned length (0: it did not).
     extended_s: float = 0.0
+    # Streams the load tester itself lost to an exception (its failure, not the server's): a level
+    # that ran at fewer streams than it says is inconclusive.
+    died: tuple[str, ...] = ()
 
 
 async def measure_level(
@@ -234,15 +237,66 @@ async def measure_level(
     await level.measure(t0)
     level.window.append(time.monotonic())
     level.stop.set()
-    _, pending = await asyncio.wait(workers, timeout=plan.max_wait_s)
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
+    died = await _drain(workers, plan.max_wait_s)
     if beside is not None:
         await beside
     level.report("done")
     extended = level.window[1] - level.extending[0] if level.extending else 0.0
-    return LevelRun(level.results, level.window[0], level.window[1], extended)
+    return LevelRun(level.results, level.window[0], level.window[1], extended, died)
+
+
+async def measure_together(
+    session: aiohttp.ClientSession,
+    targets: Mapping[str, Target],
+    concurrency: int,
+    plan: LevelPlan,
+    workloads: Mapping[str, Workload],
+    min_requests: int = DEFAULT_MIN_REQUESTS,
+) -> dict[str, LevelRun]:
+    """One level of several targets side by side, `concurrency` streams each, in one window: it
+    opens once every target has warmed up, runs duration_s and on (max_duration_s at most) until
+    every target has enough, and closes for all at once; every target stays loaded until then, so
+    none is measured alone on a quieter machine, nor over another stretch of the run."""
+    if plan.requests is not None:
+        raise ValueError("measure_together measures windows of duration_s, not of --requests")
+    levels = {
+        name: _Level(session, target, concurrency, plan, workloads[name], None, min_requests)
+        for name, target in targets.items()
+    }
+    workers = [asyncio.create_task(level.worker(i)) for level in levels.values() for i in range(concurrency)]
+    await asyncio.gather(*(level.warm_up() for level in levels.values()))
+    t0 = time.monotonic()
+    for level in levels.values():
+        level.window.append(t0)
+    await asyncio.sleep(plan.duration_s or 0.0)
+    extended_at = None
+    if plan.extends and not all(level.has_enough() for level in levels.values()):
+        extended_at = time.monotonic()
+        end = t0 + (plan.max_duration_s or 0.0)
+        while not all(level.has_enough() for level in levels.values()) and time.monotonic() < end:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    t1 = time.monotonic()
+    for level in levels.values():
+        level.window.append(t1)
+        level.stop.set()
+    died = await _drain(workers, plan.max_wait_s)
+    extended = 0.0 if extended_at is None else t1 - extended_at
+    # A lost stream is the load tester's: every target's level ran short alike, so each is told.
+    return {name: LevelRun(level.results, t0, t1, extended, died) for name, level in levels.items()}
+
+
+async def _drain(workers: list[asyncio.Task[None]], max_wait_s: float) -> tuple[str, ...]:
+    """Wait for the streams to finish their requests in flight (at most `max_wait_s`); what any
+    stream died of, as `Type: message`."""
+    _, pending = await asyncio.wait(workers, timeout=max_wait_s)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    died = []
+    for task in workers:
+        if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+            died.append(f"{type(exc).__name__}: {exc}"[:300])
+    return tuple(died)
 
 
 async def run_level(
@@ -264,4 +318,9 @@ def level_stats(concurrency: int, run: LevelRun, min_requests: int, slo: Slo | N
     """The level's summary, with one per traffic class."""
     stats = summarize(concurrency, run.results, run.t0, run.t1, min_requests)
     classes = summarise_by_class(run.results, run.t0, run.t1, slo)
-    return dataclasses.replace(stats, extended_s=run.extended_s, classes=classes)
+    stats = dataclasses.replace(stats, extended_s=run.extended_s, classes=classes)
+    if run.died:
+        # The load tester's own failure: said as a client error, and the level judged by no one.
+        samples = (*stats.client_error_samples, *run.died)[:5]
+        stats = dataclasses.replace(stats, conclusive=False, client_error_samples=samples)
+    return stats

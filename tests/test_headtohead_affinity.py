@@ -3,6 +3,7 @@ no process started."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -22,7 +23,9 @@ from loadtest.headtohead.affinityrule import (
     target_settings,
 )
 from loadtest.headtohead.plan import default_time_scale
+from loadtest.headtohead.run import CellCapture
 from loadtest.headtohead.score import TargetCell
+from loadtest.production import WorkloadRun
 from proxy.config import Settings
 from proxy.policy import Role
 
@@ -107,6 +110,10 @@ def test_priced_against_each_other_target_pooled_over_runs() -> None:
     few = [_cell(5.0, 4.0), _cell(9.0, 1.0, conclusive=False)]
     assert comparison(few, PRICED, "in-flight") == "priced / in-flight: 1.25x over 1 runs (too few for an interval)"
     assert "unknown" in comparison([_cell(1.0, 0.0)], PRICED, "in-flight")
+    # Past a tenth of the runs inconclusive, pooling the rest would judge without the worst: unknown.
+    slow = [_cell(0.5, 5.0, seed=20 + i, conclusive=False) for i in range(2)]
+    assert comparison([*better, slow[0]], PRICED, "in-flight").endswith(": better")  # 1 of 11
+    assert comparison([*better, *slow], PRICED, "in-flight").endswith(": unknown (2 of 12 runs inconclusive)")
 
 
 def test_summary_lines_name_every_target_and_each_comparison() -> None:
@@ -117,6 +124,13 @@ def test_summary_lines_name_every_target_and_each_comparison() -> None:
     assert any(line.strip().startswith("priced ") and "hit 60%" in line and "oracle 65%" in line for line in lines)
     assert sum("priced / " in line for line in lines) == len(TARGETS) - 1
     assert any("load breaks 3 a run" in line for line in lines)
+    # Each target's figures over the runs it was conclusive in, all of them; a saturated CPU is said.
+    odd = dataclasses.replace(_cell(9.0, 5.0, seed=7, conclusive=False), cpu_warning="the machine's CPU was 99% busy")
+    odd.oracle_hit[PRICED] = 0.05
+    lines = summary_lines([*runs[:3], odd])
+    priced = next(line for line in lines if line.strip().startswith("priced "))
+    assert "goodput 5.00 req/s" in priced and "oracle 65%" in priced and priced.endswith("(3 of 4 runs conclusive)")
+    assert "  warning: the machine's CPU was saturated in 1 of 4 runs: timings stretched" in lines
 
 
 def _breaks_unread(cell: AffinityCell) -> AffinityCell:
@@ -131,3 +145,13 @@ def test_the_command_parses() -> None:
     args = build_parser().parse_args(["headtohead-affinity", "--contexts", "1k,8k", "--baseline-servers", "3"])
     assert (args.contexts, args.baseline_servers, args.sessions, args.policy) == ((1000, 8000), 3, (16, 48), "model")
     assert math.isclose(args.window_s, 12.0)
+
+
+def test_a_targets_queue_is_its_mean_over_the_window_alone() -> None:
+    # Samples before the window (warm-up) and after it (the drain, and the other targets' runs on)
+    # are not the window's.
+    run = WorkloadRun([], t0=10.0, t1=20.0, concurrency=4)
+    cap = CellCapture(runs={"a": run}, queued={"a": [(5.0, 0.0), (10.0, 4.0), (15.0, 6.0), (20.0, 5.0), (25.0, 0.0)]})
+    assert cap.mean_queued("a") == 5.0
+    assert CellCapture(runs={"a": run}, queued={"a": [(25.0, 3.0)]}).mean_queued("a") is None
+    assert cap.mean_queued("b") is None

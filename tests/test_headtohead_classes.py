@@ -247,6 +247,17 @@ def test_many_runs_that_disagree_are_judged_by_their_pooled_ratios_interval() ->
     line = next(x for x in summary_lines(steady) if x.startswith("features at 1k/32 over 12 runs"))
     assert line.endswith(f"pooled 1.01x ({CONFIDENCE:.0%} interval {low:.2f}x-{high:.2f}x): met")
     assert summary_lines(steady)[2].startswith("features: goodput target met in 1, missed in 0, unknown in 0")
+    # Runs in which features was inconclusive (too slow to finish enough requests: the likeliest to
+    # have missed) are not pooled away: past POOLED_MAX_UNKNOWN of them, the pooled verdict is unknown.
+    slow = []
+    for i in range(2):
+        c = dataclasses.replace(cell(10, 8, 1.0, split=False), seed=20 + i)
+        slow.append(dataclasses.replace(c, targets={**c.targets, "features": tc("features", 1.0, False)}))
+    assert cell_verdict([*steady, slow[0]], "features") == "met"  # 1 of 13
+    assert pooled_interval([*steady, *slow], "features") is None  # 2 of 14
+    assert cell_verdict([*steady, *slow], "features") == "unknown"
+    line = next(x for x in summary_lines([*steady, *slow]) if x.startswith("features at 1k/32 over 14 runs"))
+    assert line.endswith("pooled 1.01x, 2 of 14 runs inconclusive: unknown")
 
 
 def test_a_run_of_features_alone_among_the_gates() -> None:

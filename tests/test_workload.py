@@ -6,6 +6,7 @@ loopback test against the simulator (TEST_TIERS)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -17,7 +18,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 import orjson
@@ -27,11 +28,11 @@ from aiohttp import web
 from loadtest.__main__ import build_parser, main
 from loadtest.classes import Slo, summarise_by_class
 from loadtest.client import RequestResult, Target, read_usage, stream_request
-from loadtest.production import run_workload
+from loadtest.production import WorkloadRun, run_workload
 from loadtest.prompts import Prompt, repetitiveness, source
 from loadtest.report import class_table
 from loadtest.stats import LevelStats, summarize
-from loadtest.sweep import LevelPlan, make_session, measure_level
+from loadtest.sweep import LevelPlan, make_session, measure_level, measure_together
 from loadtest.textbank import TextBank
 from loadtest.workload import (
     THINK_MAX_FACTOR,
@@ -394,9 +395,13 @@ class Recorder:
     """A chat server in the test's loop: streams a reply naming the request's number and length, a
     usage chunk with cached_tokens, and records every request body."""
 
-    def __init__(self, cached: bool = True) -> None:
+    def __init__(self, cached: bool = True, piece_s: float = 0.0, malformed: int = 0) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.cached = cached
+        # Seconds between the reply's pieces; the request of this number (from 1) answers a first
+        # event that is valid JSON but no object (0: none does).
+        self.piece_s = piece_s
+        self.malformed = malformed
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -404,10 +409,14 @@ class Recorder:
         n = len(self.bodies)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if n == self.malformed:
+            await resp.write(b"data: [1]\n\n")
         for piece in (f"reply {n}", f" to {len(body['messages'])} messages", "\n"):
             await resp.write(
                 b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"content": piece}}]}) + b"\n\n"
             )
+            if self.piece_s:
+                await asyncio.sleep(self.piece_s)
         usage: dict[str, Any] = {"prompt_tokens": 40 * len(body["messages"]), "completion_tokens": 3}
         if self.cached:
             usage["prompt_tokens_details"] = {"cached_tokens": 40 * (len(body["messages"]) - 1)}
@@ -490,6 +499,54 @@ async def test_a_class_with_a_url_of_its_own_is_sent_there_and_only_there(record
     assert len(code.bodies) == sum(r.traffic_class == "code" for r in sent) > 0
     assert len(rest.bodies) == sum(r.traffic_class == "chat" for r in sent) > 0
     assert Target(url, "m").for_class("code").url == url
+
+
+@pytest.mark.anyio
+async def test_targets_side_by_side_are_measured_in_one_window_until_each_has_enough() -> None:
+    # A target ten times slower than the other needs the window extended: both stay loaded and
+    # measured until it has enough, from the same start to the same end.
+    spec = WorkloadSpec("multiturn", turns=2, system_tokens=20, user_tokens=20, think_time_s=0.0)
+    plan = LevelPlan(duration_s=0.2, max_duration_s=5.0)
+    async with serving(Recorder()) as fast, serving(Recorder(piece_s=0.03)) as slow, make_session() as session:
+        targets = {"fast": Target(fast, "m", max_tokens=8), "slow": Target(slow, "m", max_tokens=8)}
+        workloads = {name: Workload(spec) for name in targets}
+        runs = await measure_together(session, targets, 2, plan, workloads, min_requests=12)
+    assert runs["fast"].t0 == runs["slow"].t0 and runs["fast"].t1 == runs["slow"].t1
+    t0, t1 = runs["fast"].t0, runs["fast"].t1
+    assert t1 - t0 > 0.2 and runs["fast"].extended_s == runs["slow"].extended_s > 0
+    assert any(r.started > t0 + 0.2 for r in runs["fast"].results)  # loaded through the extension
+    assert sum(1 for r in runs["slow"].results if r.ok and t0 <= r.started < t1) >= 12
+    assert runs["fast"].died == runs["slow"].died == ()
+    with pytest.raises(ValueError, match="duration_s"):
+        await measure_together(session, targets, 1, LevelPlan(requests=3), workloads)
+
+
+class _Breaking(Target):
+    """A target whose third request body cannot be built: the load tester's own failure."""
+
+    calls: ClassVar[list[int]] = []
+
+    def body(self, prompt: Prompt) -> dict[str, Any]:
+        self.calls.append(1)
+        if len(self.calls) == 3:
+            raise RuntimeError("the tester broke")
+        return super().body(prompt)
+
+
+@pytest.mark.anyio
+async def test_a_malformed_event_is_the_servers_error_and_a_stream_the_tester_lost_concludes_nothing() -> None:
+    spec = WorkloadSpec("multiturn", turns=2, system_tokens=20, user_tokens=20, think_time_s=0.0)
+    async with serving(Recorder(malformed=2)) as url, make_session() as session:
+        run = await measure_level(session, Target(url, "m", max_tokens=8), 2, LevelPlan(duration_s=0.2), Workload(spec))
+        bad = [r for r in run.results if not r.ok]
+        assert len(bad) == 1 and bad[0].error == "malformed event: [1]" and not bad[0].client_error
+        assert run.died == ()
+        _Breaking.calls.clear()
+        lost = await measure_level(session, _Breaking(url, "m", max_tokens=8), 2, LevelPlan(duration_s=0.2),
+                                   Workload(spec), min_requests=0)  # fmt: skip
+    assert lost.died == ("RuntimeError: the tester broke",)
+    stats = WorkloadRun(lost.results, lost.t0, lost.t1, 2, lost.extended_s, lost.died).stats(min_requests=0)
+    assert not stats.conclusive and "RuntimeError: the tester broke" in stats.client_error_samples
 
 
 # --- flags ------------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ from ..sweep import make_session
 from .plan import context_label, context_list, default_time_scale, sizes_for
 from .run import Servers, measure_cell
 from .score import NO_GOODPUT, TargetCell, target_cell
-from .twoclass import ClassPlan, _interval, at_sessions, context_calibration, oracle_hit_rate
+from .twoclass import POOLED_MAX_UNKNOWN, ClassPlan, _interval, at_sessions, context_calibration, oracle_hit_rate
 
 TARGETS = ("priced", "in-flight", "no-affinity")
 POLICIES = ("model", "adaptive")
@@ -121,6 +121,8 @@ class AffinityCell:
     breaks: dict[str, float | None] = field(default_factory=dict)
     hits: dict[str, float | None] = field(default_factory=dict)
     cpu_busy: float | None = None
+    # Where the machine was too busy for its timings to be trusted (kit.sampling.cpu_use), why.
+    cpu_warning: str | None = None
     seed: int = 0
 
 
@@ -191,17 +193,20 @@ def run_cell(plan: AffinityPlan, context: int, sessions: int, calibration: Path,
         stacks.fleet.stop()
     slo = plan.wall_slo(sessions, context)
     system = sizes_for(context, plan.turns, plan.max_tokens).system_tokens
-    cell = AffinityCell(context, sessions, t, {}, cpu_busy=cpu.machine_busy_mean, seed=plan.seed)
+    cell = AffinityCell(
+        context, sessions, t, {}, cpu_busy=cpu.machine_busy_mean, seed=plan.seed, cpu_warning=cpu.warning
+    )
     for name in TARGETS:
         run = cap.runs[name]
         everything = summarise_class("all", run.results, run.t0, run.t1, slo)
-        queued = cap.queued.get(name)
         stats = run.stats(slo, plan.min_requests)
-        cell.targets[name] = target_cell(name, stats, everything, t, sum(queued) / len(queued) if queued else None)
+        cell.targets[name] = target_cell(name, stats, everything, t, cap.mean_queued(name))
         cell.oracle_hit[name] = oracle_hit_rate(run.results, run.t0, run.t1, system)
         cell.breaks[name], cell.hits[name] = scraped[name]
     figures = ", ".join(f"{n} {c.goodput_req_s:.2f}{'' if c.conclusive else '*'}" for n, c in cell.targets.items())
     say(f"    goodput {figures}; CPU {cpu.machine_busy_mean:.0%}", quiet)
+    if cpu.warning:
+        say(f"    warning: {cpu.warning}", quiet)
     return cell
 
 
@@ -231,6 +236,11 @@ def comparison(runs: Sequence[AffinityCell], target: str, other: str) -> str:
         return f"{target} / {other}: {ratio:.2f}x over {len(known)} runs (too few for an interval)"
     lo, hi = interval
     verdict = "better" if lo > 1 else "worse" if hi < 1 else "no difference measured"
+    dropped = len(runs) - len(known)
+    if dropped > POOLED_MAX_UNKNOWN * len(runs):
+        # The runs left out are those a stack was too slow in to finish enough requests: pooling the
+        # rest would judge without its worst.
+        verdict = f"unknown ({dropped} of {len(runs)} runs inconclusive)"
     return f"{target} / {other}: {ratio:.2f}x over {len(known)} runs (90% interval {lo:.2f}x-{hi:.2f}x): {verdict}"
 
 
@@ -251,13 +261,21 @@ def summary_lines(cells: Sequence[AffinityCell]) -> list[str]:
     for (context, sessions), runs in by_cell.items():
         lines.append(f"{context_label(context)}/{sessions} ({len(runs)} runs):")
         for name in TARGETS:
-            good = _mean([c.targets[name].goodput_req_s for c in runs if c.targets[name].conclusive])
-            hit = _mean([c.targets[name].prefix_cache_hit_rate for c in runs])
-            oracle = _mean([c.oracle_hit[name] for c in runs])
-            breaks = _mean([c.breaks.get(name) for c in runs])
+            # Every figure over the same runs: those in which this target was conclusive.
+            ok = [c for c in runs if c.targets[name].conclusive]
+            good = _mean([c.targets[name].goodput_req_s for c in ok])
+            hit = _mean([c.targets[name].prefix_cache_hit_rate for c in ok])
+            oracle = _mean([c.oracle_hit[name] for c in ok])
+            breaks = _mean([c.breaks.get(name) for c in ok])
+            some = "" if len(ok) == len(runs) else f" ({len(ok)} of {len(runs)} runs conclusive)"
             lines.append(
                 f"  {name:<12} goodput {'-' if good is None else f'{good:.2f}'} req/s, hit {_pct(hit)} "
-                f"(oracle {_pct(oracle)}), load breaks {'-' if breaks is None else f'{breaks:.0f}'} a run"
+                f"(oracle {_pct(oracle)}), load breaks {'-' if breaks is None else f'{breaks:.0f}'} a run{some}"
+            )
+        warned = sum(1 for c in runs if c.cpu_warning)
+        if warned:
+            lines.append(
+                f"  warning: the machine's CPU was saturated in {warned} of {len(runs)} runs: timings stretched"
             )
         for other in TARGETS[1:]:
             lines.append("  " + comparison(runs, PRICED, other))

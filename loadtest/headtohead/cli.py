@@ -79,14 +79,13 @@ def run_cell(plan: HeadPlan, accept: float, context: int, sessions: int, calibra
     targets = {}
     for name, run in cap.runs.items():
         stats = run.stats(slo, plan.min_requests)
-        queued = cap.queued.get(name)
         prompts = [r.prompt_tokens for r in run.results if r.ok]
         targets[name] = target_cell(
             name,
             stats,
             stats.classes.get("all"),
             t,
-            sum(queued) / len(queued) if queued else None,
+            cap.mean_queued(name),
             sum(prompts) / len(prompts) if prompts else None,
         )
     cell = Cell(accept, context, sessions, t, {n: targets[n] for n in ("baseline", "adaptive", "specgate")}, cpu,

@@ -21,7 +21,7 @@ from ..kit.sampling import CpuMeter, get_text, metric_samples
 from ..kit.settings import specgate_env
 from ..procs import free_port
 from ..production import WorkloadRun
-from ..sweep import LevelPlan, first_model, make_session, measure_level
+from ..sweep import LevelPlan, first_model, make_session, measure_together
 from ..textbank import TextBank
 from ..workload import Workload, WorkloadSpec
 from .plan import CALIBRATE_WINDOW_S, MAX_WAIT_S, HeadPlan, context_label
@@ -108,9 +108,18 @@ class CellCapture:
     (target -> samples of the sum over its servers), KV pools and the machine's CPU."""
 
     runs: dict[str, WorkloadRun]
-    queued: dict[str, list[float]] = field(default_factory=dict)
+    # (when, queued) samples, by target.
+    queued: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     pools: dict[str, float] = field(default_factory=dict)
     cpu_samples: list[tuple[float, float]] = field(default_factory=list)
+
+    def mean_queued(self, target: str) -> float | None:
+        """The target's queue gauges' mean over the samples inside its window (None: none)."""
+        run = self.runs.get(target)
+        if run is None:
+            return None
+        inside = [q for at, q in self.queued.get(target, ()) if run.t0 <= at <= run.t1]
+        return sum(inside) / len(inside) if inside else None
 
 
 async def _gauges(session: aiohttp.ClientSession, servers: Mapping[str, str]) -> dict[str, tuple[float, float]]:
@@ -131,7 +140,7 @@ async def _sample(session: aiohttp.ClientSession, servers: Servers, cap: CellCap
         for target, backends in servers.servers.items():
             g = await _gauges(session, backends)
             if g:
-                cap.queued.setdefault(target, []).append(sum(queue for queue, _ in g.values()))
+                cap.queued.setdefault(target, []).append((time.monotonic(), sum(queue for queue, _ in g.values())))
             for name, (_, pool) in g.items():
                 cap.pools[f"{target}/{name}"] = pool
         cpu.poll(time.monotonic())
@@ -180,15 +189,11 @@ async def measure_cell(
             for name, url in servers.urls.items()
         }
         sampler = asyncio.create_task(_sample(session, servers, cap, done))
-
-        async def one(name: str) -> None:
-            run = await measure_level(
-                session, targets[name], sessions, level, Workload(spec, bank), min_requests=plan.min_requests
-            )
-            cap.runs[name] = WorkloadRun(run.results, run.t0, run.t1, sessions, run.extended_s)
-
         try:
-            await asyncio.gather(*(one(name) for name in targets))
+            workloads = {name: Workload(spec, bank) for name in targets}
+            runs = await measure_together(session, targets, sessions, level, workloads, plan.min_requests)
+            for name, run in runs.items():
+                cap.runs[name] = WorkloadRun(run.results, run.t0, run.t1, sessions, run.extended_s, run.died)
         finally:
             done.set()
             await sampler

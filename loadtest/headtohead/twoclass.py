@@ -99,6 +99,10 @@ HIT_POINTS = 0.05
 # the lower end of its CONFIDENCE interval (resampling the runs, RESAMPLES times) clears the
 # target, missed where the upper end is short of it.
 POOLED_MIN_RUNS = 8
+# ...and only where at most this share of them is inconclusive for the target or a fixed one: a
+# stack too slow to finish enough requests is the likeliest to have missed, and pooling the rest
+# would leave it out.
+POOLED_MAX_UNKNOWN = 0.10
 CONFIDENCE = 0.90
 RESAMPLES = 2000
 # The simulator's prefix cache keeps whole pages of this many tokens (radix.py's default).
@@ -255,6 +259,8 @@ class ClassCell:
     cpu_busy: float | None = None
     # The seed its sessions were drawn from (ClassPlan.repeats).
     seed: int = 0
+    # Where the machine was too busy for its timings to be trusted (kit.sampling.cpu_use), why.
+    cpu_warning: str | None = None
 
     def best_fixed(self) -> float | None:
         """The better of all-spec's and all-base's goodput, None when either is inconclusive."""
@@ -474,16 +480,17 @@ def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, qu
         run = cap.runs[name]
         stats = run.stats(slo, plan.min_requests)
         everything = summarise_class("all", run.results, run.t0, run.t1, slo)
-        queued = cap.queued.get(name)
-        targets[name] = target_cell(name, stats, everything, t, sum(queued) / len(queued) if queued else None)
+        targets[name] = target_cell(name, stats, everything, t, cap.mean_queued(name))
         per_class[name] = {c.name: (s.goodput_req_s or 0.0) / t for c in plan.traffic()
                            if (s := stats.classes.get(c.name)) is not None}  # fmt: skip
         for c in plan.traffic():
             per_class[name].setdefault(c.name, 0.0)
         oracle[name] = oracle_hit_rate(run.results, run.t0, run.t1, system)
-    cell = ClassCell(context, sessions, t, targets, per_class, oracle, cpu.machine_busy_mean, plan.seed)
+    cell = ClassCell(context, sessions, t, targets, per_class, oracle, cpu.machine_busy_mean, plan.seed, cpu.warning)
     figures = ", ".join(f"{n} {c.goodput_req_s:.2f}{'' if c.conclusive else '*'}" for n, c in targets.items())
     say(f"    goodput {figures}; CPU {cpu.machine_busy_mean:.0%}", quiet)
+    if cpu.warning:
+        say(f"    warning: {cpu.warning}", quiet)
     return cell
 
 
@@ -611,8 +618,16 @@ def _pooled_pairs(runs: Sequence[ClassCell], target: str) -> list[tuple[float, f
 def pooled_interval(runs: Sequence[ClassCell], target: str) -> tuple[float, float] | None:
     """The CONFIDENCE interval of the target's pooled ratio (pooled_ratio) by a percentile
     bootstrap: the runs where its ratio is known drawn with replacement, RESAMPLES times, from a
-    fixed seed (the same runs give the same interval); None with fewer than POOLED_MIN_RUNS."""
+    fixed seed (the same runs give the same interval); None with fewer than POOLED_MIN_RUNS, or
+    more than POOLED_MAX_UNKNOWN of the runs inconclusive (unknown_runs)."""
+    if unknown_runs(runs, target) > POOLED_MAX_UNKNOWN * len(runs):
+        return None
     return _interval(_pooled_pairs(runs, target))
+
+
+def unknown_runs(runs: Sequence[ClassCell], target: str) -> int:
+    """The runs in which the target or a fixed target was inconclusive."""
+    return sum(1 for c in runs if not all(c.targets[n].conclusive for n in (target, *FIXED) if n in c.targets))
 
 
 def _interval(known: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
@@ -637,7 +652,7 @@ def pooled_split(runs: Sequence[ClassCell]) -> bool | None:
     lower end of its interval (pooled_interval: no split where the upper end is within TIE; None
     between, or where a figure it needs is missing)."""
     known = [c for c in runs if (best := c.best_fixed()) is not None and best >= NO_GOODPUT]
-    if len(known) < POOLED_MIN_RUNS:
+    if len(known) < POOLED_MIN_RUNS or sum(c.best_fixed() is None for c in runs) > POOLED_MAX_UNKNOWN * len(runs):
         return None
     if not all(k in c.class_goodput[n] for c in known for n in FIXED for k in "AB"):
         return False  # one class: nothing to split
@@ -685,6 +700,9 @@ def cell_verdict(runs: Sequence[ClassCell], target: str) -> Verdict:
 def _pooled(runs: Sequence[ClassCell], target: str) -> str:
     interval = pooled_interval(runs, target)
     extra = "" if interval is None else f" ({CONFIDENCE:.0%} interval {interval[0]:.2f}x-{interval[1]:.2f}x)"
+    unknown = unknown_runs(runs, target)
+    if unknown:
+        extra += f", {unknown} of {len(runs)} runs inconclusive"
     return _ratio(pooled_ratio(runs, target)) + extra
 
 
@@ -732,6 +750,11 @@ def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
             f"features against smg: hit rate at least smg's in {raw} of {known} {'runs' if several else 'cells'} "
             "where both are known; "
             f"no further from its own oracle than smg from its own in {closer}"
+        )
+    warned = sum(1 for c in cells if c.cpu_warning)
+    if warned:
+        out.append(
+            f"warning: the machine's CPU was saturated in {warned} of {len(cells)} runs: their timings stretched"
         )
     return out
 
