@@ -15,11 +15,29 @@ engine-specific lives in an `Engine` value here; the rest of the proxy asks thes
 KV cache in use, the engine's own count of the work it holds in tokens: SGLang's
 `sglang:num_used_tokens` (tokens) and `sglang:token_usage` (the pool's fraction in use); vLLM's
 `vllm:kv_cache_usage_perc` (a fraction, despite its name; no token count); llama-server exports none
-now (its `kv_cache_tokens` and `kv_cache_usage_ratio` were removed upstream in 2025).
+now (its `kv_cache_tokens` and `kv_cache_usage_ratio` were removed upstream in 2025). The pool's
+size in tokens: SGLang's `sglang:max_total_num_tokens`; vLLM's `vllm:cache_config_info`, an info
+gauge (value 1) whose labels are CacheConfig's fields: `num_gpu_blocks` * `block_size`, one series
+per engine (data-parallel rank); `num_gpu_blocks` reads "None" until the engine profiled memory.
 
-Prefix cache hit rate, the share of prompt tokens found cached: SGLang's gauge `sglang:cache_hit_rate`;
-vLLM's counters `vllm:prefix_cache_hits_total` over `vllm:prefix_cache_queries_total` (tokens), taken
-between scrapes; none from llama-server.
+Prefix cache hit rate, the share of prompt tokens found cached, from counters taken between scrapes:
+SGLang's `sglang:realtime_tokens_total{mode="prefill_cache"}` over it plus `{mode="prefill_compute"}`
+(added per prefill batch; a mode's series appears once it moved); vLLM's `vllm:prefix_cache_hits_total`
+over `vllm:prefix_cache_queries_total`; llama-server's `llamacpp:prompt_tokens_cached_total` over it
+plus `llamacpp:prompt_tokens_total` (which excludes cached tokens). SGLang's gauge `sglang:cache_hit_rate`
+is read only where its counter is absent (older servers): it holds the last prefill batch's rate and
+decode-stats logging (every 40 decode steps) sets it to 0, so under decode load it mostly reads 0.
+
+Label sets: each name's series are summed (data-parallel ranks, vLLM's engines), except SGLang's
+scheduler metrics (`SGLANG_SERIES`): with `--enable-metrics-for-all-schedulers` every tensor-parallel
+rank writes the same values, and with priority scheduling a gauge's total sits under priority=""
+beside each priority's share. Of those, only the total's series of the lowest tp_rank of each
+dp_rank are summed (with DP attention a dp_rank's first tp_rank is not 0).
+
+Counters that move only when a request finishes: llama-server's `spec_decode_*` and
+`tokens_predicted_total` (a running request's drafts appear at its end), as SGLang's tokenizer
+counters (`prompt_tokens_total`, `cached_tokens_total`); SGLang's `realtime_tokens_total` moves
+per prefill batch and decode step.
 
 Streams: SGLang (with its default `--stream-interval 1`) and vLLM send one SSE content event per
 decode step, so a single stream's tokens over its content events is its acceptance length, with no
@@ -176,13 +194,25 @@ class Engine:
     kv_tokens: str | None = None
     kv_usage: str | None = None
     kv_capacity: str | None = None
-    # The prefix cache's hit rate: a gauge (SGLang), or counters of hits and queries to take a rate of.
+    # The prefix cache's hit rate: counters of hits and queries (or misses: queries = hits + misses)
+    # to take a rate of, else a gauge (SGLang's, where the counters are absent).
     cache_hit_gauge: str | None = None
     cache_hits_counter: str | None = None
     cache_queries_counter: str | None = None
-    # SGLang refreshes its gauges every `gauge_refresh_steps` decode steps (and at prefill) and keeps
-    # them when idle: values that stop moving mean an idle server. vLLM's and llama.cpp's gauges are
-    # live, so a standing value is real.
+    cache_misses_counter: str | None = None
+    # The hits counter is written only once it moved (SGLang's realtime_tokens_total modes): absent
+    # beside the misses counter, it is 0. Else (llama-server) absent means a build without it.
+    cache_hits_once_moved: bool = False
+    # Names read as `name{label="value"}`: a series per value of the label, summed apart.
+    split: tuple[tuple[str, str], ...] = ()
+    # An info gauge read as the product of its labels' numbers (vLLM's cache_config_info: blocks
+    # times tokens a block); a series whose labels are not numbers is left out.
+    label_product: tuple[str, tuple[str, ...]] | None = None
+    # Names whose label sets are not all summed (SGLang's scheduler metrics).
+    series: promtext.Series | None = None
+    # SGLang refreshes its gauges every `gauge_refresh_steps` decode steps (and at prefill), and
+    # while idle only every 30 s (running, queued, KV in use): values that stop moving mean an idle
+    # server. vLLM's and llama.cpp's gauges are live, so a standing value is real.
     freezes_when_idle: bool = False
     # Decode steps between two refreshes of the gauges (None: live). A request-mode probe session
     # of 160 tokens (SPECGATE_ADAPTIVE_PROBE_TOKENS) is SGLang's 40 steps at acceptance length 4.
@@ -210,8 +240,34 @@ class Engine:
             self.cache_hit_gauge,
             self.cache_hits_counter,
             self.cache_queries_counter,
+            self.cache_misses_counter,
         )
-        return frozenset(p + n for p in self.prefixes for n in (*read, *self.activity) if n is not None)
+        # A split name's series are found under its metric name.
+        return frozenset(
+            p + n.split("{", 1)[0] for p in self.prefixes for n in (*read, *self.activity) if n is not None
+        )
+
+    def own(self, found: list[promtext.Sample]) -> list[promtext.Sample]:
+        """The samples that count, each under the name it is read by (`split`, `label_product`)."""
+        if self.series is not None:
+            found = self.series.own(found, self.prefixes)
+        split = {p + name: label for p in self.prefixes for name, label in self.split}
+        product = None
+        if self.label_product is not None:
+            info, labels = self.label_product
+            product = ({p + info for p in self.prefixes}, labels)
+        out: list[promtext.Sample] = []
+        for s in found:
+            label = split.get(s.name)
+            if label is not None:
+                out.append(promtext.Sample(f'{s.name}{{{label}="{s.labels.get(label, "")}"}}', s.labels, s.value))
+            elif product is not None and s.name in product[0]:
+                value = promtext.label_product(s.labels, product[1])
+                if value is not None:
+                    out.append(promtext.Sample(s.name, s.labels, value))
+            else:
+                out.append(s)
+        return out
 
     def read(self, values: Mapping[str, float]) -> Reading:
         """The reading in `values`. Raises BadReading when any value it uses is one no server could
@@ -327,7 +383,16 @@ class Engine:
         return self._checked(values, self.cache_hit_gauge, 0.0, float(MAX_KV_RANKS))
 
     def _hit_counters(self, values: Mapping[str, float]) -> tuple[float, float] | None:
-        return self._counter_pair(values, self.cache_hits_counter, self.cache_queries_counter)
+        if self.cache_misses_counter is None:
+            return self._counter_pair(values, self.cache_hits_counter, self.cache_queries_counter)
+        if self.cache_hits_counter is None:
+            return None
+        misses = self._checked(values, self.cache_misses_counter, 0.0, MAX_COUNTER)
+        hits = self._checked(values, self.cache_hits_counter, 0.0, MAX_COUNTER)
+        if misses is None or (hits is None and not self.cache_hits_once_moved):
+            return None
+        hits = hits or 0.0
+        return hits, hits + misses
 
     def _get(self, values: Mapping[str, float], name: str) -> float | None:
         for prefix in self.prefixes:
@@ -349,6 +414,24 @@ class Engine:
         return f"/metrics says {self.prefixes[0]}{name} = {value:g}, which no server reports (expected {expected})"
 
 
+# SGLang's scheduler writes these, per scheduler process (labels tp_rank, dp_rank, ...); its
+# tokenizer's counters (prompt_tokens_total, ...) are one process's, and carry a request's priority.
+SGLANG_SERIES = promtext.Series(
+    names=(
+        "num_running_reqs",
+        "num_queue_reqs",
+        "num_used_tokens",
+        "token_usage",
+        "max_total_num_tokens",
+        "gen_throughput",
+        "spec_accept_length",
+        "cache_hit_rate",
+        "realtime_tokens_total",
+    ),
+    total=("priority", ""),
+    rank="tp_rank",
+    group="dp_rank",
+)
 SGLANG = Engine(
     "sglang",
     ("sglang:", "sglang_"),
@@ -359,6 +442,11 @@ SGLANG = Engine(
     kv_usage="token_usage",
     kv_capacity="max_total_num_tokens",
     cache_hit_gauge="cache_hit_rate",
+    cache_hits_counter='realtime_tokens_total{mode="prefill_cache"}',
+    cache_misses_counter='realtime_tokens_total{mode="prefill_compute"}',
+    cache_hits_once_moved=True,
+    split=(("realtime_tokens_total", "mode"),),
+    series=SGLANG_SERIES,
     freezes_when_idle=True,
     gauge_refresh_steps=40,
     keepalive_s=5.0,  # uvicorn's default
@@ -380,6 +468,8 @@ VLLM = Engine(
     accepted_counter="spec_decode_num_accepted_tokens_total",
     drafts_counter="spec_decode_num_drafts_total",
     kv_usage="kv_cache_usage_perc",
+    kv_capacity="cache_config_info",
+    label_product=("cache_config_info", ("num_gpu_blocks", "block_size")),
     cache_hits_counter="prefix_cache_hits_total",
     cache_queries_counter="prefix_cache_queries_total",
     stream_steps=True,
@@ -391,6 +481,10 @@ LLAMACPP = Engine(
     queued="requests_deferred",
     accepted_counter="spec_decode_num_accepted_tokens_total",
     drafts_counter="spec_decode_num_drafts_total",
+    # Both written from the first scrape (0 before any prompt); builds without the cached one read
+    # no hit rate.
+    cache_hits_counter="prompt_tokens_cached_total",
+    cache_misses_counter="prompt_tokens_total",
 )
 ENGINES: dict[EngineName, Engine] = {e.name: e for e in (SGLANG, VLLM, LLAMACPP)}
 # Idle pooled connections older than this are closed rather than reused: a second inside SGLang's
@@ -399,13 +493,17 @@ ENGINES: dict[EngineName, Engine] = {e.name: e for e in (SGLANG, VLLM, LLAMACPP)
 POOL_KEEPALIVE_S = 4.0
 
 
-def parse_metrics(text: str, wanted: Collection[str] | None = None) -> dict[str, float]:
-    """Each wanted name's value summed over label sets (promtext.totals). Raises ValueError on text
-    that is not the Prometheus format, BadReading on more than MAX_READ_SAMPLES wanted samples."""
+def parse_metrics(text: str, wanted: Collection[str] | None = None, engine: Engine | None = None) -> dict[str, float]:
+    """Each wanted name's value summed over the label sets its engine counts (`Engine.own`; `engine`,
+    else the first whose names the text has). Raises ValueError on text that is not the Prometheus
+    format, BadReading on more than MAX_READ_SAMPLES wanted samples."""
     try:
-        return promtext.totals(text, wanted, MAX_READ_SAMPLES if wanted is not None else None)
+        found = promtext.samples(text, wanted, MAX_READ_SAMPLES if wanted is not None else None)
     except promtext.TooManySamples:
         raise BadReading(f"/metrics holds more than {MAX_READ_SAMPLES} series of the names specgate reads") from None
+    if engine is None:
+        engine = next((e for e in ENGINES.values() if e.named_in(text)), None)
+    return promtext.summed(found if engine is None else engine.own(found))
 
 
 def read_metrics(text: str, engine: Engine | None = None) -> tuple[Engine | None, dict[str, float]]:
@@ -416,7 +514,7 @@ def read_metrics(text: str, engine: Engine | None = None) -> tuple[Engine | None
         engine = next((e for e in ENGINES.values() if e.named_in(text)), None)
         if engine is None:
             return None, {}
-    return engine, parse_metrics(text, engine.names)
+    return engine, parse_metrics(text, engine.names, engine)
 
 
 def detect(values: Mapping[str, float]) -> Engine | None:

@@ -225,7 +225,8 @@ class Metrics:
         self.server_cache_hit_rate = Gauge(
             "specgate_server_cache_hit_rate",
             "The share of prompt tokens the server's engine found in its prefix cache, as it last reported it "
-            "(SGLang's cache_hit_rate; vLLM's prefix cache hits over queries between scrapes; NaN: unknown).",
+            "(its counters of cached and looked-up prompt tokens between scrapes; SGLang's cache_hit_rate gauge "
+            "where it has no such counter; NaN: unknown).",
             ["server"],
             registry=r,
         )

@@ -1,5 +1,6 @@
 """Prometheus text, parsed in one place: the gateway's engine readings (engines.py) and every tool
-that reads a /metrics page (the load tester, the tests).
+that reads a /metrics page (the load tester, the tests). Which label sets an engine counts, and
+which labels hold a value, are the engine adapters' to say (`Series`, `label_product`).
 
 Only the lines of the wanted names are handed to the parser (prometheus_client's, ~12 us a line):
 a big /metrics, most of it histogram buckets, then costs one scan of its text, not a parse of it.
@@ -11,7 +12,7 @@ import functools
 import itertools
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -39,8 +40,13 @@ def samples(text: str, wanted: Collection[str] | None = None, limit: int | None 
 def totals(text: str, wanted: Collection[str] | None = None, limit: int | None = None) -> dict[str, float]:
     """Each sample name's value summed over its label sets (tensor/data-parallel ranks, vLLM's engine
     index); NaN samples are left out. A sum past the float range is inf, as is a value written so."""
+    return summed(samples(text, wanted, limit))
+
+
+def summed(found: Iterable[Sample]) -> dict[str, float]:
+    """Each name's samples summed (`totals`), NaN left out."""
     out: dict[str, float] = {}
-    for s in samples(text, wanted, limit):
+    for s in found:
         if not math.isnan(s.value):
             out[s.name] = out.get(s.name, 0.0) + s.value
     return out
@@ -52,6 +58,61 @@ def by_label(text: str, name: str, label: str) -> dict[str, float]:
     for s in samples(text, (name,)):
         key = s.labels.get(label, "")
         out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+@dataclass(frozen=True)
+class Series:
+    """Which label sets of some names are the server's own count, each once (the others repeat or
+    split one of them)."""
+
+    names: tuple[str, ...]  # the names (unprefixed) these rules apply to
+    # A label, and its value on the series that holds the total (absent: also the total).
+    total: tuple[str, str] | None = None
+    # Of the series of one `group` value (absent: one group), only those of the lowest `rank`.
+    rank: str | None = None
+    group: str | None = None
+
+    def own(self, found: list[Sample], prefixes: tuple[str, ...]) -> list[Sample]:
+        names = {p + n for p in prefixes for n in self.names}
+        lowest: dict[tuple[str, str], tuple[int, int, str]] = {}
+        kept: list[Sample] = []
+        for s in found:
+            if s.name not in names:
+                continue
+            if self.total is not None and s.labels.get(self.total[0], self.total[1]) != self.total[1]:
+                continue
+            kept.append(s)
+            if self.rank is not None:
+                key = (s.name, s.labels.get(self.group, "") if self.group else "")
+                rank = _rank(s.labels.get(self.rank, ""))
+                lowest[key] = min(lowest.get(key, rank), rank)
+        if self.rank is not None:
+            group = self.group
+            kept = [
+                s
+                for s in kept
+                if _rank(s.labels.get(self.rank, "")) == lowest[(s.name, s.labels.get(group, "") if group else "")]
+            ]
+        return [s for s in found if s.name not in names] + kept
+
+
+def _rank(label: str) -> tuple[int, int, str]:
+    """A rank label's order: numbers by value (compared as digits: any length), before anything else."""
+    if label.isascii() and label.isdigit():
+        digits = label.lstrip("0")
+        return (0, len(digits), digits)
+    return (1, 0, label)
+
+
+def label_product(labels: Mapping[str, str], names: tuple[str, ...]) -> float | None:
+    """The product of these labels' whole numbers; None where one is absent or not one ("None")."""
+    out = 1.0
+    for name in names:
+        text = labels.get(name, "")
+        if not (text.isascii() and text.isdigit()):
+            return None
+        out *= float(text)  # any length: past the float range it is inf, refused as any value is
     return out
 
 

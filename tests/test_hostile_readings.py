@@ -217,8 +217,9 @@ def test_an_impossible_load_is_unreadable(body: str, why: tuple[str, ...]) -> No
 
 
 def test_two_series_whose_sum_overflows_are_unreadable() -> None:
-    # Each 1.7e308 is a float; their sum is not (inf): specgate must not take it for a load.
-    body = sglang("1.7e308") + 'sglang:num_running_reqs{model_name="m",tp_rank="1"} 1.7e308\n'
+    # Each 1.7e308 is a float; their sum is not (inf): specgate must not take it for a load. (Two
+    # data-parallel ranks: their series are summed; a second tensor-parallel rank's would be a copy.)
+    body = sglang("1.7e308") + 'sglang:num_running_reqs{dp_rank="1",model_name="m",tp_rank="0"} 1.7e308\n'
     assert_unreadable(read_once(body, SGLANG_OK, load_signal="engine"), "sglang:num_running_reqs", "inf")
 
 
@@ -341,11 +342,13 @@ def test_the_scrape_loop_survives_a_parse_that_raises(
     real = engines.parse_metrics
     calls = [0]
 
-    def flaky(text: str, wanted: Collection[str] | None = None) -> dict[str, float]:
+    def flaky(
+        text: str, wanted: Collection[str] | None = None, engine: engines.Engine | None = None
+    ) -> dict[str, float]:
         calls[0] += 1
         if calls[0] == 1:
             raise RuntimeError("boom")
-        return real(text, wanted)
+        return real(text, wanted, engine)
 
     monkeypatch.setattr(engines, "parse_metrics", flaky)
 

@@ -347,6 +347,14 @@ def test_a_conversations_next_turn_finds_its_prefix_cached_on_its_server(gateway
     assert after["specgate_affinity_hits_total"] - before.get("specgate_affinity_hits_total", 0) == 1
     assert after["specgate_affinity_misses_total"] - before.get("specgate_affinity_misses_total", 0) == 1
 
+    # The server's prefix cache hit rate, read from llama-server's own counters (cached prompt
+    # tokens over them plus the computed ones): the second turn found most of its prompt cached.
+    def hit_rate() -> float:
+        servers = gateway.routing()["servers"].values()
+        return next(s["engine_cache_hit_rate"] or 0.0 for s in servers if s["role"] == "speculative")
+
+    wait_for(lambda: hit_rate() > 0, 15)
+
 
 def test_a_class_learns_its_acceptance_from_llama_servers_own_timings(gateway: Gateway) -> None:
     # llama-server streams a token an event: only each response's timings say how many steps it took.

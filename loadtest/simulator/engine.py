@@ -205,6 +205,8 @@ class EngineStats:
 
     prompt_tokens_total: int = 0
     cached_tokens_total: int = 0
+    # Tokens decode steps made, bonus token included (SGLang's realtime_tokens_total{mode="decode"}).
+    decode_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_requests_total: int = 0
     num_aborted_requests_total: int = 0
@@ -549,6 +551,7 @@ class Engine:
             elif seq.generated == seq.stall_at:
                 self._stall(seq)
         s = self.stats
+        s.decode_tokens_total += accepted
         s.decode_steps += 1
         s.decode_seq_steps += stepped
         s.decode_accepted += accepted

@@ -53,6 +53,32 @@ class SGLangCollector(Collector):
             cfam = CounterMetricFamily(p + name, doc, labels=names)
             cfam.add_metric(labels, float(value))
             yield cfam
+        # SGLang's tokenizer counts a request's cached prompt tokens as it finishes, and writes a
+        # cache_source's series once it moved; the simulator's cache is the device's.
+        cached = CounterMetricFamily(
+            p + "cached_tokens",
+            "Number of cached prompt tokens by source (device/host/storage).",
+            labels=[*names, "cache_source"],
+        )
+        if s.cached_tokens_total:
+            cached.add_metric([*labels, "device"], float(s.cached_tokens_total))
+        yield cached
+        # The scheduler's live token counts (prefill batches and decode steps), a mode's series
+        # written once it moved, as SGLang's realtime_tokens_total.
+        realtime = CounterMetricFamily(
+            p + "realtime_tokens",
+            "Total number of tokens processed (updated on each log interval). "
+            "mode: prefill_compute, prefill_cache, decode.",
+            labels=[*names, "mode"],
+        )
+        for mode, value in (
+            ("prefill_compute", s.prompt_tokens_total - s.cached_tokens_total),
+            ("prefill_cache", s.cached_tokens_total),
+            ("decode", s.decode_tokens_total),
+        ):
+            if value:
+                realtime.add_metric([*labels, mode], float(value))
+        yield realtime
         histograms = (
             ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", s.ttft),
             ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", s.itl),
