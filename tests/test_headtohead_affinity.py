@@ -25,6 +25,7 @@ from loadtest.headtohead.affinityrule import (
 from loadtest.headtohead.plan import default_time_scale
 from loadtest.headtohead.run import CellCapture
 from loadtest.headtohead.score import TargetCell
+from loadtest.kit.processes import NotReady, fresh_start
 from loadtest.production import WorkloadRun
 from proxy.config import Settings
 from proxy.policy import Role
@@ -155,3 +156,24 @@ def test_a_targets_queue_is_its_mean_over_the_window_alone() -> None:
     assert cap.mean_queued("a") == 5.0
     assert CellCapture(runs={"a": run}, queued={"a": [(25.0, 3.0)]}).mean_queued("a") is None
     assert cap.mean_queued("b") is None
+
+
+def test_a_run_whose_processes_did_not_start_is_started_again_once() -> None:
+    tries: list[int] = []
+
+    def flaky() -> str:
+        tries.append(1)
+        if len(tries) == 1:
+            raise NotReady("pool-in-flight exited with code 1 before it was ready")
+        return "measured"
+
+    assert fresh_start(flaky, quiet=True) == "measured" and len(tries) == 2
+
+    def dead() -> str:
+        tries.append(1)
+        raise NotReady("never")
+
+    tries.clear()
+    with pytest.raises(NotReady):
+        fresh_start(dead, quiet=True)
+    assert len(tries) == 2  # once more, not forever

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -50,7 +51,7 @@ from proxy.promtext import by_label, totals
 from ..args import count, level_tuple, positive
 from ..classes import summarise_class
 from ..kit.command import add_run_options, check_max_tokens, say
-from ..kit.processes import Fleet
+from ..kit.processes import Fleet, fresh_start
 from ..kit.sampling import cpu_use, get_text, self_cpu_s
 from ..kit.settings import specgate_env
 from ..procs import free_port
@@ -304,7 +305,8 @@ def run(plan: AffinityPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> d
         for s in plan.sessions:
             scaled = at_sessions(plan, context, s, path, out_dir)
             for i in range(plan.repeats):
-                cells.append(run_cell(dataclasses.replace(plan, seed=plan.seed + i), context, s, scaled, quiet))
+                one = dataclasses.replace(plan, seed=plan.seed + i)
+                cells.append(fresh_start(functools.partial(run_cell, one, context, s, scaled, quiet), quiet))
                 write_json(out_dir / "headtohead-affinity.json", {"settings": vars(plan), "cells": cells})
     return {"settings": vars(plan), "cells": cells, "summary": summary_lines(cells)}
 

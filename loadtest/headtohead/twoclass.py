@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import random
@@ -57,7 +58,7 @@ from ..args import count, level_tuple, non_negative, positive
 from ..classes import Slo, summarise_class
 from ..client import RequestResult
 from ..kit.command import add_run_options, check_max_tokens, say
-from ..kit.processes import Fleet, at_time_scale, calibrate_fresh_pair, calibrate_options
+from ..kit.processes import Fleet, at_time_scale, calibrate_fresh_pair, calibrate_options, fresh_start
 from ..kit.sampling import cpu_use, self_cpu_s
 from ..kit.settings import specgate_env
 from ..procs import free_port, pair_args
@@ -791,7 +792,8 @@ def run(plan: ClassPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> dict
         for s in plan.sessions:
             scaled = at_sessions(plan, context, s, path, out_dir)
             for i in range(plan.repeats):
-                cells.append(run_cell(dataclasses.replace(plan, seed=plan.seed + i), context, s, scaled, quiet))
+                one = dataclasses.replace(plan, seed=plan.seed + i)
+                cells.append(fresh_start(functools.partial(run_cell, one, context, s, scaled, quiet), quiet))
         write_json(out_dir / "headtohead-classes.json", {"settings": vars(plan), "cells": cells})
     return {"settings": vars(plan), "cells": cells, "summary": summary_lines(cells)}
 

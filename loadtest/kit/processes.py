@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from proxy.calibration import Calibration, Curve, ModelFit, StepFit, load, to_json
 
@@ -16,6 +17,30 @@ from ..calibrate import EXIT_NO_RECOMMENDATION
 from ..procs import Proc, free_port, http_status, start
 from ..report import write_json
 from .command import say
+
+T = TypeVar("T")
+
+
+class NotReady(RuntimeError):
+    """A scenario's process exited, or did not answer, before it was ready."""
+
+
+# A run whose processes did not all start is started afresh this many times more (fresh_start).
+START_RETRIES = 1
+
+
+def fresh_start(run: Callable[[], T], quiet: bool, retries: int = START_RETRIES) -> T:
+    """`run()`, started again on fresh ports where one of its processes did not start: a port that
+    free_port found free can be taken by another process before the server binds it, and a run that
+    never started measured nothing, so running it again biases nothing."""
+    for attempt in range(retries + 1):
+        try:
+            return run()
+        except NotReady as exc:
+            if attempt == retries:
+                raise
+            say(f"    {exc}: starting the run again on fresh ports", quiet)
+    raise AssertionError("unreachable")
 
 
 def wait_ready(pending: Sequence[tuple[Proc, str]], timeout_s: float = 60.0) -> None:
@@ -25,11 +50,11 @@ def wait_ready(pending: Sequence[tuple[Proc, str]], timeout_s: float = 60.0) -> 
     while left:
         for proc, url in list(left):
             if not proc.alive():
-                raise RuntimeError(f"{proc.name} exited with code {proc.popen.returncode} before it was ready")
+                raise NotReady(f"{proc.name} exited with code {proc.popen.returncode} before it was ready")
             if http_status(url, timeout_s=1.0) == 200:
                 left.remove((proc, url))
         if left and time.monotonic() > deadline:
-            raise RuntimeError(f"{', '.join(p.name for p, _ in left)} not ready within {timeout_s:g} s")
+            raise NotReady(f"{', '.join(p.name for p, _ in left)} not ready within {timeout_s:g} s")
         time.sleep(0.05)
 
 
