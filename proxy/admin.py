@@ -119,7 +119,7 @@ def describe(gate: Gate) -> dict[str, Any]:
             "turn_growth_tokens": round(g.turn_growth),
             # How a turn's stay on the server holding its cache is weighed (affinity.py): priced
             # (each server's cost in stream-seconds, at `turn_out_tokens` a turn) or in_flight.
-            "affinity_rule": "priced" if g.priced() else "in_flight",
+            "affinity_rule": g.affinity_rule(),
             "turn_out_tokens": round(g.out_tokens),
             # A paired group's footprint growth (tokens a second past its scatter, forecast.py), which
             # the capacity is read ahead at while the footprint is under half the pool; None: no
@@ -153,7 +153,7 @@ def describe(gate: Gate) -> dict[str, Any]:
         "affinity": {
             "entries": len(gate.affinity),
             "slack": s.affinity_slack,
-            "rule": "priced" if first.priced() else "in_flight",
+            "rule": first.affinity_rule(),
         },
         # Traffic classes: what names them, and what is known of each tracked one.
         "classes": {
@@ -180,6 +180,8 @@ async def metrics(request: Request) -> Response:
     gate: Gate = request.app.state.gate
     if gate.settings.protect_metrics:
         access.check_key(gate.settings.admin_keys, _authorization(request), "admin key")
+    if gate.classes.stats:
+        gate.metrics.publish_class_accepts(gate.classes.accepts(asyncio.get_running_loop().time()))
     return Response(generate_latest(gate.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -234,6 +234,14 @@ class ClassBook:
             self._ranked, self._ranked_at = self.ranked(now), now
         return self._ranked.get(name)
 
+    def accepts(self, now: float) -> dict[str, float | None]:
+        """Each tracked class's acceptance as of `now` (decayed: None once its evidence faded)."""
+        out = {}
+        for name, s in self.stats.items():
+            s.decay(now, self.half_life_s)
+            out[name] = s.accept
+        return out
+
     def describe(self, now: float) -> dict[str, dict[str, Any]]:
         ranks = self.ranked(now)
         out = {}

@@ -15,7 +15,7 @@ from .calibration import MAX_WATERMARK, Calibration, CalibrationError
 from .calibration import load as load_calibration
 from .classes import ClassKey
 from .engines import EngineSetting
-from .policy import LEARNING, LoadSignal, PolicyConfig, PolicyName
+from .policy import LEARNING, AffinityRule, LoadSignal, PolicyConfig, PolicyName
 from .topology import Topology, TopologyName, entries
 from .topology import build as build_topology
 
@@ -138,6 +138,9 @@ class Settings(BaseSettings):
     # requests of load a turn's server may have beyond the best, per thousand tokens it has cached.
     affinity_entries: int = Field(100_000, ge=0, le=10_000_000)
     affinity_slack: float = Field(1.0, ge=0, le=1_000_000)
+    # Among a role's servers under the model policy (affinity.py): a turn moves only where both the
+    # priced rule and the one by requests in flight would move it, by default.
+    affinity_rule: AffinityRule = "both"
     # Traffic classes (proxy/classes.py): what names a request's class, and how many are tracked.
     class_key: ClassKey = "header"
     max_classes: int = Field(32, ge=1, le=1000)
@@ -255,6 +258,7 @@ class Settings(BaseSettings):
             # A few polls: the engine's reading of a server that just had traffic lags by one.
             accept_fresh_s=max(10.0, 3 * self.health_interval_s),
             affinity_slack=self.affinity_slack,
+            affinity_rule=self.affinity_rule,
         )
 
     def adaptive_config(self) -> AdaptiveConfig:

@@ -8,7 +8,7 @@ see zeros instead of missing series.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -356,6 +356,12 @@ class Metrics:
             self.affinity_breaks.labels(cause)
         self.mode.set(1)
         self.crossover_estimate.set(math.nan)
+
+    def publish_class_accepts(self, accepts: Mapping[str, float | None]) -> None:
+        """Each tracked class's acceptance as it stands (NaN: unknown, or faded), read at a scrape:
+        a stream's end sets it too, but a class whose evidence faded would keep its last value."""
+        for name, accept in accepts.items():
+            self.child(self.class_accept_length, name).set(math.nan if accept is None else accept)
 
     def forget_class(self, name: str) -> None:
         """A traffic class no longer tracked: its series go (the label set stays bounded)."""

@@ -197,6 +197,9 @@ PolicyName = Literal["threshold", "spillover", "adaptive", "model"]
 # speed model (speedmodel.py) where the calibration has one.
 LEARNING: tuple[PolicyName, ...] = ("adaptive", "model")
 LoadSignal = Literal["local", "engine", "max"]
+# Which rule keeps a turn on its server among a role's servers (affinity.py): the priced one, the one
+# by requests in flight, or both (a turn moves only where each would move it).
+AffinityRule = Literal["priced", "in_flight", "both"]
 Reason = Literal[
     "light_load",  # speculative: the load is below the high watermark / spillover limit
     "heavy_load",  # baseline: the load reached the high watermark
@@ -280,6 +283,8 @@ class PolicyConfig:
     # Pooled classes: a turn stays on the role holding its cache unless the other gains more than
     # this many streams' speed per thousand tokens cached (SPECGATE_AFFINITY_SLACK, as affinity.py).
     affinity_slack: float = 1.0
+    # Among a role's servers (SPECGATE_AFFINITY_RULE; priced and both need the model policy's fit).
+    affinity_rule: AffinityRule = "both"
 
 
 class Curves(NamedTuple):

@@ -399,9 +399,20 @@ class Router:
 
     def priced(self) -> bool:
         """Whether the affinity rule prices a turn's cost among a role's servers (affinity.py): the
-        group has the model policy's fitted step times and a prefill rate."""
+        group has the model policy's fitted step times and a prefill rate, and the rule is not the
+        one by requests in flight alone."""
         a = self.adaptive
-        return a is not None and a.cfg.prefill_tok_s > 0 and self.speed is not None
+        return (
+            a is not None
+            and a.cfg.prefill_tok_s > 0
+            and self.speed is not None
+            and self.cfg.affinity_rule != "in_flight"
+        )
+
+    def affinity_rule(self) -> str:
+        """The rule in effect among a role's servers (SPECGATE_AFFINITY_RULE where the group can
+        price, else `in_flight`)."""
+        return self.cfg.affinity_rule if self.priced() else "in_flight"
 
     def turn_cost(
         self, server: str, prompt_tokens: int, new_tokens: int, batch: float | None = None
@@ -459,6 +470,10 @@ class Router:
             )
             if stays(held_cost, moved, speed.step(self._servers[held].role).rms_rel):
                 return False, None
+            if self.cfg.affinity_rule == "both" and keep(
+                held_load, min(load for _, load in loads), cached_tokens, slack
+            ):
+                return False, None  # moving saves time, but the server is not busier than its cache is worth
             return True, best
         least = min(load for _, load in loads)
         if keep(held_load, least, cached_tokens, slack):

@@ -88,6 +88,7 @@ def _priced_pool(
     baselines: int = 2,
     load_signal: str = "local",
     fit_error: float = 0.0,
+    rule: str = "priced",
 ) -> Fleet:
     """A pool of one speculative server and `baselines` baseline ones, b0, b1..., whose mode is the
     baseline at every load (speculation never pays on this fit, whose baseline step times are off
@@ -100,7 +101,9 @@ def _priced_pool(
     base = StepFit(0.006, 1e-4, 1e-7, rms_rel=fit_error)
     fit = ModelFit(StepFit(0.05, 1e-4, 1e-7), base, (1000, 4000), 128, 1.0)
     cal = dataclasses.replace(calibration(), model=fit)
-    cfg = policy_cfg(policy, high, min(high, 8), probe_s=0.0, affinity_slack=slack, load_signal=load_signal)
+    cfg = policy_cfg(
+        policy, high, min(high, 8), probe_s=0.0, affinity_slack=slack, load_signal=load_signal, affinity_rule=rule
+    )
     adaptive = adaptive_cfg(min_watermark=0, max_watermark=0, prefill_tok_s=20_000.0)
     return Fleet(r.topology, r.servers, cfg, r.metrics, adaptive, cal, clock=Clock())
 
@@ -152,6 +155,27 @@ def test_a_turn_leaves_a_server_whose_tokens_cost_more_than_its_cache_saves() ->
     assert (placed.server, placed.affinity) == ("b1", "break_load")  # 5 against 4, slack 0
     for lease in leases:
         lease.release()
+
+
+def test_under_both_rules_a_turn_moves_only_where_each_would_move_it() -> None:
+    # As above: b0's 4 long conversations cost a turn more than b1's 4 short chats, beyond the 1,000
+    # tokens it has cached; the priced rule moves it, the rule by requests in flight (4 and 4) not.
+    for rule, where in (("priced", "b1"), ("both", "b0"), ("in_flight", "b0")):
+        fleet = _priced_pool(1.0, rule=rule)
+        (router,) = fleet.routers
+        assert router.affinity_rule() == rule and router.priced() == (rule != "in_flight")
+        leases = [router.admit(Role.BASELINE, "b0", 8000) for _ in range(4)]
+        leases += [router.admit(Role.BASELINE, "b1", 500) for _ in range(4)]
+        assert fleet.decide(held=Held("b0", 1000), prompt_tokens=8500).server == where, rule
+        # Two requests more on b0: a thousand cached tokens are worth one, so each rule moves it.
+        leases += [router.admit(Role.BASELINE, "b0", 100) for _ in range(2)]
+        placed = fleet.decide(held=Held("b0", 1000), prompt_tokens=8500)
+        assert (placed.server, placed.affinity) == ("b1", "break_load"), rule
+        for lease in leases:
+            lease.release()
+    # Without a fit there is nothing to price: by requests in flight, whatever the setting.
+    (plain,) = _priced_pool(1.0, "threshold", high=0, rule="both").routers
+    assert (plain.priced(), plain.affinity_rule()) == (False, "in_flight")
 
 
 def test_a_turn_moves_where_it_costs_least_with_its_re_prefill() -> None:
@@ -376,10 +400,11 @@ async def test_under_the_model_policy_the_pool_prices_a_turns_stay(gateway: Star
     cal = calibration_file(tmp_path, never)
     async with _pool(gateway, policy="model", calibration=cal, prefill_tok_s=20_000, sim={"time_scale": 1.0}) as gw:
         routing = await gw.routing()
-        assert routing["affinity"]["rule"] == "priced"
-        assert (routing["groups"][0]["affinity_rule"], routing["groups"][0]["turn_out_tokens"]) == ("priced", 256)
+        # By default a turn moves only where the priced rule and the one by requests in flight agree.
+        assert routing["affinity"]["rule"] == "both"
+        assert (routing["groups"][0]["affinity_rule"], routing["groups"][0]["turn_out_tokens"]) == ("both", 256)
         # The third turn's few cached tokens save the idle server a prefill of milliseconds: less
-        # than the decode the long stream would cost it on its server.
+        # than the decode the long stream would cost it on its server, and less than one request.
         held, long, third = await _a_turn_beside_a_long_one(gw)
         assert long == held and third != held
         # The group learns a turn's output from responses: 2 tokens a turn moved it off 256.

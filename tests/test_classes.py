@@ -622,6 +622,20 @@ async def test_classes_the_calibration_measured_are_routed_from_their_first_requ
     tracked = (await gw.routing())["classes"]["tracked"]
     assert (tracked["chat"]["accept_length"], tracked["code"]["accept_length"]) == (1.05, 3.0), tracked
     assert tracked["chat"]["calibrated_accept_length"] == 1.05
+    # /metrics says it too, though no chat stream ran on a speculative server to set it.
+    text = await gw.metrics_text()
+    assert _value(text, 'specgate_class_accept_length{class="chat"}') == pytest.approx(1.05)
+
+
+def test_a_classs_acceptance_gauge_goes_unknown_once_its_evidence_faded() -> None:
+    book = ClassBook(4, priors={"chat": 1.3})
+    book.tracked("chat", 0.0)
+    r = rig()
+    r.metrics.publish_class_accepts(book.accepts(0.0))
+    gauge = r.metrics.class_accept_length.labels("chat")
+    assert gauge._value.get() == 1.3
+    r.metrics.publish_class_accepts(book.accepts(2 * CLASS_HALF_LIFE_S))
+    assert math.isnan(gauge._value.get())
 
 
 @pytest.mark.anyio

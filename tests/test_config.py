@@ -39,6 +39,9 @@ def test_safe_defaults_at_the_crossover() -> None:
     assert Settings(_env_file=None, load_signal="engine").scrape_every_s == 0.5
     assert Settings(_env_file=None, load_signal="max", health_interval_s=0.3).scrape_every_s == 0.3
     assert Settings(_env_file=None, load_signal="engine", scrape_interval_s=0.2).scrape_every_s == 0.2
+    # A turn leaves its server only where the priced rule and the one by requests in flight agree
+    # (docs/headtohead-affinity.md: 1.06x the rule by requests in flight on two sets of 48 runs).
+    assert s.policy_config(None).affinity_rule == "both"
 
 
 @pytest.mark.parametrize(
@@ -48,6 +51,7 @@ def test_safe_defaults_at_the_crossover() -> None:
         ({"SPECGATE_LOW_WATERMARK": "9", "SPECGATE_HIGH_WATERMARK": "4"}, "SPECGATE_LOW_WATERMARK"),
         ({"SPECGATE_POLICY": "random"}, "SPECGATE_POLICY"),
         ({"SPECGATE_LOAD_SIGNAL": "gpu"}, "SPECGATE_LOAD_SIGNAL"),
+        ({"SPECGATE_AFFINITY_RULE": "cheapest"}, "SPECGATE_AFFINITY_RULE"),
         ({"SPECGATE_SPECULATIVE_URL": "localhost:30001"}, "SPECGATE_SPECULATIVE_URL"),
         ({"SPECGATE_READ_TIMEOUT_S": "-1"}, "SPECGATE_READ_TIMEOUT_S"),
         # URLs that parse as http:// but cannot be connected to: one line, not a traceback (exit 3).

@@ -32,10 +32,12 @@ from proxy.policy import Role
 
 
 def test_the_targets_differ_only_in_the_affinity_rule() -> None:
+    features = {"policy": "model", "class_key": "header", "topology": "pooled"}
     priced = target_settings("priced")
-    assert priced == {"policy": "model", "class_key": "header", "topology": "pooled"}
-    assert target_settings("in-flight") == {**priced, "prefill_tok_s": 0}
-    assert target_settings("no-affinity") == {**priced, "affinity_entries": 0}
+    assert priced == {**features, "affinity_rule": "priced"}
+    assert target_settings("both") == {**features, "affinity_rule": "both"}
+    assert target_settings("in-flight") == {**features, "affinity_rule": "in_flight"}
+    assert target_settings("no-affinity") == {**features, "affinity_entries": 0}
     assert target_settings("priced", "adaptive")["policy"] == "adaptive"
     with pytest.raises(ValueError):
         target_settings("smg")
@@ -56,7 +58,7 @@ def test_a_stack_is_a_pool_of_one_speculative_and_n_baseline_servers(tmp_path: P
     servers = {"speculative": "http://127.0.0.1:1", "b0": "http://127.0.0.1:2", "b1": "http://127.0.0.1:3"}
     env = stack_env("in-flight", 4000, servers, 2.0, tmp_path / "cal.json")
     assert env["SPECGATE_BASELINE_URL"] == "b0=http://127.0.0.1:2,b1=http://127.0.0.1:3"
-    assert (env["SPECGATE_PREFILL_TOK_S"], env["SPECGATE_TOPOLOGY"]) == ("0", "pooled")
+    assert (env["SPECGATE_AFFINITY_RULE"], env["SPECGATE_TOPOLOGY"]) == ("in_flight", "pooled")
     assert env["SPECGATE_CALIBRATION"] == str(tmp_path / "cal.json")
     # specgate reads it as one pool whose baseline role has both servers.
     s = Settings(_env_file=None, speculative_url=env["SPECGATE_SPECULATIVE_URL"],
@@ -69,8 +71,15 @@ def test_a_stack_is_a_pool_of_one_speculative_and_n_baseline_servers(tmp_path: P
 
 def test_the_plan_scales_time_by_its_servers() -> None:
     plan = AffinityPlan(contexts=(8000,), sessions=(16,), baselines=2)
-    # Three pools of three servers, where headtohead's scale is made for six servers.
-    assert plan.time_scale(16, 8000) == pytest.approx(default_time_scale(16, 8000) * 9 / 6, abs=1e-4)
+    # Four pools of three servers, where headtohead's scale is made for six servers; fewer rules
+    # side by side (--targets), fewer servers.
+    assert plan.time_scale(16, 8000) == pytest.approx(default_time_scale(16, 8000) * 12 / 6, abs=1e-4)
+    three = AffinityPlan(contexts=(8000,), sessions=(16,), baselines=2, rules=("priced", "both", "in-flight"))
+    assert three.time_scale(16, 8000) == pytest.approx(default_time_scale(16, 8000) * 9 / 6, abs=1e-4)
+    for bad in (("priced",), ("priced", "priced"), ("priced", "smg")):
+        with pytest.raises(ValueError, match="--targets"):
+            AffinityPlan(rules=bad)
+    assert build_parser().parse_args(["headtohead-affinity", "--targets", "priced, both"]).targets == ("priced", "both")
     assert AffinityPlan(baselines=1).time_scale(16, 8000) < plan.time_scale(16, 8000)
     assert plan.topology == "pooled"
     # The sessions' think time and stagger are on the simulators' clock at that scale.
@@ -93,7 +102,7 @@ def _target(name: str, goodput: float, conclusive: bool = True) -> TargetCell:
 
 
 def _cell(priced: float, in_flight: float, none: float = 4.0, seed: int = 0, conclusive: bool = True) -> AffinityCell:
-    goodput = {"priced": priced, "in-flight": in_flight, "no-affinity": none}
+    goodput = {"priced": priced, "both": priced, "in-flight": in_flight, "no-affinity": none}
     targets = {n: _target(n, goodput[n], conclusive or n != PRICED) for n in TARGETS}
     return AffinityCell(8000, 16, 2.0, targets, {n: 0.65 for n in TARGETS}, {n: 3.0 for n in TARGETS}, seed=seed)
 
@@ -124,6 +133,12 @@ def test_summary_lines_name_every_target_and_each_comparison() -> None:
     assert lines[0] == "8k/16 (4 runs):"
     assert any(line.strip().startswith("priced ") and "hit 60%" in line and "oracle 65%" in line for line in lines)
     assert sum("priced / " in line for line in lines) == len(TARGETS) - 1
+    assert sum("both / in-flight" in line for line in lines) == 1
+    # A run of some rules only (--targets): their lines and comparisons alone.
+    some = [dataclasses.replace(c, targets={n: c.targets[n] for n in ("priced", "in-flight")}) for c in runs[:3]]
+    lines_some = summary_lines(some)
+    assert not any(line.strip().startswith(("both", "no-affinity")) for line in lines_some)
+    assert [line.strip().split(":")[0] for line in lines_some if " / " in line] == ["priced / in-flight"]
     assert any("load breaks 3 a run" in line for line in lines)
     # Each target's figures over the runs it was conclusive in, all of them; a saturated CPU is said.
     odd = dataclasses.replace(_cell(9.0, 5.0, seed=7, conclusive=False), cpu_warning="the machine's CPU was 99% busy")

@@ -12,9 +12,11 @@ simulated H200 (`--profile h200-llama8b`) with a GPU of its own, and the same tw
 multi-turn traffic as headtohead-classes (accepting about 1.3 and 3.0 tokens a step):
 
   priced       the rule priced in stream-seconds, at the fitted step times and
-               SPECGATE_PREFILL_TOK_S (its default, 20,000): the default under the model policy;
-  in-flight    the same with SPECGATE_PREFILL_TOK_S=0: requests in flight stand for the cost, a
-               thousand cached tokens for one request (the rule before it was priced);
+               SPECGATE_PREFILL_TOK_S (its default, 20,000) (SPECGATE_AFFINITY_RULE=priced);
+  both         a turn moves only where the priced rule and the rule by requests in flight would
+               each move it (SPECGATE_AFFINITY_RULE=both);
+  in-flight    requests in flight stand for the cost, a thousand cached tokens for one request
+               (SPECGATE_AFFINITY_RULE=in_flight: the rule before it was priced);
   no-affinity  SPECGATE_AFFINITY_ENTRIES=0: every turn to the least loaded server of its role.
 
 The calibration is headtohead-classes' for a pooled 1+1, with the speed model's fit (a sweep at
@@ -27,8 +29,9 @@ Scored per cell, in simulated time: each target's goodput (requests finishing in
 the server of its last turn, nothing evicted), and the turns each specgate moved off their server
 for load (specgate_affinity_breaks_total{reason="load"}, over
 the whole run). Over --repeats runs (sessions drawn from seeds --seed, --seed + 1, ...), `priced`
-over each other target pooled (the goodputs summed over the runs), with the 90% bootstrap interval
-of that ratio over runs: better or worse where the interval clears 1, else no difference measured.
+over each other target, and `both` over `in-flight`, pooled (the goodputs summed over the runs),
+with the 90% bootstrap interval of that ratio over runs: better or worse where the interval clears
+1, else no difference measured.
 """
 
 from __future__ import annotations
@@ -62,12 +65,14 @@ from .run import Servers, measure_cell
 from .score import NO_GOODPUT, TargetCell, target_cell
 from .twoclass import POOLED_MAX_UNKNOWN, ClassPlan, _interval, at_sessions, context_calibration, oracle_hit_rate
 
-TARGETS = ("priced", "in-flight", "no-affinity")
+TARGETS = ("priced", "both", "in-flight", "no-affinity")
 POLICIES = ("model", "adaptive")
 # The speed model's sweep beside the traffic's own: a context far from 8k's, so that the fit's
 # KV term is known.
 FIT_PROMPT_TOKENS = "1000"
 PRICED = "priced"
+# The pairs the summary compares, each (target, other).
+COMPARED = (*((PRICED, other) for other in TARGETS[1:]), ("both", "in-flight"))
 # Stacks whose servers a time scale of headtohead's is made for: three, of two servers each.
 REFERENCE_SERVERS = 6
 
@@ -76,9 +81,11 @@ def target_settings(target: str, policy: str = "model") -> dict[str, object]:
     """specgate's settings (Settings' fields) for a target under `policy`."""
     features: dict[str, object] = {"policy": policy, "class_key": "header", "topology": "pooled"}
     if target == "priced":
-        return features
+        return {**features, "affinity_rule": "priced"}
+    if target == "both":
+        return {**features, "affinity_rule": "both"}
     if target == "in-flight":
-        return {**features, "prefill_tok_s": 0}
+        return {**features, "affinity_rule": "in_flight"}
     if target == "no-affinity":
         return {**features, "affinity_entries": 0}
     raise ValueError(f"{target!r} is not a target")
@@ -92,17 +99,21 @@ class AffinityPlan(ClassPlan):
     topology: str = "pooled"
     baselines: int = 2
     policy: str = "model"
+    # The rules run side by side (--targets): fewer stacks, a faster time scale on a small machine.
+    rules: tuple[str, ...] = TARGETS
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 1 <= self.baselines <= 8:
             raise ValueError("--baseline-servers must be 1 to 8")
+        if len(self.rules) < 2 or len(set(self.rules)) < len(self.rules) or not set(self.rules) <= set(TARGETS):
+            raise ValueError(f"--targets: two or more of {', '.join(TARGETS)}")
         if self.policy not in POLICIES:
             raise ValueError(f"--policy: one of {', '.join(POLICIES)}")
 
     def time_scale(self, sessions: int, context: int) -> float:
         """headtohead's, times this run's simulated servers over its three stacks of two."""
-        servers = len(TARGETS) * (1 + self.baselines)
+        servers = len(self.rules) * (1 + self.baselines)
         return round(default_time_scale(sessions, context) * servers / REFERENCE_SERVERS, 4)
 
     def baseline_args(self, time_scale: float, port: int) -> list[str]:
@@ -158,7 +169,7 @@ def start_stacks(plan: AffinityPlan, sessions: int, context: int, calibration: P
     urls: dict[str, str] = {}
     servers: dict[str, dict[str, str]] = {}
     try:
-        for target in TARGETS:
+        for target in plan.rules:
             sp, bp = free_port(), free_port()
             spec, base = f"http://127.0.0.1:{sp}", f"http://127.0.0.1:{bp}"
             fleet.start(f"pool-{target}", plan.pair(t, sp, bp), [spec + "/health", base + "/health"])
@@ -169,7 +180,7 @@ def start_stacks(plan: AffinityPlan, sessions: int, context: int, calibration: P
                 fleet.start(f"pool-{target}-b{i}", plan.baseline_args(t, port), [url + "/health"])
                 servers[target][f"b{i}"] = url
         fleet.ready()
-        for target in TARGETS:
+        for target in plan.rules:
             port = free_port()
             urls[target] = f"http://127.0.0.1:{port}"
             env = stack_env(target, port, servers[target], t, calibration, plan.policy)
@@ -183,7 +194,7 @@ def start_stacks(plan: AffinityPlan, sessions: int, context: int, calibration: P
 
 def run_cell(plan: AffinityPlan, context: int, sessions: int, calibration: Path, quiet: bool) -> AffinityCell:
     t = plan.time_scale(sessions, context)
-    say(f"  {sessions} sessions (time scale {t:g}): {len(TARGETS)} pools of 1+{plan.baselines}...", quiet)
+    say(f"  {sessions} sessions (time scale {t:g}): {len(plan.rules)} pools of 1+{plan.baselines}...", quiet)
     stacks = start_stacks(plan, sessions, context, calibration)
     try:
         cpu0 = self_cpu_s()
@@ -197,7 +208,7 @@ def run_cell(plan: AffinityPlan, context: int, sessions: int, calibration: Path,
     cell = AffinityCell(
         context, sessions, t, {}, cpu_busy=cpu.machine_busy_mean, seed=plan.seed, cpu_warning=cpu.warning
     )
-    for name in TARGETS:
+    for name in plan.rules:
         run = cap.runs[name]
         everything = summarise_class("all", run.results, run.t0, run.t1, slo)
         stats = run.stats(slo, plan.min_requests)
@@ -261,7 +272,8 @@ def summary_lines(cells: Sequence[AffinityCell]) -> list[str]:
     lines = []
     for (context, sessions), runs in by_cell.items():
         lines.append(f"{context_label(context)}/{sessions} ({len(runs)} runs):")
-        for name in TARGETS:
+        present = [n for n in TARGETS if all(n in c.targets for c in runs)]
+        for name in present:
             # Every figure over the same runs: those in which this target was conclusive.
             ok = [c for c in runs if c.targets[name].conclusive]
             good = _mean([c.targets[name].goodput_req_s for c in ok])
@@ -278,8 +290,9 @@ def summary_lines(cells: Sequence[AffinityCell]) -> list[str]:
             lines.append(
                 f"  warning: the machine's CPU was saturated in {warned} of {len(runs)} runs: timings stretched"
             )
-        for other in TARGETS[1:]:
-            lines.append("  " + comparison(runs, PRICED, other))
+        for target, other in COMPARED:
+            if target in present and other in present:
+                lines.append("  " + comparison(runs, target, other))
     return lines
 
 
@@ -327,9 +340,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--window-s", type=positive, default=12.0, help="simulated seconds (default 12)")
     p.add_argument("--repeats", type=count, default=1, help="runs of each cell, seeds --seed, --seed + 1, ...")
+    p.add_argument("--targets", type=_targets, default=TARGETS,
+                   help=f"comma list of the rules side by side (default {','.join(TARGETS)})")  # fmt: skip
     p.add_argument("--calibrations", default=None, metavar="DIR",
                    help="reuse a pooled headtohead-classes (or this command's) run's calibrations")  # fmt: skip
     add_run_options(p, "a cell needs per target", "headtohead-affinity-results")
+
+
+def _targets(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def cmd_headtohead_affinity(args: argparse.Namespace) -> int:
@@ -338,6 +357,7 @@ def cmd_headtohead_affinity(args: argparse.Namespace) -> int:
         contexts=args.contexts, sessions=args.sessions, turns=args.turns, max_tokens=args.max_tokens,
         window_s=args.window_s, max_window_s=max(60.0, args.window_s), seed=args.seed,
         min_requests=args.min_requests, repeats=args.repeats, baselines=args.baseline_servers, policy=args.policy,
+        rules=args.targets,
     )  # fmt: skip
     out_dir = Path(args.out_dir)
     started = time.monotonic()
