@@ -263,7 +263,9 @@ async def measure_together(
         name: _Level(session, target, concurrency, plan, workloads[name], None, min_requests)
         for name, target in targets.items()
     }
-    workers = [asyncio.create_task(level.worker(i)) for level in levels.values() for i in range(concurrency)]
+    workers = {
+        name: [asyncio.create_task(level.worker(i)) for i in range(concurrency)] for name, level in levels.items()
+    }
     await asyncio.gather(*(level.warm_up() for level in levels.values()))
     t0 = time.monotonic()
     for level in levels.values():
@@ -279,19 +281,24 @@ async def measure_together(
     for level in levels.values():
         level.window.append(t1)
         level.stop.set()
-    died = await _drain(workers, plan.max_wait_s)
+    await _drain([task for tasks in workers.values() for task in tasks], plan.max_wait_s)
     extended = 0.0 if extended_at is None else t1 - extended_at
-    # A lost stream is the load tester's: every target's level ran short alike, so each is told.
-    return {name: LevelRun(level.results, t0, t1, extended, died) for name, level in levels.items()}
+    # A lost stream is the load tester's, and its target's level ran short: that one is told.
+    return {name: LevelRun(level.results, t0, t1, extended, _died(workers[name])) for name, level in levels.items()}
 
 
 async def _drain(workers: list[asyncio.Task[None]], max_wait_s: float) -> tuple[str, ...]:
     """Wait for the streams to finish their requests in flight (at most `max_wait_s`); what any
-    stream died of, as `Type: message`."""
+    stream died of (_died)."""
     _, pending = await asyncio.wait(workers, timeout=max_wait_s)
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
+    return _died(workers)
+
+
+def _died(workers: list[asyncio.Task[None]]) -> tuple[str, ...]:
+    """What each of these finished streams died of, as `Type: message`."""
     died = []
     for task in workers:
         if task.done() and not task.cancelled() and (exc := task.exception()) is not None:

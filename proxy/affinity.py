@@ -42,11 +42,13 @@ for the cost, a thousand cached tokens for one request:
 
     stay  iff  load(held) - load(best) <= slack * cached_tokens / 1000
 
-By default (SPECGATE_AFFINITY_RULE=both) a priced group moves a turn only where both rules would, to
-the priced rule's server: the price counts stream-seconds, but goodput counts SLOs, and a move's
-re-prefill lands on the moved turn's TTFT and the other server's prefill queue. On 1+3 pools at 8k
-and 72 sessions, over two sets of 48 runs, that had 1.06x the goodput of the rule by requests in
-flight each time, where the priced rule alone had 1.00x and 1.02x (and 0.90x on a third set).
+By default (SPECGATE_AFFINITY_RULE=both) a priced group moves a turn only where both rules would:
+to the server the priced rule picks among those the rule by requests in flight would leave the held
+one for, and only where the price says the move pays. The price counts stream-seconds, but goodput
+counts SLOs, and a move's re-prefill lands on the moved turn's TTFT and the other server's prefill
+queue. On 1+3 pools at 8k and 72 sessions (docs/headtohead-affinity.md), where the priced rule alone
+had 0.90x to 1.02x the goodput of the rule by requests in flight over four sets of 48 runs, this
+had 1.04x (and a first version of it, which could move a turn to a busier server, 1.06x on two).
 
 Not the adaptive policy's calibrated curves: measured through a multi-turn sweep, their slope
 between levels carries each stream's later prefills too, which the rule counts apart, and at small

@@ -460,6 +460,12 @@ class Router:
         if self.priced():
             a, speed = self.adaptive, self.speed
             assert a is not None and speed is not None
+            if self.cfg.affinity_rule == "both":
+                # Only servers the rule by requests in flight would leave the held one for: fewer
+                # requests than it by more than its cache is worth.
+                loads = [(s, load) for s, load in loads if not keep(held_load, load, cached_tokens, slack)]
+                if not loads:
+                    return False, None
             new = max(prompt_tokens - cached_tokens, 0)
             prefill = a.cfg.prefill_tok_s
             held_cost, _ = self.turn_cost(held, prompt_tokens, new, held_load)
@@ -470,10 +476,6 @@ class Router:
             )
             if stays(held_cost, moved, speed.step(self._servers[held].role).rms_rel):
                 return False, None
-            if self.cfg.affinity_rule == "both" and keep(
-                held_load, min(load for _, load in loads), cached_tokens, slack
-            ):
-                return False, None  # moving saves time, but the server is not busier than its cache is worth
             return True, best
         least = min(load for _, load in loads)
         if keep(held_load, least, cached_tokens, slack):

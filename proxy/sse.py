@@ -10,13 +10,16 @@ Every mark below is matched on compact JSON, as every engine writes it.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import orjson
 
-from .engines import USAGE_FIELDS, reported_steps
+from .engines import MAX_KV_TOKENS, USAGE_FIELDS, reported_steps
 from .errors import sse_error
 from .kinds import Endpoint
+
+# The most tokens a usage may count of either kind: no request holds more than a KV pool.
+MAX_USAGE_TOKENS = MAX_KV_TOKENS
 
 # Bytes of a non-streamed JSON body kept to read its `usage`; larger bodies are relayed unread.
 USAGE_BODY_LIMIT = 4 * 1024 * 1024
@@ -329,9 +332,15 @@ def usage_of(obj: Any) -> tuple[int, int] | None:
     if isinstance(src, dict):
         p = src.get("prompt_tokens", src.get("input_tokens"))
         c = src.get("completion_tokens", src.get("output_tokens"))
-        if isinstance(p, int) and isinstance(c, int):
+        # Counts no server could report (negative, past any KV pool, booleans) are no usage: they
+        # would reach counters, the prompt estimate's ratio and the affinity table.
+        if _count(p) and _count(c):
             return p, c
     return None
+
+
+def _count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_USAGE_TOKENS
 
 
 def response_id_of(obj: Any) -> str | None:

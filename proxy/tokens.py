@@ -9,6 +9,7 @@ estimated here, plus the tokens generated so far as the relay sees them pass (ob
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -53,8 +54,10 @@ def prompt_estimate(payload: dict[str, Any], endpoint: Endpoint) -> int:
     if endpoint in ("chat", "responses") and isinstance(tools := payload.get("tools"), list) and tools:
         # The tools' schemas go into the prompt through the chat template, as JSON: an agent's are
         # often thousands of tokens, and left out they would teach every estimate (TokenRatio) a
-        # ratio that is theirs. The body was parsed from JSON, so it serialises again.
-        chars += len(orjson.dumps(tools))
+        # ratio that is theirs. The body was parsed from JSON, so it serialises again, unless it
+        # nests past orjson's writer (255 levels): such tools are the server's to refuse, uncounted.
+        with contextlib.suppress(TypeError):  # orjson.JSONEncodeError is one
+            chars += len(orjson.dumps(tools))
     return max(1, tokens + math.ceil(chars / CHARS_PER_TOKEN))
 
 

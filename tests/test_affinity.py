@@ -173,6 +173,19 @@ def test_under_both_rules_a_turn_moves_only_where_each_would_move_it() -> None:
         assert (placed.server, placed.affinity) == ("b1", "break_load"), rule
         for lease in leases:
             lease.release()
+    # The priced rule's pick must be one the rule by requests in flight would leave for: not b2,
+    # cheapest for its short chats but holding more requests than the held server. b1, which that
+    # rule picks, costs more than staying for its long conversations: the turn stays.
+    for rule, where in (("priced", "b2"), ("both", "b0"), ("in_flight", "b1")):
+        fleet = _priced_pool(1.0, rule=rule, baselines=3)
+        (router,) = fleet.routers
+        leases = [router.admit(Role.BASELINE, "b0", 40_000) for _ in range(3)]
+        leases += [router.admit(Role.BASELINE, "b1", 200_000) for _ in range(2)]
+        leases += [router.admit(Role.BASELINE, "b2", 100) for _ in range(4)]
+        placed = fleet.decide(held=Held("b0", 100), prompt_tokens=8500)
+        assert placed.server == where, rule
+        for lease in leases:
+            lease.release()
     # Without a fit there is nothing to price: by requests in flight, whatever the setting.
     (plain,) = _priced_pool(1.0, "threshold", high=0, rule="both").routers
     assert (plain.priced(), plain.affinity_rule()) == (False, "in_flight")

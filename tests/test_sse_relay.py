@@ -63,6 +63,11 @@ def test_usage_of() -> None:
     assert usage_of({"meta_info": {"prompt_tokens": 1, "completion_tokens": 2}}) == (1, 2)
     assert usage_of({"usage": None}) is None
     assert usage_of([1]) is None
+    # Counts no server could report are no usage: they would reach counters (a negative increment
+    # raises), the prompt estimate and the affinity table.
+    for p, c in ((-5, 3), (5, -1), (True, 3), (10**12, 3), (3, 2**70)):
+        assert usage_of({"usage": {"prompt_tokens": p, "completion_tokens": c}}) is None, (p, c)
+    assert usage_of({"usage": {"prompt_tokens": 0, "completion_tokens": 10**9}}) == (0, 10**9)
 
 
 # llama-server: asked for usage, it moves `timings` from the finish chunk into the usage chunk.

@@ -45,6 +45,13 @@ def test_prompt_estimates_count_the_text_of_each_api() -> None:
     serialised = len('[{"type":"function","function":{"name":""}}]') + 60
     assert prompt_estimate({"messages": [], "tools": tools}, "chat") == math.ceil(serialised / CHARS_PER_TOKEN)
     assert prompt_estimate({"input": "", "tools": tools}, "responses") == per + math.ceil(serialised / CHARS_PER_TOKEN)
+    # Tools nested past what orjson writes (255 levels) are the server's to refuse, uncounted.
+    deep: list[Any] = []
+    inner = deep
+    for _ in range(300):
+        inner.append([])
+        inner = inner[0]
+    assert prompt_estimate({"messages": [], "tools": deep}, "chat") == 1
     # Nonsense is the server's to refuse; its estimate is a floor, never an error.
     junk: dict[str, Any]
     for junk in ({"messages": "x"}, {"messages": [1, None, {"content": 3}]}, {"prompt": {}}, {}):

@@ -695,3 +695,14 @@ def test_a_classs_decode_tokens_and_events_set_each_requests_first_event_aside()
     by = summarise_by_class([one_each, three, failed], 0.0, 10.0)
     assert (by["chat"].decode_tokens, by["chat"].decode_events) == (10, 10)
     assert (by["code"].decode_tokens, by["code"].decode_events) == (30, 10)
+
+
+@pytest.mark.anyio
+async def test_side_by_side_a_stream_the_tester_lost_is_its_own_targets() -> None:
+    spec = WorkloadSpec("multiturn", turns=2, system_tokens=20, user_tokens=20, think_time_s=0.0)
+    async with serving(Recorder()) as url, make_session() as session:
+        _Breaking.calls.clear()
+        targets = {"sound": Target(url, "m", max_tokens=8), "broken": _Breaking(url, "m", max_tokens=8)}
+        workloads = {name: Workload(spec) for name in targets}
+        runs = await measure_together(session, targets, 2, LevelPlan(duration_s=0.2), workloads, min_requests=0)
+    assert runs["broken"].died == ("RuntimeError: the tester broke",) and runs["sound"].died == ()
