@@ -21,6 +21,11 @@ def level_tuple(raw: str) -> tuple[int, ...]:
     return tuple(levels(raw))
 
 
+def names(raw: str) -> tuple[str, ...]:
+    """A comma list of names, each stripped, empty ones left out (their plan checks them)."""
+    return tuple(n.strip() for n in raw.split(",") if n.strip())
+
+
 def count(raw: str) -> int:
     """An integer >= 1."""
     return _integer(raw, 1)

@@ -493,6 +493,11 @@ ENGINES: dict[EngineName, Engine] = {e.name: e for e in (SGLANG, VLLM, LLAMACPP)
 POOL_KEEPALIVE_S = 4.0
 
 
+def _engine_in(text: str) -> Engine | None:
+    """The first engine whose metric names a /metrics text has."""
+    return next((e for e in ENGINES.values() if e.named_in(text)), None)
+
+
 def parse_metrics(text: str, wanted: Collection[str] | None = None, engine: Engine | None = None) -> dict[str, float]:
     """Each wanted name's value summed over the label sets its engine counts (`Engine.own`; `engine`,
     else the first whose names the text has). Raises ValueError on text that is not the Prometheus
@@ -502,7 +507,7 @@ def parse_metrics(text: str, wanted: Collection[str] | None = None, engine: Engi
     except promtext.TooManySamples:
         raise BadReading(f"/metrics holds more than {MAX_READ_SAMPLES} series of the names specgate reads") from None
     if engine is None:
-        engine = next((e for e in ENGINES.values() if e.named_in(text)), None)
+        engine = _engine_in(text)
     return promtext.summed(found if engine is None else engine.own(found))
 
 
@@ -511,7 +516,7 @@ def read_metrics(text: str, engine: Engine | None = None) -> tuple[Engine | None
     sample line), and the values of the names it reads: only their lines are parsed. (None, {})
     when no engine's names are there."""
     if engine is None:
-        engine = next((e for e in ENGINES.values() if e.named_in(text)), None)
+        engine = _engine_in(text)
         if engine is None:
             return None, {}
     return engine, parse_metrics(text, engine.names, engine)

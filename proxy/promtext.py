@@ -76,25 +76,17 @@ class Series:
     def own(self, found: list[Sample], prefixes: tuple[str, ...]) -> list[Sample]:
         names = {p + n for p in prefixes for n in self.names}
         lowest: dict[tuple[str, str], tuple[int, int, str]] = {}
-        kept: list[Sample] = []
+        kept: list[tuple[Sample, tuple[str, str], tuple[int, int, str]]] = []
         for s in found:
             if s.name not in names:
                 continue
             if self.total is not None and s.labels.get(self.total[0], self.total[1]) != self.total[1]:
                 continue
-            kept.append(s)
-            if self.rank is not None:
-                key = (s.name, s.labels.get(self.group, "") if self.group else "")
-                rank = _rank(s.labels.get(self.rank, ""))
-                lowest[key] = min(lowest.get(key, rank), rank)
-        if self.rank is not None:
-            group = self.group
-            kept = [
-                s
-                for s in kept
-                if _rank(s.labels.get(self.rank, "")) == lowest[(s.name, s.labels.get(group, "") if group else "")]
-            ]
-        return [s for s in found if s.name not in names] + kept
+            key = (s.name, s.labels.get(self.group, "") if self.group else "")
+            rank = _rank(s.labels.get(self.rank, "")) if self.rank is not None else (0, 0, "")
+            kept.append((s, key, rank))
+            lowest[key] = min(lowest.get(key, rank), rank)
+        return [s for s in found if s.name not in names] + [s for s, key, rank in kept if rank == lowest[key]]
 
 
 def _rank(label: str) -> tuple[int, int, str]:

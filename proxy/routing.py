@@ -272,7 +272,7 @@ class Router:
         switches are not priced."""
         if not self._switch_per_token:
             return 0.0
-        return self.group_tokens() * self._switch_per_token
+        return self.group_interactive()[1] * self._switch_per_token
 
     @property
     def load(self) -> int:
@@ -546,15 +546,17 @@ class Router:
         """Tokens this gateway's requests hold on the group's servers of `role`."""
         return sum(self.tracker.tokens(s) for s in self.group.of(role))
 
-    def group_tokens(self) -> int:
-        """Tokens this gateway's interactive requests hold on the group's servers (read for every
-        request where switches are priced: switch_margin). Batch requests never move on a switch,
-        nor take speculation's room, so what they hold is left out, as their count is."""
-        return sum(c.tokens - c.batch_tokens for _, members in self._members for _, _, c in members)
-
-    def group_streams(self) -> int:
-        """This gateway's interactive requests in flight on the group's servers."""
-        return sum(c.count - c.batch for _, members in self._members for _, _, c in members)
+    def group_interactive(self) -> tuple[int, int]:
+        """(streams, tokens) of this gateway's interactive requests in flight on the group's
+        servers, in one pass (read for every request where switches are priced, and by the model
+        policy). Batch requests never move on a switch, nor take speculation's room, so they and
+        what they hold are left out."""
+        streams = tokens = 0
+        for _, members in self._members:
+            for _, _, c in members:
+                streams += c.count - c.batch
+                tokens += c.tokens - c.batch_tokens
+        return streams, tokens
 
     def _model_watermarks(self, prompt_tokens: int = 0, new: bool = False) -> None:
         """The model policy's watermarks for the group as it is, or with a new request of
@@ -562,13 +564,9 @@ class Router:
         the group (batch ones take no room of speculation's, policy.py)."""
         speed = self.speed
         assert speed is not None
-        streams, tokens = int(new), max(0, prompt_tokens)
-        for _, members in self._members:  # one pass: group_streams and group_tokens
-            for _, _, counters in members:
-                streams += counters.count - counters.batch
-                tokens += counters.tokens - counters.batch_tokens
+        streams, tokens = self.group_interactive()
         accept, source = self._accept_now
-        high, low = speed.watermarks(self.last_load, tokens, streams, accept, source)
+        high, low = speed.watermarks(self.last_load, tokens + max(0, prompt_tokens), streams + new, accept, source)
         if (high, low) != (self.cfg.high_watermark, self.cfg.low_watermark):
             self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)
             self._publish_watermarks()
@@ -679,8 +677,8 @@ class Router:
         """The group's streams, and the tokens they hold, each with room for its next turn
         (turn_growth: a conversation's cache is worth keeping only if the pool holds it when it
         comes back, larger)."""
-        streams = self.group_streams()
-        return streams, self.group_tokens() + streams * self.turn_growth
+        streams, tokens = self.group_interactive()
+        return streams, tokens + streams * self.turn_growth
 
     def _streams_in(self, pool: int, ahead: float = 0.0) -> int | None:
         """Streams a KV pool of `pool` tokens holds at the tokens this gateway's streams in the

@@ -51,7 +51,7 @@ import aiohttp
 
 from proxy.promtext import by_label, totals
 
-from ..args import count, level_tuple, positive
+from ..args import count, level_tuple, names, positive
 from ..classes import summarise_class
 from ..kit.command import add_run_options, check_max_tokens, say
 from ..kit.processes import Fleet, fresh_start
@@ -340,15 +340,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--window-s", type=positive, default=12.0, help="simulated seconds (default 12)")
     p.add_argument("--repeats", type=count, default=1, help="runs of each cell, seeds --seed, --seed + 1, ...")
-    p.add_argument("--targets", type=_targets, default=TARGETS,
+    p.add_argument("--targets", type=names, default=TARGETS,
                    help=f"comma list of the rules side by side (default {','.join(TARGETS)})")  # fmt: skip
     p.add_argument("--calibrations", default=None, metavar="DIR",
                    help="reuse a pooled headtohead-classes (or this command's) run's calibrations")  # fmt: skip
     add_run_options(p, "a cell needs per target", "headtohead-affinity-results")
-
-
-def _targets(text: str) -> tuple[str, ...]:
-    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def cmd_headtohead_affinity(args: argparse.Namespace) -> int:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..args import count, level_tuple, non_negative, positive
+from ..args import count, level_tuple, names, non_negative, positive
 from ..classes import Slo, summarise_class
 from ..client import RequestResult
 from ..kit.command import add_run_options, check_max_tokens, say
@@ -806,7 +806,7 @@ def check_gates(gates: Sequence[str]) -> None:
 
 def gate_list(text: str) -> tuple[str, ...]:
     """--gates' comma list (check_gates)."""
-    gates = tuple(g.strip() for g in text.split(",") if g.strip())
+    gates = names(text)
     try:
         check_gates(gates)
     except ValueError as e:
