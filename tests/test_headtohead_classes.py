@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from loadtest.headtohead.twoclass import (
     CLASSES,
     CONFIDENCE,
     CONTROL,
+    DIRECT,
     POOLED_MIN_RUNS,
     SCALE_FILE,
     ClassCell,
@@ -29,6 +31,7 @@ from loadtest.headtohead.twoclass import (
     hit_verdict,
     oracle_gap,
     oracle_hit_rate,
+    pinned_settings,
     pooled_interval,
     pooled_ratio,
     pooled_split,
@@ -45,6 +48,7 @@ from loadtest.textbank import TextBank
 from loadtest.workload import TrafficClass, Workload, WorkloadSpec
 from proxy.calibration import Calibration, Curve, ModelFit, StepFit, load, to_json
 from proxy.config import ENGINE_SCRAPE_INTERVAL_S, Settings
+from proxy.policy import LoadSnapshot, PolicyState, Role, decide
 
 from .test_headtohead import tc
 
@@ -438,3 +442,52 @@ def test_the_gates_read_the_calibration_in_their_cells_wall_seconds(tmp_path: Pa
     assert calibration_scale_of(plan, src, 1000) == plan.calibration_scale(1000)
     (tmp_path / SCALE_FILE).write_text(json.dumps({"time_scale": 0.7}))
     assert calibration_scale_of(plan, src, 1000) == 0.7
+
+
+@pytest.mark.parametrize(
+    ("role", "load"), [("speculative", 0), ("speculative", 5_000), ("baseline", 0), ("baseline", 1)]
+)
+def test_a_pinned_gate_sends_every_request_to_its_role(role: str, load: int) -> None:
+    pinned: dict[str, Any] = pinned_settings(role)
+    settings = Settings(_env_file=None, speculative_url="http://127.0.0.1:1", **pinned)
+    cfg = settings.policy_config(None)
+    up = {Role.SPECULATIVE: True, Role.BASELINE: True}
+    state = PolicyState()
+    for n in (load, load + 1, 0):  # up, then down again: the mode never leaves the role
+        d = decide(LoadSnapshot({Role.SPECULATIVE: n, Role.BASELINE: 0}, {}, up), state, cfg)
+        assert d.backend == Role(role)
+        state = d.state
+    assert settings.class_key == "none" and settings.affinity_entries == 0 and settings.policy == "threshold"
+    with pytest.raises(ValueError, match="role"):
+        pinned_settings("features")
+
+
+def test_fixed_targets_through_a_gate_run_the_baseline_straight_beside_them() -> None:
+    plan = ClassPlan(gates=("features",), control=True, fixed_through="specgate")
+    assert plan.targets == ("all-spec", "all-base", "features", "split", CONTROL, DIRECT)
+    assert DIRECT not in ClassPlan().targets and not ClassPlan().gated_fixed
+    with pytest.raises(ValueError, match="--fixed-through"):
+        ClassPlan(fixed_through="nginx")
+    args = build_parser().parse_args(["headtohead-classes", "--fixed-through", "specgate"])
+    assert args.fixed_through == "specgate"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["headtohead-classes", "--fixed-through", "nginx"])
+
+
+def test_the_hop_is_all_base_through_its_gate_over_the_baseline_straight() -> None:
+    plan = ClassPlan(gates=("features",), fixed_through="specgate")
+    runs = []
+    for i in range(POOLED_MIN_RUNS):
+        c = cell(10, 8, 9.8, split=False)
+        for gone in ("threshold", "adaptive"):
+            c.targets.pop(gone)
+        base = c.targets["all-base"].goodput_req_s
+        runs.append(dataclasses.replace(c, seed=i, targets={**c.targets, DIRECT: tc(DIRECT, base / 0.95, True)}))
+    assert "| all-base / base-direct |" in table(plan, runs[:1]) and "| 0.95x |" in table(plan, runs[:1])
+    hop = next(x for x in summary_lines(runs) if x.startswith("the hop at 1k/32"))
+    assert hop.startswith(f"the hop at 1k/32: all-base / {DIRECT} pooled 0.95x") and "interval 0.95x-0.95x" in hop
+    # One run: no interval; an inconclusive baseline: unknown; no DIRECT: no line.
+    assert "interval" not in next(x for x in summary_lines(runs[:1]) if x.startswith("the hop"))
+    dark = dataclasses.replace(runs[0], targets={**runs[0].targets, DIRECT: tc(DIRECT, 1.0, False)})
+    assert f"the hop at 1k/32: all-base / {DIRECT} unknown" in summary_lines([dark])
+    assert not any(x.startswith("the hop") for x in summary_lines([cell(10, 8, 9.8, split=False)]))

@@ -91,6 +91,14 @@ SPLIT = "split"
 CONTROL = "control"
 NOISE_OF = "features"
 SPLIT_ROLES = {"A": "baseline", "B": "speculative"}
+# --fixed-through specgate: each fixed target (and each class of the split) reaches its server through
+# a specgate pinned to that server's role, so that the fixed choices pay the same hop as the
+# specgates they are compared with; and this target, the pair's baseline server straight, beside
+# them: how much the hop itself costs (gated all-base over it).
+DIRECT = "base-direct"
+FIXED_THROUGH = ("direct", "specgate")
+# Both watermarks of a gate pinned to the speculative server: a load no cell reaches.
+PINNED_SPECULATIVE = 100_000
 CLASSES = (TrafficClass("A", 0.5, "mixed"), TrafficClass("B", 0.5, "repetitive"))
 # The issue's targets.
 SPLIT_GAIN = 1.10
@@ -144,6 +152,9 @@ class ClassPlan:
     # The specgate targets run (features always among them): fewer stacks, a faster time scale,
     # for runs repeated many times.
     gates: tuple[str, ...] = GATES
+    # How the fixed targets reach their servers (FIXED_THROUGH): straight, or through a pinned
+    # specgate (DIRECT then runs beside them).
+    fixed_through: str = "direct"
 
     def __post_init__(self) -> None:
         if not 0 < self.window_s <= self.max_window_s:
@@ -151,6 +162,8 @@ class ClassPlan:
         if self.repeats < 1:
             raise ValueError("--repeats must be at least 1")
         check_gates(self.gates)
+        if self.fixed_through not in FIXED_THROUGH:
+            raise ValueError(f"--fixed-through: one of {', '.join(FIXED_THROUGH)}")
         check_stagger(self.stagger_s)
         for c in self.contexts:
             sizes_for(c, self.turns, self.max_tokens)
@@ -164,7 +177,14 @@ class ClassPlan:
     def targets(self) -> tuple[str, ...]:
         split = (SPLIT,) if len(self.traffic()) > 1 else ()
         gates = tuple(g for g in GATES if g in self.gates)
-        return (*FIXED, *gates, *split, *((CONTROL,) if self.control else ()), *(("smg",) if self.smg else ()))
+        direct = (DIRECT,) if self.gated_fixed else ()
+        return (
+            *FIXED, *gates, *split, *((CONTROL,) if self.control else ()), *direct, *(("smg",) if self.smg else ()),
+        )  # fmt: skip
+
+    @property
+    def gated_fixed(self) -> bool:
+        return self.fixed_through == "specgate"
 
     def time_scale(self, sessions: int, context: int) -> float:
         """headtohead's, times three stacks over this run's."""
@@ -222,6 +242,17 @@ def gate_settings(target: str) -> dict[str, object]:
     if target in ("threshold", "adaptive"):
         return {"policy": target, "class_key": "none", "affinity_entries": 0}
     raise ValueError(f"{target!r} is not a specgate target")
+
+
+def pinned_settings(role: str) -> dict[str, object]:
+    """specgate's settings (Settings' fields) for a gate that sends every request to the server of
+    `role` (--fixed-through specgate): today's threshold rule with watermarks no load crosses (all
+    speculative) or at 0 (all baseline), no classes, no affinity, no probes (threshold sends none)."""
+    if role not in ("speculative", "baseline"):
+        raise ValueError(f"{role!r} is not a role")
+    mark = PINNED_SPECULATIVE if role == "speculative" else 0
+    return {"policy": "threshold", "class_key": "none", "affinity_entries": 0, "high_watermark": mark,
+            "low_watermark": mark}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,20 +459,23 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
     urls: dict[str, str] = {}
     servers: dict[str, dict[str, str]] = {}
     class_urls: dict[str, dict[str, str]] = {}
+    pairs: dict[str, dict[str, str]] = {}
     try:
         for target in plan.targets:
             sp, bp = free_port(), free_port()
             spec, base = f"http://127.0.0.1:{sp}", f"http://127.0.0.1:{bp}"
             fleet.start(f"pair-{target}", plan.pair(t, sp, bp), [spec + "/health", base + "/health"])
-            servers[target] = {"speculative": spec, "baseline": base}
+            servers[target] = pairs[target] = {"speculative": spec, "baseline": base}
             if target == "all-spec":
                 urls[target], servers[target] = spec, {"speculative": spec}
-            elif target == "all-base":
+            elif target in ("all-base", DIRECT):
                 urls[target], servers[target] = base, {"baseline": base}
             elif target == SPLIT:
                 urls[target] = spec
                 class_urls[target] = {c: servers[target][role] for c, role in SPLIT_ROLES.items()}
         fleet.ready()
+        if plan.gated_fixed:
+            start_pinned_gates(plan, t, fleet, pairs, urls, class_urls)
         if plan.smg:
             port = free_port()
             urls["smg"] = f"http://127.0.0.1:{port}"
@@ -460,6 +494,36 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
         fleet.stop()
         raise
     return Servers(urls=urls, servers=servers, fleet=fleet, class_urls=class_urls)
+
+
+def start_pinned_gates(
+    plan: ClassPlan,
+    time_scale: float,
+    fleet: Fleet,
+    pairs: dict[str, dict[str, str]],
+    urls: dict[str, str],
+    class_urls: dict[str, dict[str, str]],
+) -> None:
+    """--fixed-through specgate: a gate pinned to each fixed target's server (pinned_settings), and
+    one to each of the split's, every one in front of its target's pair; `urls` and `class_urls`
+    then lead through them."""
+    wanted = [(t, r) for t, r in (("all-spec", "speculative"), ("all-base", "baseline")) if t in plan.targets]
+    if SPLIT in plan.targets:
+        wanted += [(SPLIT, r) for r in sorted(set(SPLIT_ROLES.values()))]
+    via: dict[tuple[str, str], str] = {}
+    for target, role in wanted:
+        pair = pairs[target]
+        port = free_port()
+        via[target, role] = f"http://127.0.0.1:{port}"
+        env = specgate_env(port, pair["speculative"], pair["baseline"], time_scale)
+        settings = {**pinned_settings(role), "topology": plan.topology}
+        env |= {f"SPECGATE_{k.upper()}": str(v) for k, v in settings.items()}
+        fleet.start(f"specgate-pinned-{target}-{role}", ["-m", "proxy"], [via[target, role] + "/ready"], env)
+    fleet.ready()
+    for (target, _), url in via.items():
+        urls[target] = url
+    if SPLIT in plan.targets:
+        class_urls[SPLIT] = {c: via[SPLIT, r] for c, r in SPLIT_ROLES.items()}
 
 
 def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, quiet: bool) -> ClassCell:
@@ -529,6 +593,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         + " | A/B spec | A/B base | split? | free split | "
         + ("split / best | " if SPLIT in plan.targets else "")
         + (f"{CONTROL} / {NOISE_OF} | " if CONTROL in plan.targets else "")
+        + (f"all-base / {DIRECT} | " if DIRECT in plan.targets else "")
         + " | ".join(f"{n} / best" for n in gates)
         + " | features / adaptive | hit "
         + " / ".join(plan.targets)
@@ -548,6 +613,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
             f"{'unknown' if split is None else 'yes' if split else 'no'} | {_ratio(c.split_bound())} | "
             + ((f"{_ratio(c.ratio(SPLIT))} | " if SPLIT in c.targets else "- | ") if SPLIT in plan.targets else "")
             + (f"{_ratio(c.versus(CONTROL, NOISE_OF))} | " if CONTROL in plan.targets else "")
+            + (f"{_ratio(c.versus('all-base', DIRECT))} | " if DIRECT in plan.targets else "")
             + " | ".join(f"{_vs_best(c, n)} ({goodput_verdict(c, n)})" for n in gates)
             + f" | {_ratio(c.versus('features', 'adaptive')) if 'adaptive' in c.targets else '-'} | "
             + " / ".join(_hit(c.targets[n].prefix_cache_hit_rate) if n in c.targets else "-" for n in plan.targets)
@@ -567,6 +633,12 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         f"X's goodput over the better of all-spec and all-base, (met/missed) >= {SPLIT_GAIN:g}x where split, "
         f"else >= {FLOOR:g}x"
         + (f", by more than |{CONTROL} / {NOISE_OF} - 1|, else unknown" if CONTROL in plan.targets else "")
+        + (
+            f"; all-spec, all-base and the split through a specgate pinned to their server, {DIRECT} the "
+            f"baseline server straight: all-base / {DIRECT} is what the hop costs"
+            if plan.gated_fixed
+            else ""
+        )
         + "; * inconclusive)"
     )
     return "\n".join(lines)
@@ -707,6 +779,24 @@ def _pooled(runs: Sequence[ClassCell], target: str) -> str:
     return _ratio(pooled_ratio(runs, target)) + extra
 
 
+def hop_line(runs: Sequence[ClassCell]) -> str | None:
+    """all-base through its pinned specgate over the baseline server straight (DIRECT), pooled over
+    the runs where both are known, with its interval where there are enough (None: not run)."""
+    known = [
+        (c.targets["all-base"].goodput_req_s, c.targets[DIRECT].goodput_req_s)
+        for c in runs
+        if DIRECT in c.targets and c.versus("all-base", DIRECT) is not None
+    ]
+    if not any(DIRECT in c.targets for c in runs):
+        return None
+    if not known:
+        return f"all-base / {DIRECT} unknown"
+    pooled = sum(a for a, _ in known) / sum(b for _, b in known)
+    interval = _interval(known)
+    extra = "" if interval is None else f" ({CONFIDENCE:.0%} interval {interval[0]:.2f}x-{interval[1]:.2f}x)"
+    return f"all-base / {DIRECT} pooled {pooled:.2f}x{extra} over {len(known)} of {len(runs)} runs"
+
+
 def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
     out = []
     by_cell = repeated(cells)
@@ -729,6 +819,10 @@ def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
         for (context, sessions), runs in by_cell.items():
             spread = ", ".join(_ratio(c.versus(CONTROL, NOISE_OF)) for c in runs)
             out.append(f"{CONTROL} / {NOISE_OF} at {context_label(context)}/{sessions} (the noise): {spread}")
+    for (context, sessions), runs in by_cell.items():
+        hop = hop_line(runs)
+        if hop:
+            out.append(f"the hop at {context_label(context)}/{sessions}: {hop}")
     if several:
         for (context, sessions), runs in by_cell.items():
             ratios = ", ".join(_vs_best(c, "features") for c in runs)
@@ -851,6 +945,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--gates", type=gate_list, default=GATES, metavar="LIST",
                    help=f"the specgate targets, a comma list of {', '.join(GATES)} with {NOISE_OF} among them "
                    "(default all): fewer stacks run at a faster time scale, for many --repeats")  # fmt: skip
+    p.add_argument("--fixed-through", choices=FIXED_THROUGH, default="direct",
+                   help="direct: all-spec, all-base and the split's classes go straight to their server (default); "
+                   "specgate: each through a specgate pinned to it, so they pay the hop the specgates pay, with "
+                   f"{DIRECT} (the baseline server straight) beside them for what the hop costs")  # fmt: skip
     p.add_argument("--smg", default=None, metavar="BINARY",
                    help="add smg --policy cache_aware in front of a pair (e.g. .venv-peers/bin/smg)")  # fmt: skip
     add_run_options(p, "a cell needs per target", "headtohead-classes-results")
@@ -864,7 +962,7 @@ def cmd_headtohead_classes(args: argparse.Namespace) -> int:
         max_window_s=max(args.max_window_s, args.window_s),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, min_requests=args.min_requests,
         smg=args.smg, topology=args.topology, classes=args.classes, repeats=args.repeats, control=args.control,
-        gates=args.gates,
+        gates=args.gates, fixed_through=args.fixed_through,
     )  # fmt: skip
     out_dir = Path(args.out_dir)
     started = time.monotonic()
