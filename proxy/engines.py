@@ -32,7 +32,9 @@ Label sets: each name's series are summed (data-parallel ranks, vLLM's engines),
 scheduler metrics (`SGLANG_SERIES`): with `--enable-metrics-for-all-schedulers` every tensor-parallel
 rank writes the same values, and with priority scheduling a gauge's total sits under priority=""
 beside each priority's share. Of those, only the total's series of the lowest tp_rank of each
-dp_rank are summed (with DP attention a dp_rank's first tp_rank is not 0).
+dp_rank count (with DP attention a dp_rank's first tp_rank is not 0). A rank's ratio (`averaged`:
+the KV pool's fraction in use, the acceptance length, the hit rate gauge) is averaged over the
+ranks, not summed: two ranks each a third full are a server a third full.
 
 Counters that move only when a request finishes: llama-server's `spec_decode_*` and
 `tokens_predicted_total` (a running request's drafts appear at its end), as SGLang's tokenizer
@@ -101,8 +103,8 @@ MAX_ACCEPT_LENGTH = 64.0
 # of them, and any rate, are noise. A server making a million tokens a second gets there in 285 years.
 MAX_COUNTER = float(2**53)
 # Tokens in one server's KV cache: an H200 node's eight GPUs hold a few million for an 8B model; a
-# billion is beyond any. A fraction of the pool in use is at most 1, per data-parallel rank (the
-# ranks' label sets are summed): at most this many ranks.
+# billion is beyond any. A fraction of the pool in use is at most 1 (the ranks' mean,
+# Engine.averaged); a reading past it is refused only past this many, as a sum of ranks would be.
 MAX_KV_TOKENS = 1_000_000_000
 MAX_KV_RANKS = 64
 # Lines of the names the adapters read, per /metrics: each label set is one (a rank, vLLM's engine
@@ -173,7 +175,7 @@ class Reading:
     accept_length: float | None  # from a gauge; None without one or without speculation
     accept_counters: tuple[float, float] | None  # (accepted tokens, drafts) so far
     kv_tokens: int | None = None  # tokens in the KV cache; None when the engine does not say
-    kv_usage: float | None = None  # the KV pool's fraction in use (summed over ranks); None: not said
+    kv_usage: float | None = None  # the KV pool's fraction in use (the ranks' mean); None: not said
     kv_capacity: int | None = None  # the KV pool's size in tokens; None: not said
     cache_hit_rate: float | None = None  # from a gauge; None without one
     cache_counters: tuple[float, float] | None = None  # (prompt tokens found cached, looked up) so far
@@ -210,6 +212,12 @@ class Engine:
     label_product: tuple[str, tuple[str, ...]] | None = None
     # Names whose label sets are not all summed (SGLang's scheduler metrics).
     series: promtext.Series | None = None
+    # Each rank's own ratio (its KV pool's fraction in use, its acceptance, its hit rate): the
+    # server's is their mean, not their sum (the ranks' pools are alike). A series of a name in
+    # `unset_at_zero` that reads 0 has no value yet (SGLang's acceptance before a rank's first
+    # speculative batch) and is left out of the mean.
+    averaged: tuple[str, ...] = ()
+    unset_at_zero: tuple[str, ...] = ()
     # SGLang refreshes its gauges every `gauge_refresh_steps` decode steps (and at prefill), and
     # while idle only every 30 s (running, queued, KV in use): values that stop moving mean an idle
     # server. vLLM's and llama.cpp's gauges are live, so a standing value is real.
@@ -267,6 +275,24 @@ class Engine:
                     out.append(promtext.Sample(s.name, s.labels, value))
             else:
                 out.append(s)
+        return out
+
+    def combined(self, found: list[promtext.Sample]) -> dict[str, float]:
+        """Each name's value over the samples that count (`own`): summed, or for `averaged` names
+        their mean (NaN left out, as from a sum)."""
+        own = self.own(found)
+        averaged = {p + n for p in self.prefixes for n in self.averaged}
+        unset = {p + n for p in self.prefixes for n in self.unset_at_zero}
+        out = promtext.summed(s for s in own if s.name not in averaged)
+        values: dict[str, list[float]] = {}
+        for s in own:
+            if s.name in averaged and not math.isnan(s.value):
+                kept = values.setdefault(s.name, [])
+                if not (s.value == 0.0 and s.name in unset):
+                    kept.append(s.value)
+        for name, kept in values.items():
+            # inf stays inf, for the range checks to refuse; every series unset reads as one would.
+            out[name] = sum(kept) / len(kept) if kept else 0.0
         return out
 
     def read(self, values: Mapping[str, float]) -> Reading:
@@ -379,7 +405,7 @@ class Engine:
     def _hit_gauge(self, values: Mapping[str, float]) -> float | None:
         if self.cache_hit_gauge is None:
             return None
-        # Summed over data-parallel ranks, as every value here: at most one a rank.
+        # The ranks' mean (Engine.averaged); the bound is kv_usage's, for a server that sums.
         return self._checked(values, self.cache_hit_gauge, 0.0, float(MAX_KV_RANKS))
 
     def _hit_counters(self, values: Mapping[str, float]) -> tuple[float, float] | None:
@@ -447,6 +473,8 @@ SGLANG = Engine(
     cache_hits_once_moved=True,
     split=(("realtime_tokens_total", "mode"),),
     series=SGLANG_SERIES,
+    averaged=("token_usage", "spec_accept_length", "cache_hit_rate"),
+    unset_at_zero=("spec_accept_length",),
     freezes_when_idle=True,
     gauge_refresh_steps=40,
     keepalive_s=5.0,  # uvicorn's default
@@ -470,6 +498,7 @@ VLLM = Engine(
     kv_usage="kv_cache_usage_perc",
     kv_capacity="cache_config_info",
     label_product=("cache_config_info", ("num_gpu_blocks", "block_size")),
+    averaged=("kv_cache_usage_perc",),
     cache_hits_counter="prefix_cache_hits_total",
     cache_queries_counter="prefix_cache_queries_total",
     stream_steps=True,
@@ -499,7 +528,7 @@ def _engine_in(text: str) -> Engine | None:
 
 
 def parse_metrics(text: str, wanted: Collection[str] | None = None, engine: Engine | None = None) -> dict[str, float]:
-    """Each wanted name's value summed over the label sets its engine counts (`Engine.own`; `engine`,
+    """Each wanted name's value over the label sets its engine counts (`Engine.combined`; `engine`,
     else the first whose names the text has). Raises ValueError on text that is not the Prometheus
     format, BadReading on more than MAX_READ_SAMPLES wanted samples."""
     try:
@@ -508,7 +537,7 @@ def parse_metrics(text: str, wanted: Collection[str] | None = None, engine: Engi
         raise BadReading(f"/metrics holds more than {MAX_READ_SAMPLES} series of the names specgate reads") from None
     if engine is None:
         engine = _engine_in(text)
-    return promtext.summed(found if engine is None else engine.own(found))
+    return promtext.summed(found) if engine is None else engine.combined(found)
 
 
 def read_metrics(text: str, engine: Engine | None = None) -> tuple[Engine | None, dict[str, float]]:

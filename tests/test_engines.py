@@ -205,6 +205,46 @@ def test_sglang_load_gauges_count_each_scheduler_once() -> None:
     assert SGLANG.load(parse_metrics("sglang:num_running_reqs 2\nsglang:num_queue_reqs 1\n")) == 3
 
 
+def test_a_ranks_ratios_are_averaged_over_the_data_parallel_ranks() -> None:
+    # Two DP ranks of 1,000 tokens each, 300 and 200 in use: the server is a quarter full, its two
+    # ranks accepting 3.0 and 2.0 a step; a rank that ran no speculative batch yet reads 0 (unset).
+    text = sglang_series(
+        'sglang:num_running_reqs{dp_rank="0",tp_rank="0"} 2',
+        'sglang:num_running_reqs{dp_rank="1",tp_rank="1"} 2',
+        'sglang:num_queue_reqs{dp_rank="0",tp_rank="0"} 0',
+        'sglang:num_used_tokens{dp_rank="0",tp_rank="0"} 300',
+        'sglang:num_used_tokens{dp_rank="1",tp_rank="1"} 200',
+        'sglang:token_usage{dp_rank="0",tp_rank="0"} 0.3',
+        'sglang:token_usage{dp_rank="1",tp_rank="1"} 0.2',
+        'sglang:max_total_num_tokens{dp_rank="0",tp_rank="0"} 1000',
+        'sglang:max_total_num_tokens{dp_rank="1",tp_rank="1"} 1000',
+        'sglang:spec_accept_length{dp_rank="0",tp_rank="0"} 3.0',
+        'sglang:spec_accept_length{dp_rank="1",tp_rank="1"} 2.0',
+        'sglang:cache_hit_rate{dp_rank="0",tp_rank="0"} 0.5',
+        'sglang:cache_hit_rate{dp_rank="1",tp_rank="1"} 0.0',
+    )
+    reading = SGLANG.read(parse_metrics(text))
+    assert (reading.kv_tokens, reading.kv_capacity) == (500, 2000)
+    assert reading.kv_usage == pytest.approx(0.25) and reading.accept_length == pytest.approx(2.5)
+    assert reading.cache_hit_rate == pytest.approx(0.25)  # 0 is a rate here, not "unset"
+    fresh = text.replace(
+        'spec_accept_length{dp_rank="1",tp_rank="1"} 2.0', 'spec_accept_length{dp_rank="1",tp_rank="1"} 0'
+    )
+    assert SGLANG.read(parse_metrics(fresh)).accept_length == pytest.approx(3.0)
+    idle = fresh.replace(
+        'spec_accept_length{dp_rank="0",tp_rank="0"} 3.0', 'spec_accept_length{dp_rank="0",tp_rank="0"} 0'
+    )
+    assert SGLANG.read(parse_metrics(idle)).accept_length is None  # no speculation on any rank
+    # vLLM's engines (its data-parallel ranks) each write their own fraction.
+    two = VLLM_TEXT + "".join(
+        f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="m"}} {u}\n' for e, u in enumerate((0.2, 0.4))
+    )
+    assert VLLM.read(parse_metrics(two)).kv_usage == pytest.approx(0.3)
+    # A rank whose ratio no server reports still spoils the reading.
+    with pytest.raises(BadReading):
+        SGLANG.read(parse_metrics(text.replace("} 2.0", "} 1e9")))
+
+
 def hit_rates(engine: Engine, scrapes: list[str]) -> list[float | None]:
     """The prefix cache hit rate read at each scrape, as the health loop keeps it."""
     h, rates = Health(), []
