@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from loadtest.simulator.cli import configs_from_args
-from loadtest.simulator.engine import Engine, Sequence, SharedGpu
+from loadtest.simulator.engine import DECODE_LOG_INTERVAL, Engine, Sequence, SharedGpu
 from loadtest.simulator.radix import PrefixCache, page_keys
 from loadtest.simulator.speed import TableSpeed
 from loadtest.simulator.steptimes import AdaptiveSteps, load_steptimes
@@ -311,3 +311,36 @@ def test_the_pair_on_one_gpu_splits_its_memory_and_the_adaptive_server_has_it_al
 def test_a_reply_resent_in_the_next_turn_counts_the_tokens_it_had() -> None:
     for n in (1, 33, 128, 1000):
         assert count_tokens(token_text(7, n)) == n
+
+
+def test_the_hit_rate_gauge_is_the_last_prefills_and_a_decode_log_zeroes_it() -> None:
+    # SGLang's gauge: set by each prefill batch, 0 at each decode log (every DECODE_LOG_INTERVAL steps).
+    cache = PrefixCache(16)
+
+    async def main() -> None:
+        e = engine(FakeSpeed(), cache=cache)
+        e.start()
+        text = b"You are a helpful assistant. " * 40
+
+        def ask(name: str, max_new_tokens: int) -> Sequence:
+            return Sequence(name, prompt_tokens=len(text) // 4, max_new_tokens=max_new_tokens, cache_data=text)
+
+        first = ask("first", 2)
+        e.submit(first)
+        await until(lambda: first.done)
+        assert e.gauges().cache_hit_rate == 0.0
+        again = ask("again", 2)
+        e.submit(again)
+        await until(lambda: again.done)
+        assert again.cached_tokens > 0
+        assert e.gauges().cache_hit_rate == pytest.approx(again.cached_tokens / again.prompt_tokens)
+        # A hit again at its prefill, then a decode log before it ends.
+        long = ask("long", DECODE_LOG_INTERVAL + 1)
+        e.submit(long)
+        await until(lambda: long.generated >= 1)
+        assert e.gauges().cache_hit_rate > 0
+        await until(lambda: long.done)
+        assert e.gauges().cache_hit_rate == 0.0
+        await e.stop()
+
+    run(main)

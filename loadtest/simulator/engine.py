@@ -31,7 +31,8 @@ acceptance of the sequence-steps since the last refresh (tokens a sequence accep
 bonus token included, before a step is cut short by max_tokens); `avg_accept_length()` (what
 /get_server_info reports) is the same mean since start, as SGLang's cumulative one.
 `cache_hit_rate` is the share of prompt tokens found cached among those prefilled since the last
-refresh.
+refresh, and a decode refresh sets it to 0, as SGLang's decode log does (its decode stats carry no
+prefill); with `live_gauges`, the share since the last refresh that prefilled any.
 """
 
 from __future__ import annotations
@@ -579,10 +580,12 @@ class Engine:
             self._log_accepted = s.decode_accepted
         hit_rate = prev.cache_hit_rate
         prompt = s.prompt_tokens_total - self._log_prompt
-        if prompt:
+        if decode and not self._live_gauges:
+            hit_rate = 0.0
+        elif prompt:
             hit_rate = (s.cached_tokens_total - self._log_cached) / prompt
-            self._log_prompt = s.prompt_tokens_total
-            self._log_cached = s.cached_tokens_total
+        self._log_prompt = s.prompt_tokens_total
+        self._log_cached = s.cached_tokens_total
         used = self.kv_tokens()
         self._reported = GaugeSnapshot(
             num_running_reqs=self.num_running,
