@@ -103,10 +103,10 @@ MAX_ACCEPT_LENGTH = 64.0
 # of them, and any rate, are noise. A server making a million tokens a second gets there in 285 years.
 MAX_COUNTER = float(2**53)
 # Tokens in one server's KV cache: an H200 node's eight GPUs hold a few million for an 8B model; a
-# billion is beyond any. A fraction of the pool in use is at most 1 (the ranks' mean,
-# Engine.averaged); a reading past it is refused only past this many, as a sum of ranks would be.
+# billion is beyond any. A fraction (of the pool in use, of prompt tokens found cached) is at most
+# 1: the ranks' mean (Engine.averaged), never their sum.
 MAX_KV_TOKENS = 1_000_000_000
-MAX_KV_RANKS = 64
+MAX_FRACTION = 1.0
 # Lines of the names the adapters read, per /metrics: each label set is one (a rank, vLLM's engine
 # index), so a real server has a few hundred at most. More is a flood, refused before the parser
 # sees it: that parser takes ~12 us a line.
@@ -400,13 +400,12 @@ class Engine:
     def _kv_usage(self, values: Mapping[str, float]) -> float | None:
         if self.kv_usage is None:
             return None
-        return self._checked(values, self.kv_usage, 0.0, float(MAX_KV_RANKS))
+        return self._checked(values, self.kv_usage, 0.0, MAX_FRACTION)
 
     def _hit_gauge(self, values: Mapping[str, float]) -> float | None:
         if self.cache_hit_gauge is None:
             return None
-        # The ranks' mean (Engine.averaged); the bound is kv_usage's, for a server that sums.
-        return self._checked(values, self.cache_hit_gauge, 0.0, float(MAX_KV_RANKS))
+        return self._checked(values, self.cache_hit_gauge, 0.0, MAX_FRACTION)
 
     def _hit_counters(self, values: Mapping[str, float]) -> tuple[float, float] | None:
         if self.cache_misses_counter is None:

@@ -240,9 +240,13 @@ def test_a_ranks_ratios_are_averaged_over_the_data_parallel_ranks() -> None:
         f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="m"}} {u}\n' for e, u in enumerate((0.2, 0.4))
     )
     assert VLLM.read(parse_metrics(two)).kv_usage == pytest.approx(0.3)
-    # A rank whose ratio no server reports still spoils the reading.
+    # A rank whose ratio no server reports still spoils the reading; a fraction is at most 1.
     with pytest.raises(BadReading):
         SGLANG.read(parse_metrics(text.replace("} 2.0", "} 1e9")))
+    with pytest.raises(BadReading, match="token_usage"):
+        SGLANG.read(parse_metrics(text.replace("} 0.2", "} 1.9")))
+    # NaN is left out of a mean, as of a sum.
+    assert SGLANG.read(parse_metrics(text.replace("} 0.2", "} NaN"))).kv_usage == pytest.approx(0.3)
 
 
 def hit_rates(engine: Engine, scrapes: list[str]) -> list[float | None]:

@@ -29,8 +29,10 @@ from loadtest.headtohead.twoclass import (
     gate_settings,
     goodput_verdict,
     hit_verdict,
+    misrouted,
     oracle_gap,
     oracle_hit_rate,
+    pinned_backends,
     pinned_settings,
     pooled_interval,
     pooled_ratio,
@@ -40,6 +42,7 @@ from loadtest.headtohead.twoclass import (
     smg_argv,
     summary_lines,
     table,
+    through_gates,
 )
 from loadtest.kit.processes import at_time_scale
 from loadtest.kit.settings import DURATIONS, specgate_env
@@ -491,3 +494,36 @@ def test_the_hop_is_all_base_through_its_gate_over_the_baseline_straight() -> No
     dark = dataclasses.replace(runs[0], targets={**runs[0].targets, DIRECT: tc(DIRECT, 1.0, False)})
     assert f"the hop at 1k/32: all-base / {DIRECT} unknown" in summary_lines([dark])
     assert not any(x.startswith("the hop") for x in summary_lines([cell(10, 8, 9.8, split=False)]))
+
+
+def test_pinned_gates_front_their_targets_pair_with_the_other_role_closed() -> None:
+    plan = ClassPlan(gates=("features",), fixed_through="specgate")
+    pairs = {t: {"speculative": f"http://s-{t}", "baseline": f"http://b-{t}"} for t in plan.targets}
+    gates = pinned_backends(plan, pairs, "http://closed")
+    assert gates == {
+        ("all-spec", "speculative"): {"speculative": "http://s-all-spec", "baseline": "http://closed"},
+        ("all-base", "baseline"): {"speculative": "http://closed", "baseline": "http://b-all-base"},
+        ("split", "baseline"): {"speculative": "http://closed", "baseline": "http://b-split"},
+        ("split", "speculative"): {"speculative": "http://s-split", "baseline": "http://closed"},
+    }
+    urls, class_urls = through_gates({k: f"http://gate-{k[0]}-{k[1]}" for k in gates})
+    assert urls == {
+        "all-spec": "http://gate-all-spec-speculative",
+        "all-base": "http://gate-all-base-baseline",
+        "split": "http://gate-split-speculative",
+    }
+    assert class_urls == {"split": {"A": "http://gate-split-baseline", "B": "http://gate-split-speculative"}}
+    one = ClassPlan(gates=("features",), fixed_through="specgate", classes="A")
+    assert set(pinned_backends(one, pairs, "http://closed")) == {("all-spec", "speculative"), ("all-base", "baseline")}
+    assert through_gates({("all-base", "baseline"): "http://g"}) == ({"all-base": "http://g"}, {})
+
+
+def test_a_request_a_pinned_gate_sent_to_the_other_role_is_counted() -> None:
+    def result(backend: str | None, traffic_class: str = "A") -> RequestResult:
+        return RequestResult(started=0.0, ok=backend is not None, backend=backend, traffic_class=traffic_class)
+
+    assert misrouted("all-base", [result("baseline"), result(None), result("speculative")]) == 1
+    assert misrouted("all-spec", [result("speculative"), result("baseline"), result("baseline")]) == 2
+    split = [result("baseline", "A"), result("speculative", "B"), result("speculative", "A")]
+    assert misrouted("split", split) == 1
+    assert misrouted("features", [result("speculative"), result("baseline")]) == 0  # not pinned

@@ -22,6 +22,10 @@ one pair per target:
   smg        with --smg BINARY: SGLang's gateway (`smg launch --policy cache_aware`) in front of the
              pair, both servers as plain workers (its hit rate beside specgate's).
 
+With --fixed-through specgate, all-spec, all-base and each class of the split reach their server
+through a specgate pinned to it (the other role a closed port), paying the hop the specgates pay,
+and base-direct, the baseline server straight, runs beside them: all-base / base-direct is the hop.
+
 specgate's watermarks and curves come from a fresh pair calibrated per context with the same two
 classes (`loadtest calibrate --save`, no think time) at 4, 16, 64 and 256 streams, up to the first
 that reaches the top --sessions, so that the crossover is bracketed; so does each class's
@@ -91,6 +95,9 @@ SPLIT = "split"
 CONTROL = "control"
 NOISE_OF = "features"
 SPLIT_ROLES = {"A": "baseline", "B": "speculative"}
+ROLES = ("speculative", "baseline")
+# With --fixed-through specgate: the role each fixed target's gate is pinned to.
+PINNED = (("all-spec", "speculative"), ("all-base", "baseline"))
 # --fixed-through specgate: each fixed target (and each class of the split) reaches its server through
 # a specgate pinned to that server's role, so that the fixed choices pay the same hop as the
 # specgates they are compared with; and this target, the pair's baseline server straight, beside
@@ -248,7 +255,7 @@ def pinned_settings(role: str) -> dict[str, object]:
     """specgate's settings (Settings' fields) for a gate that sends every request to the server of
     `role` (--fixed-through specgate): today's threshold rule with watermarks no load crosses (all
     speculative) or at 0 (all baseline), no classes, no affinity, no probes (threshold sends none)."""
-    if role not in ("speculative", "baseline"):
+    if role not in ROLES:
         raise ValueError(f"{role!r} is not a role")
     mark = PINNED_SPECULATIVE if role == "speculative" else 0
     return {"policy": "threshold", "class_key": "none", "affinity_entries": 0, "high_watermark": mark,
@@ -504,26 +511,53 @@ def start_pinned_gates(
     urls: dict[str, str],
     class_urls: dict[str, dict[str, str]],
 ) -> None:
-    """--fixed-through specgate: a gate pinned to each fixed target's server (pinned_settings), and
-    one to each of the split's, every one in front of its target's pair; `urls` and `class_urls`
-    then lead through them."""
-    wanted = [(t, r) for t, r in (("all-spec", "speculative"), ("all-base", "baseline")) if t in plan.targets]
-    if SPLIT in plan.targets:
-        wanted += [(SPLIT, r) for r in sorted(set(SPLIT_ROLES.values()))]
+    """--fixed-through specgate: a gate pinned to each fixed target's server and one to each of
+    the split's (pinned_backends); `urls` and `class_urls` then lead through them (through_gates)."""
     via: dict[tuple[str, str], str] = {}
-    for target, role in wanted:
-        pair = pairs[target]
+    for (target, role), backends in pinned_backends(plan, pairs, f"http://127.0.0.1:{free_port()}").items():
         port = free_port()
         via[target, role] = f"http://127.0.0.1:{port}"
-        env = specgate_env(port, pair["speculative"], pair["baseline"], time_scale)
+        env = specgate_env(port, backends["speculative"], backends["baseline"], time_scale)
         settings = {**pinned_settings(role), "topology": plan.topology}
         env |= {f"SPECGATE_{k.upper()}": str(v) for k, v in settings.items()}
         fleet.start(f"specgate-pinned-{target}-{role}", ["-m", "proxy"], [via[target, role] + "/ready"], env)
     fleet.ready()
-    for (target, _), url in via.items():
-        urls[target] = url
+    gated, gated_classes = through_gates(via)
+    urls |= gated
+    class_urls |= gated_classes
+
+
+def pinned_backends(
+    plan: ClassPlan, pairs: dict[str, dict[str, str]], closed: str
+) -> dict[tuple[str, str], dict[str, str]]:
+    """(target, role) -> the servers of the gate pinned to that role in front of the target's pair:
+    its role's server, and for the other role `closed`, a port nothing listens on. A request the
+    gate cannot serve on its role (that server down, a failed attempt, a batch request) then fails
+    as it would sent straight, and never reaches the other server."""
+    wanted = [(t, r) for t, r in PINNED if t in plan.targets]
     if SPLIT in plan.targets:
-        class_urls[SPLIT] = {c: via[SPLIT, r] for c, r in SPLIT_ROLES.items()}
+        wanted += [(SPLIT, r) for r in sorted(set(SPLIT_ROLES.values()))]
+    return {(t, r): {role: pairs[t][r] if role == r else closed for role in ROLES} for t, r in wanted}
+
+
+def through_gates(via: dict[tuple[str, str], str]) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """The targets' URLs and the split's per class, given each pinned gate's URL by (target, role)."""
+    urls = {t: url for (t, _), url in via.items() if t != SPLIT}
+    if not any(t == SPLIT for t, _ in via):
+        return urls, {}
+    urls[SPLIT] = via[SPLIT, SPLIT_ROLES["B"]]
+    return urls, {SPLIT: {c: via[SPLIT, r] for c, r in SPLIT_ROLES.items()}}
+
+
+def misrouted(target: str, results: Sequence[RequestResult]) -> int:
+    """With --fixed-through specgate: the target's requests a gate says it sent to the role it was
+    not pinned to (pinned_backends makes that fail; this checks it did)."""
+    want = dict(PINNED).get(target)
+    count = 0
+    for r in results:
+        role = want if target != SPLIT else SPLIT_ROLES.get(r.traffic_class)
+        count += r.backend is not None and role is not None and r.backend != role
+    return count
 
 
 def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, quiet: bool) -> ClassCell:
@@ -546,6 +580,11 @@ def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, qu
         stats = run.stats(slo, plan.min_requests)
         everything = summarise_class("all", run.results, run.t0, run.t1, slo)
         targets[name] = target_cell(name, stats, everything, t, cap.mean_queued(name))
+        wrong = misrouted(name, run.results) if plan.gated_fixed else 0
+        if wrong:
+            # Not the fixed choice it stands for: nothing is concluded from it.
+            targets[name] = dataclasses.replace(targets[name], conclusive=False)
+            say(f"    warning: {wrong} of {name}'s requests reached the role its gate is not pinned to", quiet)
         per_class[name] = {c.name: (s.goodput_req_s or 0.0) / t for c in plan.traffic()
                            if (s := stats.classes.get(c.name)) is not None}  # fmt: skip
         for c in plan.traffic():
@@ -792,7 +831,8 @@ def hop_line(runs: Sequence[ClassCell]) -> str | None:
     if not known:
         return f"all-base / {DIRECT} unknown"
     pooled = sum(a for a, _ in known) / sum(b for _, b in known)
-    interval = _interval(known)
+    ran = sum(1 for c in runs if DIRECT in c.targets)
+    interval = _interval(known) if ran - len(known) <= POOLED_MAX_UNKNOWN * ran else None
     extra = "" if interval is None else f" ({CONFIDENCE:.0%} interval {interval[0]:.2f}x-{interval[1]:.2f}x)"
     return f"all-base / {DIRECT} pooled {pooled:.2f}x{extra} over {len(known)} of {len(runs)} runs"
 
