@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -124,6 +125,14 @@ class LlamaServer(Proc):
     port: int
     url: str
     log_path: Path
+    # The log is a temporary file start_llama made: removed once the server stopped.
+    owns_log: bool = False
+
+    def stop(self, timeout_s: float = 10.0, sig: int = signal.SIGTERM) -> int:
+        code = super().stop(timeout_s, sig)
+        if self.owns_log:
+            self.log_path.unlink(missing_ok=True)
+        return code
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -147,9 +156,10 @@ def start_llama(
     timeout_s: float = 120.0,
 ) -> LlamaServer:
     """Start one llama-server; with `wait`, return once its /health answers 200 (see `wait_ready`).
-    Its output goes to `log_path` (a new temporary file by default)."""
+    Its output goes to `log_path` (by default a temporary file, removed when the server stops)."""
     binary = server_binary()
     port = port or free_port(host)
+    owns_log = log_path is None
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"llama-{role}-{port}-", suffix=".log")
         os.close(fd)
@@ -166,7 +176,7 @@ def start_llama(
     )
     with log_path.open("wb") as log:
         popen = subprocess.Popen([str(binary), *args], stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    server = LlamaServer(f"llama-{role}", popen, role, port, f"http://{host}:{port}", log_path)
+    server = LlamaServer(f"llama-{role}", popen, role, port, f"http://{host}:{port}", log_path, owns_log)
     if wait:
         wait_ready(server, timeout_s)
     return server
@@ -183,8 +193,9 @@ def wait_ready(server: LlamaServer, timeout_s: float = 120.0) -> None:
                 + server.log_tail()
             )
         if time.monotonic() > deadline:
+            tail = server.log_tail()  # before stop() removes a log of its own
             server.stop()
-            raise RuntimeError(f"llama-server ({server.role}) not ready within {timeout_s:g} s:\n{server.log_tail()}")
+            raise RuntimeError(f"llama-server ({server.role}) not ready within {timeout_s:g} s:\n{tail}")
         time.sleep(0.05)
 
 

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from loadtest.llamacpp import LlamaServer
 from loadtest.procs import free_port
 
 from .conftest import StartSim, StartStack
@@ -196,3 +197,16 @@ def test_a_sigterm_stops_what_the_command_started() -> None:
     while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(f"/proc/{child}").exists()
+
+
+def test_a_llama_servers_own_log_is_removed_when_it_stops_and_a_given_one_kept(tmp_path: Path) -> None:
+    # Every start of the real-engine tier used to leave its log in the temporary directory.
+    for owns in (True, False):
+        log = tmp_path / f"llama-{owns}.log"
+        log.write_bytes(b"loading model\n")
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        server = LlamaServer("llama-baseline", proc, "baseline", 1, "http://127.0.0.1:1", log, owns)
+        assert server.log_tail() == "loading model"
+        server.stop()
+        assert proc.poll() is not None
+        assert log.exists() is not owns
