@@ -38,6 +38,7 @@ from loadtest.headtohead.twoclass import (
     pooled_ratio,
     pooled_split,
     pooled_verdict,
+    returned_share,
     runs_verdict,
     smg_argv,
     summary_lines,
@@ -322,8 +323,7 @@ def test_a_specgate_that_served_where_neither_fixed_target_did_met_its_target() 
     # Its copy served none: luck, not the policy.
     assert goodput_verdict(with_control(c, 0.0), "features") == "unknown"
     assert goodput_verdict(with_control(c, 0.5), "features") == "met"
-    # Nobody served, or a fixed figure inconclusive: nothing known.
-    assert goodput_verdict(cell(0.0, 0.0, 0.0, split=False), "features") == "unknown"
+    # A fixed figure inconclusive: nothing known.
     assert goodput_verdict(cell(0.0, 0.0, 1.5, split=False, conclusive=False), "features") == "unknown"
     runs = [dataclasses.replace(c, seed=i) for i in range(2)]
     assert "features at 1k/32 over 2 runs (seeds 0, 1): served, fixed 0, served, fixed 0; pooled unknown: met" in (
@@ -344,6 +344,65 @@ def test_hit_verdict_within_five_points_of_the_oracle() -> None:
     for name in c.targets:
         c.targets[name] = dataclasses.replace(c.targets[name], goodput_req_s=0.0)
     assert hit_verdict(c, "features") == "unknown"
+    # ...unless every later turn went back to its session's server: then its routing was the
+    # oracle's, and so was its hit rate, with these servers' caches.
+    assert hit_verdict(dataclasses.replace(c, returned={"features": 1.0}), "features") == "met"
+    assert hit_verdict(dataclasses.replace(c, returned={"features": 0.99}), "features") == "unknown"
+    assert hit_verdict(dataclasses.replace(c, returned={"features": None}), "features") == "unknown"
+
+
+def test_where_nobody_met_the_slos_throughput_decides() -> None:
+    # 128 conversations of 8k on one GPU: no routing meets the SLOs for any request.
+    def overloaded(spec_tok_s: float, base_tok_s: float, gate_tok_s: float, conclusive: bool = True) -> ClassCell:
+        c = cell(0.0, 0.0, 0.0, split=False)
+        tok = {"all-spec": spec_tok_s, "all-base": base_tok_s}
+        targets = {n: dataclasses.replace(t, output_tok_s=tok.get(n, gate_tok_s)) for n, t in c.targets.items()}
+        targets["all-base"] = dataclasses.replace(targets["all-base"], conclusive=conclusive)
+        return dataclasses.replace(c, targets=targets)
+
+    assert overloaded(500, 1000, 990).throughput_ratio("features") == pytest.approx(0.99)
+    assert goodput_verdict(overloaded(500, 1000, 990), "features") == "met"
+    assert goodput_verdict(overloaded(500, 1000, 900), "features") == "missed"
+    assert goodput_verdict(overloaded(500, 1000, 990, conclusive=False), "features") == "unknown"
+    # With a control, by more than the copies' distance in throughput.
+    c = overloaded(500, 1000, 1000)
+    copy = dataclasses.replace(c.targets["features"], target=CONTROL, output_tok_s=1050.0)
+    noisy = dataclasses.replace(c, targets={**c.targets, CONTROL: copy})
+    assert noisy.throughput_noise() == pytest.approx(0.05)
+    assert goodput_verdict(noisy, "features") == "unknown"  # 1.00 - 0.05 < 0.97
+    assert "nobody served, tok/s 0.99x (met)" in table(ClassPlan(), [overloaded(500, 1000, 990)])
+    # Anyone who served some: goodput decides, as before.
+    assert (
+        goodput_verdict(
+            dataclasses.replace(
+                overloaded(500, 1000, 2000),
+                targets={**overloaded(500, 1000, 2000).targets, "all-base": tc("all-base", 1.0)},
+            ),
+            "features",
+        )
+        == "missed"
+    )
+
+
+def test_a_turn_back_on_its_sessions_role_is_counted_over_the_window() -> None:
+    def turn(session: str, n: int, backend: str | None, started: float = 1.0, ok: bool = True) -> RequestResult:
+        return RequestResult(started=started, ok=ok, backend=backend, session=session, turn=n)
+
+    results = [
+        turn("a", 1, "speculative", started=-1.0),  # before the window: a turn before, not counted
+        turn("a", 2, "speculative"),
+        turn("a", 3, "baseline"),  # moved
+        turn("b", 1, "baseline"),
+        turn("b", 2, "baseline"),
+        turn("c", 2, "baseline"),  # its turn before is unknown
+        turn("d", 1, None),
+        turn("d", 2, "baseline"),  # its turn before named no role
+        turn("e", 1, "baseline"),
+        turn("e", 2, "speculative", ok=False),  # failed: not counted
+    ]
+    assert returned_share(results, 0.0, 10.0) == pytest.approx(2 / 3)
+    assert returned_share(results[:2], 0.0, 10.0) == 1.0
+    assert returned_share([turn("x", 1, None), turn("x", 2, None)], 0.0, 10.0) is None
 
 
 def test_features_hit_rate_against_smgs_each_against_its_own_oracle() -> None:

@@ -300,6 +300,9 @@ class ClassCell:
     seed: int = 0
     # Where the machine was too busy for its timings to be trusted (kit.sampling.cpu_use), why.
     cpu_warning: str | None = None
+    # Per target: the share of its later turns served by the role that served the session's turn
+    # before (returned_share); None where no response named its role (the fixed targets).
+    returned: dict[str, float | None] = field(default_factory=dict)
 
     def best_fixed(self) -> float | None:
         """The better of all-spec's and all-base's goodput, None when either is inconclusive."""
@@ -314,6 +317,25 @@ class ClassCell:
         if best is None or not t.conclusive or best < NO_GOODPUT:
             return None
         return t.goodput_req_s / best
+
+    def throughput_ratio(self, target: str) -> float | None:
+        """The target's output tokens a second over the better fixed target's (None: a figure
+        inconclusive or none): what counts where no routing met the SLOs (goodput_verdict)."""
+        fixed = [self.targets[n] for n in FIXED]
+        t = self.targets[target]
+        best = max(f.output_tok_s for f in fixed)
+        if not (t.conclusive and all(f.conclusive for f in fixed)) or best <= 0:
+            return None
+        return t.output_tok_s / best
+
+    def throughput_noise(self) -> float | None:
+        """noise() in output tokens a second."""
+        if CONTROL not in self.targets:
+            return 0.0
+        t, c = self.targets[NOISE_OF], self.targets[CONTROL]
+        if not (t.conclusive and c.conclusive) or t.output_tok_s <= 0:
+            return None
+        return abs(c.output_tok_s / t.output_tok_s - 1.0)
 
     def served_alone(self, target: str) -> bool:
         """Whether the target met the SLOs for some requests where neither fixed target met them for
@@ -380,9 +402,14 @@ def goodput_verdict(cell: ClassCell, target: str) -> Verdict:
     split, else >= FLOOR) by more than the run's noise (ClassCell.noise; 0 without a control),
     unknown when a figure is inconclusive or the ratio is within the noise of its target. Met too
     where it met the SLOs for some requests and neither fixed target for any (served_alone), and so
-    did the control, where there is one: what no fixed choice served is not noise."""
+    did the control, where there is one: what no fixed choice served is not noise. Where no target
+    met the SLOs for any request (nobody_served: no routing of these servers serves that load within
+    them), goodput is 0 for every routing and tells none apart: the target's output tokens a second
+    over the better fixed target's must then clear FLOOR (by more than the same noise in them)."""
     if cell.served_alone(target) and (CONTROL not in cell.targets or cell.served_alone(CONTROL)):
         return "met"
+    if nobody_served(cell):
+        return _floor(cell.throughput_ratio(target), cell.throughput_noise())
     r, split, noise = cell.ratio(target), cell.split(), cell.noise()
     if r is None or split is None or noise is None:
         return "unknown"
@@ -392,14 +419,48 @@ def goodput_verdict(cell: ClassCell, target: str) -> Verdict:
     return "missed" if r + noise < goal else "unknown"
 
 
+def _floor(ratio: float | None, noise: float | None) -> Verdict:
+    """met/missed FLOOR by more than the noise, else unknown."""
+    if ratio is None or noise is None:
+        return "unknown"
+    if ratio - noise >= FLOOR:
+        return "met"
+    return "missed" if ratio + noise < FLOOR else "unknown"
+
+
 def hit_verdict(cell: ClassCell, target: str) -> Verdict:
     """met/missed: the target's hit rate within HIT_POINTS of the oracle's on its own requests;
-    unknown where nobody met the SLOs: there every pool overflows, and no server can come near an
-    oracle that evicts nothing."""
+    met too where it sent every later turn back to the role of its session's turn before (one
+    server a role): its routing was then the oracle's, whose hit rate with these servers' caches is
+    its own, however far below the estimate of one that evicts nothing (oracle_hit_rate); else
+    unknown where nobody met the SLOs: there every pool overflows, and no server can come near
+    that estimate."""
+    if cell.returned.get(target) == 1.0:
+        return "met"
     gap = oracle_gap(cell, target)
     if gap is None or nobody_served(cell):
         return "unknown"
     return "met" if gap <= HIT_POINTS else "missed"
+
+
+def returned_share(results: Sequence[RequestResult], t0: float, t1: float) -> float | None:
+    """The share of the good later turns started in [t0, t1] whose response named the role that
+    served the session's turn before (x-specgate-backend); None where none can be told (no
+    response named its role, or no later turn with a named turn before it)."""
+    by_session: dict[str, dict[int, RequestResult]] = {}
+    for r in results:
+        if r.ok:
+            by_session.setdefault(r.session, {})[r.turn] = r
+    same = known = 0
+    for r in results:
+        if not (r.ok and t0 <= r.started < t1 and r.turn > 1 and r.backend is not None):
+            continue
+        prev = by_session[r.session].get(r.turn - 1)
+        if prev is None or prev.backend is None:
+            continue
+        known += 1
+        same += prev.backend == r.backend
+    return same / known if known else None
 
 
 def nobody_served(cell: ClassCell) -> bool:
@@ -575,6 +636,7 @@ def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, qu
     targets: dict[str, TargetCell] = {}
     per_class: dict[str, dict[str, float]] = {}
     oracle: dict[str, float | None] = {}
+    returned: dict[str, float | None] = {}
     for name in plan.targets:
         run = cap.runs[name]
         stats = run.stats(slo, plan.min_requests)
@@ -590,7 +652,10 @@ def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, qu
         for c in plan.traffic():
             per_class[name].setdefault(c.name, 0.0)
         oracle[name] = oracle_hit_rate(run.results, run.t0, run.t1, system)
-    cell = ClassCell(context, sessions, t, targets, per_class, oracle, cpu.machine_busy_mean, plan.seed, cpu.warning)
+        returned[name] = returned_share(run.results, run.t0, run.t1)
+    cell = ClassCell(
+        context, sessions, t, targets, per_class, oracle, cpu.machine_busy_mean, plan.seed, cpu.warning, returned
+    )
     figures = ", ".join(f"{n} {c.goodput_req_s:.2f}{'' if c.conclusive else '*'}" for n, c in targets.items())
     say(f"    goodput {figures}; CPU {cpu.machine_busy_mean:.0%}", quiet)
     if cpu.warning:
@@ -619,8 +684,13 @@ def _ratio(value: float | None) -> str:
 
 
 def _vs_best(c: ClassCell, target: str) -> str:
-    """The target's ratio to the better fixed target, or that it served alone (ClassCell.served_alone)."""
-    return "served, fixed 0" if c.served_alone(target) else _ratio(c.ratio(target))
+    """The target's ratio to the better fixed target, or that it served alone (ClassCell.served_alone),
+    or where nobody served, its throughput's (goodput_verdict)."""
+    if c.served_alone(target):
+        return "served, fixed 0"
+    if nobody_served(c):
+        return f"nobody served, tok/s {_ratio(c.throughput_ratio(target))}"
+    return _ratio(c.ratio(target))
 
 
 def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
@@ -636,7 +706,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         + " | ".join(f"{n} / best" for n in gates)
         + " | features / adaptive | hit "
         + " / ".join(plan.targets)
-        + " | oracle (features) | features to spec |"
+        + " | oracle (features) | features to spec | features back on its role |"
         + (" short of own oracle, features / smg |" if "smg" in plan.targets else "")
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -656,7 +726,8 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
             + " | ".join(f"{_vs_best(c, n)} ({goodput_verdict(c, n)})" for n in gates)
             + f" | {_ratio(c.versus('features', 'adaptive')) if 'adaptive' in c.targets else '-'} | "
             + " / ".join(_hit(c.targets[n].prefix_cache_hit_rate) if n in c.targets else "-" for n in plan.targets)
-            + f" | {_hit(c.oracle_hit.get('features'))} | {'-' if share is None else f'{share:.0%}'} |"
+            + f" | {_hit(c.oracle_hit.get('features'))} | {'-' if share is None else f'{share:.0%}'} | "
+            + f"{_hit(c.returned.get('features'))} |"
             + (
                 f" {_points(oracle_gap(c, 'features'))} / {_points(oracle_gap(c, 'smg'))} |"
                 if "smg" in plan.targets
@@ -670,7 +741,9 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         f"the better fixed target beyond {TIE:.0%}; free split: each class on its better fixed target, summed, "
         f"over the better fixed target (a split that left each class as well off as it was there); X / best: "
         f"X's goodput over the better of all-spec and all-base, (met/missed) >= {SPLIT_GAIN:g}x where split, "
-        f"else >= {FLOOR:g}x"
+        f"else >= {FLOOR:g}x; where nobody met the SLOs, X's output tokens a second over the better fixed "
+        f"target's, >= {FLOOR:g}x; back on its role: later turns on the role of their session's turn before "
+        "(1: the oracle's routing, its hit rate met)"
         + (f", by more than |{CONTROL} / {NOISE_OF} - 1|, else unknown" if CONTROL in plan.targets else "")
         + (
             f"; all-spec, all-base and the split through a specgate pinned to their server, {DIRECT} the "
