@@ -269,15 +269,21 @@ def pinned_settings(role: str) -> dict[str, object]:
 # Scoring: pure
 
 
+def good_turns(results: Sequence[RequestResult]) -> dict[str, dict[int, RequestResult]]:
+    """Each session's good requests by turn (every one, the window's and the turns before it)."""
+    by_session: dict[str, dict[int, RequestResult]] = {}
+    for r in results:
+        if r.ok:
+            by_session.setdefault(r.session, {})[r.turn] = r
+    return by_session
+
+
 def oracle_hit_rate(results: Sequence[RequestResult], t0: float, t1: float, system_tokens: int) -> float | None:
     """The prefix-cache hit rate of an oracle that sends every turn back to the server of its
     session's last turn, where nothing is evicted, over the good requests started in [t0, t1] that
     reported cached tokens (as the measured rate): a first turn finds the shared system prompt
     cached, a later one the previous turn's prompt and reply; whole pages only."""
-    by_session: dict[str, dict[int, RequestResult]] = {}
-    for r in results:
-        if r.ok:
-            by_session.setdefault(r.session, {})[r.turn] = r
+    by_session = good_turns(results)
     cached = prompts = 0
     for r in results:
         if not (r.ok and t0 <= r.started < t1 and r.cached_tokens is not None):
@@ -449,10 +455,7 @@ def returned_share(results: Sequence[RequestResult], t0: float, t1: float) -> fl
     """The share of the good later turns started in [t0, t1] whose response named the role that
     served the session's turn before (x-specgate-backend); None where none can be told (no
     response named its role, or no later turn with a named turn before it)."""
-    by_session: dict[str, dict[int, RequestResult]] = {}
-    for r in results:
-        if r.ok:
-            by_session.setdefault(r.session, {})[r.turn] = r
+    by_session = good_turns(results)
     same = known = 0
     for r in results:
         if not (r.ok and t0 <= r.started < t1 and r.turn > 1 and r.backend is not None):
