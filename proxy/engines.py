@@ -277,12 +277,19 @@ class Engine:
                 out.append(s)
         return out
 
+    @functools.cached_property
+    def _averaged_names(self) -> tuple[frozenset[str], frozenset[str]]:
+        """`averaged` and `unset_at_zero` under each prefix."""
+        return (
+            frozenset(p + n for p in self.prefixes for n in self.averaged),
+            frozenset(p + n for p in self.prefixes for n in self.unset_at_zero),
+        )
+
     def combined(self, found: list[promtext.Sample]) -> dict[str, float]:
         """Each name's value over the samples that count (`own`): summed, or for `averaged` names
         their mean (NaN left out, as from a sum)."""
         own = self.own(found)
-        averaged = {p + n for p in self.prefixes for n in self.averaged}
-        unset = {p + n for p in self.prefixes for n in self.unset_at_zero}
+        averaged, unset = self._averaged_names
         out = promtext.summed(s for s in own if s.name not in averaged)
         values: dict[str, list[float]] = {}
         for s in own:

@@ -908,11 +908,7 @@ def hop_line(runs: Sequence[ClassCell]) -> str | None:
         return None
     if not known:
         return f"all-base / {DIRECT} unknown"
-    pooled = sum(a for a, _ in known) / sum(b for _, b in known)
-    ran = sum(1 for c in runs if DIRECT in c.targets)
-    interval = _interval(known) if ran - len(known) <= POOLED_MAX_UNKNOWN * ran else None
-    extra = "" if interval is None else f" ({CONFIDENCE:.0%} interval {interval[0]:.2f}x-{interval[1]:.2f}x)"
-    return f"all-base / {DIRECT} pooled {pooled:.2f}x{extra} over {len(known)} of {len(runs)} runs"
+    return f"all-base / {DIRECT} " + _pooled_over(known, sum(1 for c in runs if DIRECT in c.targets), len(runs))
 
 
 def direct_line(runs: Sequence[ClassCell]) -> str:
@@ -927,12 +923,16 @@ def direct_line(runs: Sequence[ClassCell]) -> str:
         if CONTROL in c.targets and c.versus(CONTROL, DIRECT) is not None:
             goodput = (goodput + c.targets[CONTROL].goodput_req_s) / 2
         known.append((goodput, c.targets[DIRECT].goodput_req_s))
-    if not known:
-        return "unknown"
+    return _pooled_over(known, len(runs), len(runs)) if known else "unknown"
+
+
+def _pooled_over(known: Sequence[tuple[float, float]], ran: int, runs: int) -> str:
+    """sum(a) / sum(b) over the (a, b) pairs known, with its interval (_interval) where at most
+    POOLED_MAX_UNKNOWN of the `ran` runs that could know one did not; `runs` in all."""
     pooled = sum(a for a, _ in known) / sum(b for _, b in known)
-    interval = _interval(known) if len(runs) - len(known) <= POOLED_MAX_UNKNOWN * len(runs) else None
+    interval = _interval(known) if ran - len(known) <= POOLED_MAX_UNKNOWN * ran else None
     extra = "" if interval is None else f" ({CONFIDENCE:.0%} interval {interval[0]:.2f}x-{interval[1]:.2f}x)"
-    return f"pooled {pooled:.2f}x{extra} over {len(known)} of {len(runs)} runs"
+    return f"pooled {pooled:.2f}x{extra} over {len(known)} of {runs} runs"
 
 
 def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
