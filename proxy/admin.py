@@ -17,7 +17,7 @@ from . import access
 from .config import redact_url
 from .errors import ApiError
 from .gate import Gate
-from .policy import ROLES
+from .policy import LEARNING, ROLES, Role
 from .routing import Router
 
 router = APIRouter()
@@ -126,6 +126,7 @@ def describe(gate: Gate) -> dict[str, Any]:
             # forecast, the footprint as it is.
             "kv_forecast_growth_tok_s": None if g.footprint is None else round(max(0.0, g.footprint.rate())),
             "watermarks_in_effect": {"high": g.policy_cfg().high_watermark, "low": g.policy_cfg().low_watermark},
+            "kv_spill": _spill(g),
             "servers": {role: list(g.group.of(role)) for role in ROLES},
             **({"adaptive": g.adaptive.describe(g.now())} if g.adaptive is not None else {}),
             **({"model": g.speed.describe()} if g.speed is not None else {}),
@@ -207,6 +208,19 @@ async def models(request: Request) -> Response:
     if not seen:
         raise ApiError(502, "No backend listed its models.", "server_error", "upstream_unavailable")
     return _json({"object": "list", "data": list(seen.values())}, headers={"x-request-id": request_id(request)})
+
+
+def _spill(g: Router) -> dict[str, object]:
+    """The spill to speculation once the baseline's KV pools are full (policy.kv_spill): whether it
+    is on, its fractions, and each role's pools as the rule reads them (None: unknown)."""
+    base, spec = g.kv_used(Role.BASELINE), g.kv_used(Role.SPECULATIVE)
+    return {
+        "on": g.cfg.kv_spill_at > 0 and g.cfg.policy in LEARNING,
+        "at": g.cfg.kv_spill_at,
+        "room": g.cfg.kv_spill_room,
+        "baseline_least_used": None if base is None else round(base[0], 3),
+        "speculative_most_used": None if spec is None else round(spec[1], 3),
+    }
 
 
 def _classes(tracked: dict[str, dict[str, Any]], router: Router) -> dict[str, dict[str, Any]]:

@@ -141,6 +141,11 @@ class Settings(BaseSettings):
     # Among a role's servers under the model policy (affinity.py): a turn moves only where both the
     # priced rule and the one by requests in flight would move it, by default.
     affinity_rule: AffinityRule = "both"
+    # adaptive and model: once every baseline server's KV pool is at least this full, a request for
+    # the baseline goes to the speculative role while its pools are under kv_spill_room (policy.py;
+    # 0: never).
+    kv_spill_at: float = Field(0.9, ge=0, le=1)
+    kv_spill_room: float = Field(0.6, gt=0, le=1)
     # Traffic classes (proxy/classes.py): what names a request's class, and how many are tracked.
     class_key: ClassKey = "header"
     max_classes: int = Field(32, ge=1, le=1000)
@@ -259,6 +264,8 @@ class Settings(BaseSettings):
             accept_fresh_s=max(10.0, 3 * self.health_interval_s),
             affinity_slack=self.affinity_slack,
             affinity_rule=self.affinity_rule,
+            kv_spill_at=self.kv_spill_at,
+            kv_spill_room=self.kv_spill_room,
         )
 
     def adaptive_config(self) -> AdaptiveConfig:
@@ -284,6 +291,10 @@ class Settings(BaseSettings):
             self.routing_topology()
         except ValueError as exc:
             raise ValueError(f"SPECGATE_SPECULATIVE_URL / SPECGATE_BASELINE_URL: {exc}") from None
+        if self.kv_spill_at > 0 and self.kv_spill_room > self.kv_spill_at:
+            raise ValueError(
+                f"SPECGATE_KV_SPILL_ROOM ({self.kv_spill_room}) must be <= SPECGATE_KV_SPILL_AT ({self.kv_spill_at})"
+            )
         if self.protect_metrics and not self.admin_keys:
             raise ValueError("SPECGATE_PROTECT_METRICS needs SPECGATE_ADMIN_KEYS")
         if self.low_watermark > self.high_watermark:

@@ -92,6 +92,31 @@ H200, 8k-token chats at 32 sessions, 12 s windows, seeds 0-3, 0.61, 0.44, 0.38 a
 all-baseline's goodput against 1.03, 0.91, 0.76 and 0.74 with the switch (48 s windows, seeds 0
 and 1: 5.27 and 4.94 requests a second against 5.27 and 5.08).
 
+the baseline's memory, under the policies that learn: once every baseline server's KV pool is full,
+a new request waits there for memory however fast its steps would be, while the speculative
+servers' pools may stand half empty (on a shared GPU each server has a pool of its own). So a
+request the mode or its class sends to the baseline goes to the speculative role instead when
+
+    min_b u_b >= F   and   max_s u_s < (F if its conversation's cache is on the speculative role, else R)
+    and its conversation's cache is not on the baseline, and the speculative role is up
+                                                                                (reason kv_spill)
+
+u a server's KV pool in use: the larger of its engine's reading (SGLang token_usage, vLLM
+kv_cache_usage_perc) and this gateway's tokens in flight there over the pool's size (the reading
+is a scrape old, and what was sent since is in the second), unknown (no spill) where neither is
+known; F SPECGATE_KV_SPILL_AT (0: off), R SPECGATE_KV_SPILL_ROOM. New conversations spill only while
+the speculative pools are under R, leaving room for those there to grow; a conversation already
+spilled keeps its cache while they are under F. A conversation whose cache is on the baseline waits
+there: a move would prefill it again into the pool that has room, which costs more than waiting
+for memory where it is cached. Probes, batch requests, failovers and stored responses never spill.
+Measured on the simulated H200 pair, 8k-token chats at 128 sessions (the baseline's 419k tokens
+full, the speculative server's 229k all but empty under the mode), 12 s windows, seeds 0-2: with
+F 0.9 and R 0.6, 26-30% of requests spilled, 0.07-0.23 requests a second met the SLOs where
+neither fixed choice served one, and 1.03-1.32x the better fixed choice's output tokens a second
+(R 0.8: 22-36%, 0.07-0.22, 0.98-1.19x); at 32 sessions, whose conversations fit, none spilled, and
+on a pool at 128 sessions the goodput was the same with it and without (1.83 requests a second,
+the mean of two seeds and two copies, each way).
+
 batch requests (x-specgate-priority: batch), whatever the policy:
 
     backend = baseline                                          (reason batch)
@@ -215,6 +240,7 @@ Reason = Literal[
     "batch",  # baseline: a batch request (x-specgate-priority: batch) leaves speculation to interactive ones
     "affinity",  # between the watermarks: the role of the server that holds the conversation's cache
     "class",  # where speculation has room for part of the traffic: by whether the class gains most from it
+    "kv_spill",  # speculative: every baseline KV pool is full, and the speculative role's has room
     "no_healthy_backend",
 ]
 REASONS: tuple[Reason, ...] = (
@@ -232,6 +258,7 @@ REASONS: tuple[Reason, ...] = (
     "batch",
     "affinity",
     "class",
+    "kv_spill",
     "no_healthy_backend",
 )
 
@@ -285,6 +312,10 @@ class PolicyConfig:
     affinity_slack: float = 1.0
     # Among a role's servers (SPECGATE_AFFINITY_RULE; priced and both need the model policy's fit).
     affinity_rule: AffinityRule = "both"
+    # The learning policies' spill to speculation once the baseline's KV pools are full (the
+    # module's F and R: SPECGATE_KV_SPILL_AT, 0 off, and SPECGATE_KV_SPILL_ROOM), as fractions.
+    kv_spill_at: float = 0.0
+    kv_spill_room: float = 0.0
 
 
 class Curves(NamedTuple):
@@ -665,6 +696,44 @@ def _ranked_choice(decision: Decision, gains: bool | None, cfg: PolicyConfig, he
     if not healthy.get(choice, False):
         return decision
     return Decision(choice, "class", decision.state, decision.load)
+
+
+# The decisions a full baseline may send to speculation: the mode's and a class's.
+_SPILLABLE = _MODE_REASONS | {"class"}
+
+
+def spills(decision: Decision, held: Role | None, cfg: PolicyConfig) -> bool:
+    """Whether the baseline's full KV pools may send `decision` to speculation (the module's rule),
+    before any pool is read: a mode's or a class's choice of the baseline, under a learning policy
+    with the spill on, for a request whose conversation's cache (`held`) is not on the baseline."""
+    return (
+        cfg.kv_spill_at > 0
+        and decision.backend == Role.BASELINE
+        and held != Role.BASELINE
+        and decision.reason in _SPILLABLE
+        and cfg.policy in LEARNING
+    )
+
+
+def kv_spill(
+    decision: Decision,
+    held: Role | None,
+    cfg: PolicyConfig,
+    healthy: Mapping[Role, bool],
+    baseline_used: float | None,
+    speculative_used: float | None,
+) -> Decision:
+    """The decision once the KV pools are read (the module's rule): `baseline_used` the least full
+    of the baseline's pools, `speculative_used` the most full of the speculative role's (fractions;
+    None: unknown, no spill)."""
+    if not spills(decision, held, cfg) or not healthy.get(Role.SPECULATIVE, False):
+        return decision
+    if baseline_used is None or speculative_used is None or baseline_used < cfg.kv_spill_at:
+        return decision
+    room = cfg.kv_spill_at if held == Role.SPECULATIVE else cfg.kv_spill_room
+    if speculative_used >= room:
+        return decision
+    return Decision(Role.SPECULATIVE, "kv_spill", decision.state, decision.load)
 
 
 def decide_batch(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:

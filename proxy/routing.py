@@ -44,12 +44,14 @@ from .policy import (
     decide,
     decide_batch,
     hysteresis_low,
+    kv_spill,
     least_loaded,
     marginal_gain,
     probe_returned,
     probes_restarted,
     settle,
     shadow_unsent,
+    spills,
     total_load,
 )
 from .servers import Server, ServerView
@@ -322,9 +324,41 @@ class Router:
             decision = class_choice(decision, klass, cfg, healthy, pooled, spec, held, gains, cached_tokens)
         if held is not None and decision.reason not in ("class", "affinity"):
             decision = affinity_choice(decision, held, cfg, snapshot.healthy, self._pooled)
+        if decision.backend is Role.BASELINE and spills(decision, held, cfg):
+            decision = self._spilled(decision, held, cfg, snapshot.healthy)
         self._set_state(decision.state)
         self._metrics.decisions.inc(decision.backend or "none", decision.reason)
         return decision
+
+    def _spilled(
+        self, decision: Decision, held: Role | None, cfg: PolicyConfig, healthy: Mapping[Role, bool]
+    ) -> Decision:
+        """policy.kv_spill with the pools read: the speculative role's only where the baseline's are
+        full (the decision is made for every request, and mostly they are not)."""
+        pools = self.kv_used(Role.BASELINE)
+        if pools is None or pools[0] < cfg.kv_spill_at:
+            return decision
+        room = self.kv_used(Role.SPECULATIVE)
+        return kv_spill(decision, held, cfg, healthy, pools[0], None if room is None else room[1])
+
+    def kv_used(self, role: Role) -> tuple[float, float] | None:
+        """The least and the most full of the role's KV pools, as fractions (policy.kv_spill): each
+        server's engine reading, or this gateway's tokens in flight there over its pool's size where
+        that is more (the reading is a scrape old; what went there since is in the count); None
+        where an up server's is unknown, or none is up (a server down takes no request)."""
+        least, most = math.inf, 0.0
+        for s in self.group.of(role):
+            view = self._servers[s]
+            if not view.healthy:
+                continue
+            used, pool = view.kv_usage, view.kv_capacity
+            ours = None if not pool else self.tracker.tokens(s) / pool
+            if used is None or (ours is not None and ours > used):
+                used = ours
+            if used is None:
+                return None
+            least, most = min(least, used), max(most, used)
+        return None if least == math.inf else (least, most)
 
     def class_view(self, gains: bool | None, accept: float | None) -> ClassView:
         """What the policy is told of a traffic class ranked `gains`, of acceptance `accept` (a

@@ -116,6 +116,11 @@ class Server:
             return round(h.engine_tokens / h.engine_kv_usage)
         return None
 
+    @property
+    def kv_usage(self) -> float | None:
+        """The engine's KV pool in use, as the pool's fraction (None: not reported)."""
+        return self.health.engine_kv_usage
+
 
 class ServerView(Protocol):
     """What routing reads of a server."""
@@ -134,6 +139,8 @@ class ServerView(Protocol):
     def spec_accept_length(self) -> float | None: ...
     @property
     def kv_capacity(self) -> int | None: ...
+    @property
+    def kv_usage(self) -> float | None: ...
 
 
 def servers_of(topology: Topology) -> dict[str, Server]:

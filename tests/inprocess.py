@@ -250,10 +250,12 @@ class Gateway:
         return (await self.client.get("/metrics")).text
 
     @contextlib.asynccontextmanager
-    async def stream(self, body: dict[str, Any], url: str | None = None) -> AsyncIterator[httpx.Response]:
+    async def stream(
+        self, body: dict[str, Any], url: str | None = None, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[httpx.Response]:
         """A streaming completion held open, its first event read, until the block ends."""
         client, target = (self.client, "/v1/completions") if url is None else (self.http, url + "/v1/completions")
-        async with client.stream("POST", target, json=body) as r:
+        async with client.stream("POST", target, json=body, headers=headers) as r:
             lines = r.aiter_lines()
             await anext(lines)
             yield r

@@ -804,3 +804,60 @@ def test_the_pools_capacity_leaves_room_for_each_conversations_next_turn() -> No
     assert router.turn_growth == pytest.approx(500, abs=1)
     for lease in leases:
         lease.release()
+
+
+def test_a_full_baseline_spills_until_what_was_sent_fills_the_speculative_pool_between_readings() -> None:
+    r = rig()
+    clock = Clock()
+    # A high watermark of 0: the mode is the baseline's, whatever the load.
+    (router,) = Fleet(
+        r.topology, r.servers, policy_cfg("adaptive", 0, 0), r.metrics, adaptive_cfg(), clock=clock
+    ).routers
+    spec, base = r.health["speculative"], r.health["baseline"]
+    spec.engine_kv_usage, spec.engine_kv_capacity = 0.10, 100_000
+    base.engine_kv_usage = 0.95
+    d = router.decide()
+    assert (d.backend, d.reason, d.state.mode) == (Role.SPECULATIVE, "kv_spill", Role.BASELINE)
+    assert router.kv_used(Role.SPECULATIVE) == (0.10, 0.10)
+    # The engine's reading stands between scrapes; what went there since counts: 60,000 tokens
+    # over the pool's 100,000 is at the room a new conversation needs.
+    leases = [router.admit(Role.SPECULATIVE, tokens=15_000) for _ in range(4)]
+    assert router.kv_used(Role.SPECULATIVE) == (0.6, 0.6)
+    assert router.decide().reason == "heavy_load"
+    # A conversation spilled already stays with its cache while the pool is under the spill's mark.
+    assert router.decide(held=Role.SPECULATIVE).reason == "kv_spill"
+    # One cached on the baseline waits there; a batch request never spills.
+    assert router.decide(held=Role.BASELINE).reason == "heavy_load"
+    assert router.decide(batch=True).reason == "batch"
+    for lease in leases:
+        lease.release()
+    assert router.decide().reason == "kv_spill"
+    # The baseline with room, or its reading gone: no spill.
+    base.engine_kv_usage = 0.5
+    assert router.decide().reason == "heavy_load"
+    base.engine_kv_usage = None
+    assert router.kv_used(Role.BASELINE) is None and router.decide().reason == "heavy_load"
+    assert r.metrics.decisions.value("speculative", "kv_spill") == 3
+
+
+def test_the_pools_a_spill_reads_are_the_servers_that_are_up() -> None:
+    r = rig(
+        topology="pooled",
+        speculative_url="http://127.0.0.1:30001",
+        baseline_url="http://127.0.0.1:30002,http://127.0.0.1:30003",
+    )
+    (router,) = Fleet(
+        r.topology, r.servers, policy_cfg("adaptive", 0, 0), r.metrics, adaptive_cfg(), clock=Clock()
+    ).routers
+    names = router.group.of(Role.BASELINE)
+    r.health[names[0]].engine_kv_usage, r.health[names[1]].engine_kv_usage = 0.95, 0.40
+    assert router.kv_used(Role.BASELINE) == (0.40, 0.95)
+    # One baseline server with room: no spill, the role's placement has somewhere to put it.
+    r.health["speculative"].engine_kv_usage = 0.0
+    assert router.decide().reason == "heavy_load"
+    # That one down: the role is full.
+    r.health[names[1]].healthy = False
+    assert router.kv_used(Role.BASELINE) == (0.95, 0.95)
+    assert router.decide().reason == "kv_spill"
+    r.health[names[0]].healthy = False  # none up: unknown (only_healthy decides)
+    assert router.kv_used(Role.BASELINE) is None

@@ -42,6 +42,10 @@ def test_safe_defaults_at_the_crossover() -> None:
     # A turn leaves its server only where the priced rule and the one by requests in flight agree
     # (docs/headtohead-affinity.md: 1.04x-1.06x the rule by requests in flight at 1+3 8k/72).
     assert s.policy_config(None).affinity_rule == "both"
+    # A full baseline spills to the speculative pool's room (docs/routing.md); 0 turns it off, and a
+    # room above the mark is refused only while the spill is on.
+    assert (s.policy_config(None).kv_spill_at, s.policy_config(None).kv_spill_room) == (0.9, 0.6)
+    assert Settings(_env_file=None, kv_spill_at=0, kv_spill_room=1).policy_config(None).kv_spill_at == 0
 
 
 @pytest.mark.parametrize(
@@ -52,6 +56,8 @@ def test_safe_defaults_at_the_crossover() -> None:
         ({"SPECGATE_POLICY": "random"}, "SPECGATE_POLICY"),
         ({"SPECGATE_LOAD_SIGNAL": "gpu"}, "SPECGATE_LOAD_SIGNAL"),
         ({"SPECGATE_AFFINITY_RULE": "cheapest"}, "SPECGATE_AFFINITY_RULE"),
+        ({"SPECGATE_KV_SPILL_AT": "90"}, "SPECGATE_KV_SPILL_AT"),  # a fraction, not a percentage
+        ({"SPECGATE_KV_SPILL_AT": "0.5", "SPECGATE_KV_SPILL_ROOM": "0.7"}, "SPECGATE_KV_SPILL_ROOM"),
         ({"SPECGATE_SPECULATIVE_URL": "localhost:30001"}, "SPECGATE_SPECULATIVE_URL"),
         ({"SPECGATE_READ_TIMEOUT_S": "-1"}, "SPECGATE_READ_TIMEOUT_S"),
         # URLs that parse as http:// but cannot be connected to: one line, not a traceback (exit 3).

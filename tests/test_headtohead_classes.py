@@ -320,9 +320,19 @@ def test_a_specgate_that_served_where_neither_fixed_target_did_met_its_target() 
     assert c.ratio("features") is None and c.served_alone("features")
     assert goodput_verdict(c, "features") == "met"
     assert "served, fixed 0 (met)" in table(ClassPlan(), [c])
-    # Its copy served none: luck, not the policy.
-    assert goodput_verdict(with_control(c, 0.0), "features") == "unknown"
+    # Its copy served none: luck, not the policy; judged on throughput as where neither served any.
+    assert goodput_verdict(with_control(c, 0.0), "features") == "met on tok/s"
     assert goodput_verdict(with_control(c, 0.5), "features") == "met"
+    # It served none, its copy some: on throughput too (until 2026-12-07, late: unknown).
+    none = dataclasses.replace(c, targets={**c.targets, "features": tc("features", 0.0)})
+    assert goodput_verdict(with_control(none, 0.0), "features") == "met on tok/s"
+    copy = tc(CONTROL, 0.5)
+    assert goodput_verdict(dataclasses.replace(none, targets={**none.targets, CONTROL: copy}), "features") == (
+        "met on tok/s"
+    )
+    # Runs met one way and the other agree, tagged as judged on throughput.
+    runs = [dataclasses.replace(c, seed=0), dataclasses.replace(with_control(none, 0.0), seed=1)]
+    assert cell_verdict(runs, "features") == "met on tok/s"
     # A fixed figure inconclusive: nothing known.
     assert goodput_verdict(cell(0.0, 0.0, 1.5, split=False, conclusive=False), "features") == "unknown"
     runs = [dataclasses.replace(c, seed=i) for i in range(2)]
@@ -361,7 +371,8 @@ def test_where_nobody_met_the_slos_throughput_decides() -> None:
     assert overloaded(500, 1000, 990).throughput_ratio("features") == pytest.approx(0.99)
     assert goodput_verdict(overloaded(500, 1000, 990), "features") == "met on tok/s"
     assert goodput_verdict(overloaded(500, 1000, 900), "features") == "missed on tok/s"
-    assert goodput_verdict(overloaded(500, 1000, 990, conclusive=False), "features") == "unknown on tok/s"
+    # A fixed figure inconclusive: nothing known of either.
+    assert goodput_verdict(overloaded(500, 1000, 990, conclusive=False), "features") == "unknown"
     # With a control, by more than the copies' distance in throughput.
     c = overloaded(500, 1000, 1000)
     copy = dataclasses.replace(c.targets["features"], target=CONTROL, output_tok_s=1050.0)
@@ -381,10 +392,10 @@ def test_where_nobody_met_the_slos_throughput_decides() -> None:
     assert goodput_verdict(dataclasses.replace(low, targets={**low.targets, CONTROL: copy_far}), "features") == (
         "unknown on tok/s"
     )
-    assert "nobody served, tok/s 0.99x (met on tok/s)" in table(ClassPlan(), [overloaded(500, 1000, 990)])
+    assert "fixed served none, tok/s 0.99x (met on tok/s)" in table(ClassPlan(), [overloaded(500, 1000, 990)])
     # Counted apart from the goodput target's own verdicts.
     line = next(x for x in summary_lines([overloaded(500, 1000, 990)]) if x.startswith("features:"))
-    assert line.startswith("features: goodput target met in 0, missed in 0, unknown in 1 of 1 cells (where nobody")
+    assert line.startswith("features: goodput target met in 0, missed in 0, unknown in 1 of 1 cells (where neither")
     assert "on output tokens a second: met in 1, missed in 0, unknown in 0)" in line
     # Anyone who served some: goodput decides, as before.
     assert (

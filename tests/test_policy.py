@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from proxy.policy import (
+    Decision,
     LoadSignal,
     LoadSnapshot,
     PolicyConfig,
@@ -14,7 +15,9 @@ from proxy.policy import (
     Role,
     backend_load,
     decide,
+    kv_spill,
     next_mode,
+    spills,
 )
 
 from .helpers import policy_cfg
@@ -140,3 +143,51 @@ def test_high_watermark_zero_sends_everything_to_the_baseline() -> None:
         d = decide(snap(load, 0), state, cfg)
         state = d.state
         assert (d.backend, d.state.mode) == ("baseline", "baseline")
+
+
+SPILL = policy_cfg("adaptive", high_watermark=10, low_watermark=4, kv_spill_at=0.9, kv_spill_room=0.6)
+TO_BASE = Decision(Role.BASELINE, "heavy_load", PolicyState(Role.BASELINE), 20)
+
+
+@pytest.mark.parametrize(
+    ("base", "spec", "held", "backend"),
+    [
+        (0.95, 0.10, None, Role.SPECULATIVE),  # the baseline full, speculation's pool near empty
+        (0.90, 0.59, None, Role.SPECULATIVE),  # at F, and under R
+        (0.89, 0.10, None, Role.BASELINE),  # the baseline not yet full
+        (0.95, 0.60, None, Role.BASELINE),  # no room for a new conversation at R
+        (0.95, 0.75, Role.SPECULATIVE, Role.SPECULATIVE),  # one spilled already keeps its cache under F
+        (0.95, 0.90, Role.SPECULATIVE, Role.BASELINE),  # ...but not at F
+        (0.99, 0.10, Role.BASELINE, Role.BASELINE),  # its cache on the baseline: it waits there
+        (None, 0.10, None, Role.BASELINE),  # a pool unknown: no spill
+        (0.95, None, None, Role.BASELINE),
+    ],
+)
+def test_a_full_baseline_spills_to_the_speculative_pool_with_room(
+    base: float | None, spec: float | None, held: Role | None, backend: Role
+) -> None:
+    d = kv_spill(TO_BASE, held, SPILL, UP, base, spec)
+    assert d.backend == backend
+    assert d.reason == ("kv_spill" if backend == Role.SPECULATIVE else "heavy_load")
+    assert (d.state, d.load) == (TO_BASE.state, TO_BASE.load)  # the mode stays; only this request moves
+
+
+@pytest.mark.parametrize(
+    ("decision", "cfg", "healthy"),
+    [
+        (TO_BASE._replace(reason="batch"), SPILL, UP),  # batch requests never take speculation's room
+        (TO_BASE._replace(reason="failover"), SPILL, UP),
+        (TO_BASE._replace(reason="only_healthy"), SPILL, UP),
+        (TO_BASE._replace(reason="affinity"), SPILL, UP),
+        (TO_BASE, dataclasses.replace(SPILL, kv_spill_at=0.0), UP),  # off
+        (TO_BASE, dataclasses.replace(SPILL, policy="threshold"), UP),  # routes by its watermarks as set
+        (TO_BASE, SPILL, {Role.SPECULATIVE: False, Role.BASELINE: True}),
+    ],
+)
+def test_only_the_modes_or_a_classs_choice_spills_and_only_to_a_live_speculative_role(
+    decision: Decision, cfg: PolicyConfig, healthy: dict[Role, bool]
+) -> None:
+    assert kv_spill(decision, None, cfg, healthy, 1.0, 0.0) is decision
+    assert spills(TO_BASE._replace(reason="class"), None, SPILL)
+    assert spills(TO_BASE._replace(reason="dwell_hold"), Role.SPECULATIVE, SPILL)
+    assert not spills(TO_BASE._replace(backend=Role.SPECULATIVE, reason="light_load"), None, SPILL)

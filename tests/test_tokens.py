@@ -266,3 +266,47 @@ async def test_speculation_takes_no_more_streams_than_its_kv_pool_holds(gateway:
         return bool((await gw.routing())["groups"][0]["watermarks_in_effect"]["high"] == 16)
 
     await wait_until(uncapped)  # nothing in flight: nothing to size a stream by
+
+
+@pytest.mark.anyio
+async def test_a_full_baseline_spills_new_requests_to_the_speculative_pool(gateway: StartGateway) -> None:
+    # The baseline's pool of 6,000 tokens and prompts of about 750: some 7 streams fill it to 90%,
+    # while the mode (a high watermark of 0, at most 1 learnt) sends everything there.
+    gw = await gateway(sim={"time_scale": 1}, base={"max_total_tokens": 6000}, policy="adaptive", high_watermark=0,
+                       low_watermark=0, adaptive_max_watermark=1, adaptive_min_dwell_s=0, adaptive_probe_s=0,
+                       scrape_interval_s=0.1)  # fmt: skip
+
+    async def spill() -> dict[str, Any]:
+        found: dict[str, Any] = (await gw.routing())["groups"][0]["kv_spill"]
+        return found
+
+    async def pools_read() -> bool:
+        s = await spill()
+        return s["on"] and s["baseline_least_used"] is not None and s["speculative_most_used"] is not None
+
+    await wait_until(pools_read)
+    body = {"model": "m", "prompt": "lorem ipsum " * 250, "max_tokens": 400, "stream": True}
+    reasons = []
+    async with contextlib.AsyncExitStack() as held:
+        for _ in range(12):
+            r = await held.enter_async_context(gw.stream(body))
+            reasons.append((r.headers["x-specgate-backend"], r.headers["x-specgate-reason"]))
+            if r.headers["x-specgate-reason"] == "kv_spill":
+                break
+        assert reasons[-1] == ("speculative", "kv_spill"), reasons
+        assert set(reasons[:-1]) == {("baseline", "heavy_load")} and 6 <= len(reasons) <= 9, reasons
+        assert (await spill())["baseline_least_used"] >= 0.9
+        # A batch request never takes speculation's room, full baseline or not.
+        r = await held.enter_async_context(
+            gw.stream({**body, "max_tokens": 2}, headers={"x-specgate-priority": "batch"})
+        )
+        assert r.headers["x-specgate-reason"] == "batch"
+    assert (await gw.metrics())["specgate_routing_decisions_total"] >= len(reasons)
+
+    async def room_again() -> bool:
+        used = (await spill())["baseline_least_used"]
+        return used is not None and used < 0.9
+
+    await wait_until(room_again)
+    async with gw.stream(body) as r:
+        assert (r.headers["x-specgate-backend"], r.headers["x-specgate-reason"]) == ("baseline", "heavy_load")

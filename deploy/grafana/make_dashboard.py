@@ -219,7 +219,8 @@ def panels() -> list[dict[str, Any]]:
             "Routing decisions per second by backend and reason",
             "Every routing decision: light_load/heavy_load/hysteresis_hold by the policy, return_hold while the "
             "load waits out SPECGATE_LOW_WATERMARK_HOLD_S, dwell_hold, switch_cost and probe (adaptive), "
-            "spillover, only_healthy when a server is down, failover for retries.",
+            "kv_spill when the baseline's KV pools are full, class, affinity and batch, spillover, "
+            "only_healthy when a server is down, failover for retries.",
             [
                 (
                     f"sum by (backend, reason) (rate(specgate_routing_decisions_total[{RATE}]))",

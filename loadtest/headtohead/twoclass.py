@@ -412,13 +412,14 @@ def goodput_verdict(cell: ClassCell, target: str) -> Verdict:
     split, else >= FLOOR) by more than the run's noise (ClassCell.noise; 0 without a control),
     unknown when a figure is inconclusive or the ratio is within the noise of its target. Met too
     where it met the SLOs for some requests and neither fixed target for any (served_alone), and so
-    did the control, where there is one: what no fixed choice served is not noise. Where no target
-    met the SLOs for any request (nobody_served: no routing of these servers serves that load within
-    them), goodput is 0 for every routing and tells none apart: the target's output tokens a second
-    over the better fixed target's must then clear FLOOR (by more than the same noise in them)."""
+    did the control, where there is one: what no fixed choice served is not noise. Elsewhere where
+    neither fixed target met the SLOs for any request (fixed_served_none: the load is past what
+    either serves within them), a ratio to their goodput of 0 tells nothing: the target's output
+    tokens a second over the better fixed target's must then clear FLOOR (by more than the same
+    noise in them)."""
     if cell.served_alone(target) and (CONTROL not in cell.targets or cell.served_alone(CONTROL)):
         return "met"
-    if nobody_served(cell):
+    if fixed_served_none(cell):
         return _floor(cell.throughput_ratio(target), cell.throughput_noise()) + ON_TOK_S
     r, split, noise = cell.ratio(target), cell.split(), cell.noise()
     if r is None or split is None or noise is None:
@@ -446,7 +447,7 @@ def hit_verdict(cell: ClassCell, target: str) -> Verdict:
     one that placed them better: spread over both servers' memory, smg's conversations found more
     cached at 8k/128. So that share is shown, not counted.)"""
     gap = oracle_gap(cell, target)
-    if gap is None or nobody_served(cell):
+    if gap is None or fixed_served_none(cell):
         return "unknown"
     return "met" if gap <= HIT_POINTS else "missed"
 
@@ -468,9 +469,13 @@ def returned_share(results: Sequence[RequestResult], t0: float, t1: float) -> fl
     return same / known if known else None
 
 
-def nobody_served(cell: ClassCell) -> bool:
-    """Whether no target had a request within the SLOs in this cell."""
-    return all(t.goodput_req_s < NO_GOODPUT for t in cell.targets.values())
+def fixed_served_none(cell: ClassCell) -> bool:
+    """Whether neither fixed target had a request within the SLOs in this cell, both conclusive:
+    its load is past what either serves within them, and its pools overflow. (Until 2026-12-07,
+    late, whether no target had one: a specgate that served some, or only its control copy, then
+    made the cell's runs judged apart from those where it served none.)"""
+    best = cell.best_fixed()
+    return best is not None and best < NO_GOODPUT
 
 
 def oracle_gap(cell: ClassCell, target: str) -> float | None:
@@ -693,8 +698,8 @@ def _vs_best(c: ClassCell, target: str) -> str:
     or where nobody served, its throughput's (goodput_verdict)."""
     if c.served_alone(target):
         return "served, fixed 0"
-    if nobody_served(c):
-        return f"nobody served, tok/s {_ratio(c.throughput_ratio(target))}"  # the verdict says " on tok/s"
+    if fixed_served_none(c):
+        return f"fixed served none, tok/s {_ratio(c.throughput_ratio(target))}"  # the verdict says " on tok/s"
     return _ratio(c.ratio(target))
 
 
@@ -883,8 +888,14 @@ def cell_verdict(runs: Sequence[ClassCell], target: str) -> Verdict:
     its control says between runs, as timing bunches or spreads the turns (at 8k/32 on the pair,
     from 0.55x to 1.83x of all-base over 40 seeds): one disagreeing run of many is no reason to
     know nothing."""
-    found = runs_verdict(runs, target, goodput_verdict)
-    return found if found != "unknown" else pooled_verdict(runs, target)
+    found = {goodput_verdict(c, target) for c in runs}
+    plain = {v.removesuffix(ON_TOK_S) for v in found}
+    if len(plain) == 1 and plain != {"unknown"}:
+        # Runs judged some on goodput, some on throughput (served, fixed 0 in one, none in another)
+        # agree where both say the same; tagged as judged on throughput where any was.
+        tag = ON_TOK_S if found != plain else ""
+        return plain.pop() + tag
+    return pooled_verdict(runs, target)
 
 
 def _pooled(runs: Sequence[ClassCell], target: str) -> str:
@@ -947,8 +958,9 @@ def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
             f"{n}: goodput target met in {gv.count('met')}, missed in {gv.count('missed')}, unknown in "
             f"{len(gv) - gv.count('met') - gv.count('missed')} of {len(by_cell)} cells"
             + (
-                f" (where nobody met the SLOs, on output tokens a second: met in {tok_s.count('met' + ON_TOK_S)}, "
-                f"missed in {tok_s.count('missed' + ON_TOK_S)}, unknown in {tok_s.count('unknown' + ON_TOK_S)})"
+                " (where neither fixed target met the SLOs, on output tokens a second: "
+                f"met in {tok_s.count('met' + ON_TOK_S)}, missed in {tok_s.count('missed' + ON_TOK_S)}, "
+                f"unknown in {tok_s.count('unknown' + ON_TOK_S)})"
                 if tok_s
                 else ""
             )
