@@ -34,6 +34,9 @@ DEFAULT_ALLOWED_PATHS = (
 # `loadtest scaleout` (2 groups behind 3 replicas, the engine signal, at 40 streams where the two
 # servers tie): with the health interval's 2 s, 0.97x the better fixed choice; with 0.5 s, 0.99-1.00x.
 ENGINE_SCRAPE_INTERVAL_S = 0.5
+# The speculative pools' use under which a full baseline spills new conversations there, unless set
+# (policy.kv_spill): room for those spilled to grow to SPECGATE_KV_SPILL_AT.
+KV_SPILL_ROOM = 0.6
 
 
 def default_scrape_interval(scrape_interval_s: float | None, load_signal: str, health_interval_s: float) -> float:
@@ -143,9 +146,9 @@ class Settings(BaseSettings):
     affinity_rule: AffinityRule = "both"
     # adaptive and model: once every baseline server's KV pool is at least this full, a request for
     # the baseline goes to the speculative role while its pools are under kv_spill_room (policy.py;
-    # 0: never).
+    # 0: never); unset, the room is the smaller of KV_SPILL_ROOM and the mark.
     kv_spill_at: float = Field(0.9, ge=0, le=1)
-    kv_spill_room: float = Field(0.6, gt=0, le=1)
+    kv_spill_room: float | None = Field(None, gt=0, le=1)
     # Traffic classes (proxy/classes.py): what names a request's class, and how many are tracked.
     class_key: ClassKey = "header"
     max_classes: int = Field(32, ge=1, le=1000)
@@ -265,7 +268,7 @@ class Settings(BaseSettings):
             affinity_slack=self.affinity_slack,
             affinity_rule=self.affinity_rule,
             kv_spill_at=self.kv_spill_at,
-            kv_spill_room=self.kv_spill_room,
+            kv_spill_room=min(KV_SPILL_ROOM, self.kv_spill_at) if self.kv_spill_room is None else self.kv_spill_room,
         )
 
     def adaptive_config(self) -> AdaptiveConfig:
@@ -291,7 +294,7 @@ class Settings(BaseSettings):
             self.routing_topology()
         except ValueError as exc:
             raise ValueError(f"SPECGATE_SPECULATIVE_URL / SPECGATE_BASELINE_URL: {exc}") from None
-        if self.kv_spill_at > 0 and self.kv_spill_room > self.kv_spill_at:
+        if self.kv_spill_at > 0 and self.kv_spill_room is not None and self.kv_spill_room > self.kv_spill_at:
             raise ValueError(
                 f"SPECGATE_KV_SPILL_ROOM ({self.kv_spill_room}) must be <= SPECGATE_KV_SPILL_AT ({self.kv_spill_at})"
             )

@@ -101,10 +101,12 @@ request the mode or its class sends to the baseline goes to the speculative role
     and its conversation's cache is not on the baseline, and the speculative role is up
                                                                                 (reason kv_spill)
 
-u a server's KV pool in use: the larger of its engine's reading (SGLang token_usage, vLLM
-kv_cache_usage_perc) and this gateway's tokens in flight there over the pool's size (the reading
-is a scrape old, and what was sent since is in the second), unknown (no spill) where neither is
-known; F SPECGATE_KV_SPILL_AT (0: off), R SPECGATE_KV_SPILL_ROOM. New conversations spill only while
+u a server's KV pool in use, over the servers that are up: its engine's reading (SGLang
+token_usage, vLLM kv_cache_usage_perc), and for a speculative server the larger of that and this
+gateway's tokens in flight there over the pool's size (the reading is a scrape old, and what was
+spilled since is in the second; routing.Router.kv_used), unknown (no spill) where not known; F
+SPECGATE_KV_SPILL_AT (0: off), R SPECGATE_KV_SPILL_ROOM. In a fleet of groups, the group chosen
+(by load) is the one whose pools are read. New conversations spill only while
 the speculative pools are under R, leaving room for those there to grow; a conversation already
 spilled keeps its cache while they are under F. A conversation whose cache is on the baseline waits
 there: a move would prefill it again into the pool that has room, which costs more than waiting
@@ -733,7 +735,9 @@ def kv_spill(
     room = cfg.kv_spill_at if held == Role.SPECULATIVE else cfg.kv_spill_room
     if speculative_used >= room:
         return decision
-    return Decision(Role.SPECULATIVE, "kv_spill", decision.state, decision.load)
+    # The request itself measures the speculative server now: a shadow due goes unsent, uncounted.
+    state = shadow_unsent(decision.state) if decision.shadow else decision.state
+    return Decision(Role.SPECULATIVE, "kv_spill", state, decision.load)
 
 
 def decide_batch(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:

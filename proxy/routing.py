@@ -342,17 +342,22 @@ class Router:
         return kv_spill(decision, held, cfg, healthy, pools[0], None if room is None else room[1])
 
     def kv_used(self, role: Role) -> tuple[float, float] | None:
-        """The least and the most full of the role's KV pools, as fractions (policy.kv_spill): each
-        server's engine reading, or this gateway's tokens in flight there over its pool's size where
-        that is more (the reading is a scrape old; what went there since is in the count); None
-        where an up server's is unknown, or none is up (a server down takes no request)."""
+        """The least and the most full of the role's KV pools, as fractions (policy.kv_spill), over
+        its servers that are up (a server down takes no request); None where an up server's is
+        unknown, or none is up. A baseline pool is its engine's reading. A speculative one is that,
+        or this gateway's tokens in flight there over the pool's size where that is more: the
+        reading is a scrape old, and a burst spilled since would otherwise all go on it. That count
+        takes each request's whole prompt, where the engine keeps a prefix they share once, so it
+        errs toward full: on the speculative side toward no spill, and on the baseline's it would
+        spill from a pool with room."""
         least, most = math.inf, 0.0
+        local = role is Role.SPECULATIVE
         for s in self.group.of(role):
             view = self._servers[s]
             if not view.healthy:
                 continue
             used, pool = view.kv_usage, view.kv_capacity
-            ours = None if not pool else self.tracker.tokens(s) / pool
+            ours = self.tracker.tokens(s) / pool if local and pool else None
             if used is None or (ours is not None and ours > used):
                 used = ours
             if used is None:

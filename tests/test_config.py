@@ -46,6 +46,8 @@ def test_safe_defaults_at_the_crossover() -> None:
     # room above the mark is refused only while the spill is on.
     assert (s.policy_config(None).kv_spill_at, s.policy_config(None).kv_spill_room) == (0.9, 0.6)
     assert Settings(_env_file=None, kv_spill_at=0, kv_spill_room=1).policy_config(None).kv_spill_at == 0
+    # The mark alone set below the room's default: the room follows it down.
+    assert Settings(_env_file=None, kv_spill_at=0.5).policy_config(None).kv_spill_room == 0.5
 
 
 @pytest.mark.parametrize(

@@ -333,6 +333,13 @@ def test_a_specgate_that_served_where_neither_fixed_target_did_met_its_target() 
     # Runs met one way and the other agree, tagged as judged on throughput.
     runs = [dataclasses.replace(c, seed=0), dataclasses.replace(with_control(none, 0.0), seed=1)]
     assert cell_verdict(runs, "features") == "met on tok/s"
+    # Unknown on throughput in every run: said so, not pooled into a plain unknown.
+    noisy = dataclasses.replace(
+        with_control(none, 0.0),
+        targets={**none.targets, CONTROL: dataclasses.replace(tc(CONTROL, 0.0), output_tok_s=1e9)},
+    )
+    assert goodput_verdict(noisy, "features") == "unknown on tok/s"
+    assert cell_verdict([noisy, dataclasses.replace(noisy, seed=1)], "features") == "unknown on tok/s"
     # A fixed figure inconclusive: nothing known.
     assert goodput_verdict(cell(0.0, 0.0, 1.5, split=False, conclusive=False), "features") == "unknown"
     runs = [dataclasses.replace(c, seed=i) for i in range(2)]

@@ -191,3 +191,9 @@ def test_only_the_modes_or_a_classs_choice_spills_and_only_to_a_live_speculative
     assert spills(TO_BASE._replace(reason="class"), None, SPILL)
     assert spills(TO_BASE._replace(reason="dwell_hold"), Role.SPECULATIVE, SPILL)
     assert not spills(TO_BASE._replace(backend=Role.SPECULATIVE, reason="light_load"), None, SPILL)
+
+
+def test_a_spilled_request_sends_no_shadow_and_leaves_the_probes_wait_as_it_was() -> None:
+    due = TO_BASE._replace(state=PolicyState(Role.BASELINE, probes=3), shadow=True)
+    d = kv_spill(due, None, SPILL, UP, 0.95, 0.1)
+    assert (d.backend, d.shadow, d.state.probes) == (Role.SPECULATIVE, False, 2)

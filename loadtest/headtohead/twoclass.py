@@ -111,7 +111,7 @@ CLASSES = (TrafficClass("A", 0.5, "mixed"), TrafficClass("B", 0.5, "repetitive")
 SPLIT_GAIN = 1.10
 FLOOR = 0.97
 HIT_POINTS = 0.05
-# goodput_verdict's verdicts where nobody met the SLOs, judged on output tokens a second: counted
+# goodput_verdict's verdicts where neither fixed target met the SLOs, judged on output tokens a second: counted
 # apart from the goodput target's own.
 ON_TOK_S = " on tok/s"
 # Where a cell's runs disagree, at least this many runs let their pooled ratio decide: met where
@@ -330,7 +330,7 @@ class ClassCell:
 
     def throughput_ratio(self, target: str) -> float | None:
         """The target's output tokens a second over the better fixed target's (None: a figure
-        inconclusive or none): what counts where no routing met the SLOs (goodput_verdict)."""
+        inconclusive or none): what counts where neither fixed target met the SLOs (goodput_verdict)."""
         fixed = [self.targets[n] for n in FIXED]
         t = self.targets[target]
         best = max(f.output_tok_s for f in fixed)
@@ -441,11 +441,12 @@ def _floor(ratio: float | None, noise: float | None) -> Verdict:
 
 def hit_verdict(cell: ClassCell, target: str) -> Verdict:
     """met/missed: the target's hit rate within HIT_POINTS of the oracle's on its own requests;
-    unknown where nobody met the SLOs: there every pool overflows, and no server can come near an
-    oracle that evicts nothing. (A target that sent every later turn back to its session's server,
-    returned_share 1, routed as that oracle does from wherever it placed the first turns, but not as
-    one that placed them better: spread over both servers' memory, smg's conversations found more
-    cached at 8k/128. So that share is shown, not counted.)"""
+    unknown where neither fixed target met the SLOs (fixed_served_none): there the pools overflow,
+    and no server can come near an oracle that evicts nothing, whoever served some. (A target that
+    sent every later turn back to its session's server, returned_share 1, routed as that oracle does
+    from wherever it placed the first turns, but not as one that placed them better: spread over
+    both servers' memory, smg's conversations found more cached at 8k/128. So that share is shown,
+    not counted.)"""
     gap = oracle_gap(cell, target)
     if gap is None or fixed_served_none(cell):
         return "unknown"
@@ -695,7 +696,7 @@ def _ratio(value: float | None) -> str:
 
 def _vs_best(c: ClassCell, target: str) -> str:
     """The target's ratio to the better fixed target, or that it served alone (ClassCell.served_alone),
-    or where nobody served, its throughput's (goodput_verdict)."""
+    or where neither fixed target served any, its throughput's (goodput_verdict)."""
     if c.served_alone(target):
         return "served, fixed 0"
     if fixed_served_none(c):
@@ -751,9 +752,9 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         f"the better fixed target beyond {TIE:.0%}; free split: each class on its better fixed target, summed, "
         f"over the better fixed target (a split that left each class as well off as it was there); X / best: "
         f"X's goodput over the better of all-spec and all-base, (met/missed) >= {SPLIT_GAIN:g}x where split, "
-        f"else >= {FLOOR:g}x; where nobody met the SLOs, X's output tokens a second over the better fixed "
-        f"target's, >= {FLOOR:g}x; back on its role: later turns on the role of their session's turn before "
-        "(1: the oracle's routing, its hit rate met)"
+        f"else >= {FLOOR:g}x; where neither fixed target met the SLOs, X's output tokens a second over the "
+        f"better fixed target's, >= {FLOOR:g}x; back on its role: later turns on the role of their session's "
+        "turn before (1: the oracle's routing, its hit rate met)"
         + (f", by more than |{CONTROL} / {NOISE_OF} - 1|, else unknown" if CONTROL in plan.targets else "")
         + (
             f"; all-spec, all-base and the split through a specgate pinned to their server, {DIRECT} the "
@@ -889,6 +890,8 @@ def cell_verdict(runs: Sequence[ClassCell], target: str) -> Verdict:
     from 0.55x to 1.83x of all-base over 40 seeds): one disagreeing run of many is no reason to
     know nothing."""
     found = {goodput_verdict(c, target) for c in runs}
+    if found == {"unknown" + ON_TOK_S}:
+        return found.pop()  # no ratio to pool where the fixed targets served none
     plain = {v.removesuffix(ON_TOK_S) for v in found}
     if len(plain) == 1 and plain != {"unknown"}:
         # Runs judged some on goodput, some on throughput (served, fixed 0 in one, none in another)
