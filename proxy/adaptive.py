@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .calibration import Calibration
-from .policy import ROLES, Curves, Role, hysteresis_low, interpolate
+from .policy import BASELINE, ROLES, SPECULATIVE, Curves, Role, hysteresis_low, interpolate
 
 # Without a calibration, observations go to the nearest of these levels (streams on one server).
 BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
@@ -184,13 +184,13 @@ class SpeedModel:
         p = self.prior
         if p is None:
             return None
-        v = p.v_spec if backend == Role.SPECULATIVE else p.v_base
+        v = p.v_spec if backend == SPECULATIVE else p.v_base
         if c <= p.levels[0]:
             return v[0]
         # Between levels the throughput is what runs straight, not the per-stream speed: where
         # throughput flattens, per-stream speed falls as 1/c, and a line between two levels' speeds
         # expects 35-40% too much halfway from 64 to 256 streams. Past the last level, flat.
-        tok_s = p.tok_s_spec if backend == Role.SPECULATIVE else p.tok_s_base
+        tok_s = p.tok_s_spec if backend == SPECULATIVE else p.tok_s_base
         return interpolate(p.levels, tok_s, c) / c
 
     def _nearest(self, c: float) -> int:
@@ -202,7 +202,7 @@ class SpeedModel:
         server; `accept` the speculative server's acceptance then (None: unknown)."""
         if not (tok_s > 0 and math.isfinite(tok_s) and load >= 1):
             return
-        v = tok_s / (accept or 1.0) if backend == Role.SPECULATIVE else tok_s
+        v = tok_s / (accept or 1.0) if backend == SPECULATIVE else tok_s
         prior = self.prior_v(backend, load)
         x = math.log(v / prior) if prior is not None else math.log(v)
         level = self._nearest(load)
@@ -236,7 +236,7 @@ class SpeedModel:
         """Per-stream speed at the i-th level (speculative: per unit of acceptance); NaN if unknown."""
         level = self.levels[i]
         if self.prior is not None:
-            base = self.prior.v_spec[i] if backend == Role.SPECULATIVE else self.prior.v_base[i]
+            base = self.prior.v_spec[i] if backend == SPECULATIVE else self.prior.v_base[i]
             return base * math.exp(self.correction(backend, level, now)[0])
         cell = self.cells[backend].get(level)
         if cell is None or cell.decayed(now, self.half_life_s) < MIN_WEIGHT_NO_PRIOR:
@@ -370,8 +370,8 @@ def estimate(
         accept = list(prior.accept)  # no live reading: as calibrated
     else:
         accept = [1.0] * len(levels)
-    spec = tuple(c * model.v(Role.SPECULATIVE, i, now) * accept[i] for i, c in enumerate(levels))
-    base = tuple(c * model.v(Role.BASELINE, i, now) for i, c in enumerate(levels))
+    spec = tuple(c * model.v(SPECULATIVE, i, now) * accept[i] for i, c in enumerate(levels))
+    base = tuple(c * model.v(BASELINE, i, now) for i, c in enumerate(levels))
     tpot_spec = tpot_base = (math.nan,) * len(levels)
     if prior is not None:
         # TPOT scales inversely with speed: by the same acceptance and corrections as the curves.
@@ -382,8 +382,8 @@ def estimate(
         # Each cap is a level of its own: the curves bend there.
         caps = {r: c for r, c in (caps or {}).items() if c >= 1}
         grid = tuple(sorted({*levels, *(c for c in caps.values() if c < levels[-1])}))
-        spec, tpot_spec = held_at_capacity(levels, spec, tpot_spec, caps.get(Role.SPECULATIVE), grid)
-        base, tpot_base = held_at_capacity(levels, base, tpot_base, caps.get(Role.BASELINE), grid)
+        spec, tpot_spec = held_at_capacity(levels, spec, tpot_spec, caps.get(SPECULATIVE), grid)
+        base, tpot_base = held_at_capacity(levels, base, tpot_base, caps.get(BASELINE), grid)
         levels = grid
     tp = crossing(levels, spec, base)
     lat = crossing(levels, tpot_spec, tpot_base, higher_is_better=False)

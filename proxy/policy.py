@@ -207,7 +207,7 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Final, Literal, NamedTuple
 
 
 class Role(enum.StrEnum):
@@ -219,6 +219,11 @@ class Role(enum.StrEnum):
 
 
 ROLES: tuple[Role, ...] = tuple(Role)
+# The roles as module constants: in Python 3.11 an enum member read off its class goes through a
+# descriptor, some 45 ns a time against 5 for a global, and the per-request decision names them a
+# few dozen times (loadtest/decisions.py).
+SPECULATIVE: Final = Role.SPECULATIVE
+BASELINE: Final = Role.BASELINE
 Mode = Role
 PolicyName = Literal["threshold", "spillover", "adaptive", "model"]
 # The policies that learn from live traffic: `model` is adaptive's rule with watermarks from the
@@ -271,7 +276,7 @@ NEAR_TIE = 0.5
 
 
 def other(backend: Role) -> Role:
-    return Role.BASELINE if backend == Role.SPECULATIVE else Role.SPECULATIVE
+    return BASELINE if backend == SPECULATIVE else SPECULATIVE
 
 
 # Doublings of the wait between probes that are counted (2**32 times any wait is past any maximum).
@@ -337,12 +342,12 @@ class Curves(NamedTuple):
         gives nothing: nothing to lose)."""
         spec = interpolate(self.levels, self.speculative, load)
         base = interpolate(self.levels, self.baseline, load)
-        new, old = (spec, base) if to == Role.SPECULATIVE else (base, spec)
+        new, old = (spec, base) if to == SPECULATIVE else (base, spec)
         gain = new / old - 1 if old > 0 else math.inf
         if self.speculative_tpot and self.baseline_tpot:
             t_spec = interpolate(self.levels, self.speculative_tpot, load)
             t_base = interpolate(self.levels, self.baseline_tpot, load)
-            t_new, t_old = (t_spec, t_base) if to == Role.SPECULATIVE else (t_base, t_spec)
+            t_new, t_old = (t_spec, t_base) if to == SPECULATIVE else (t_base, t_spec)
             if t_new > 0 and math.isfinite(t_old / t_new):
                 gain = max(gain, t_old / t_new - 1)
         return gain
@@ -384,7 +389,7 @@ class LoadSnapshot(NamedTuple):
 
 @dataclass(frozen=True)
 class PolicyState:
-    mode: Mode = Role.SPECULATIVE
+    mode: Mode = SPECULATIVE
     # When the mode began, the probe sessions since, and whether one is under way (adaptive only).
     since: float = float("-inf")
     probes: int = 0
@@ -423,7 +428,7 @@ class PoolGains(NamedTuple):
 
     def of(self, role: Role) -> tuple[float, float]:
         """(gain, the stream's own speed) on `role`."""
-        if role == Role.SPECULATIVE:
+        if role == SPECULATIVE:
             return self.speculative, self.speed_speculative
         return self.baseline, self.speed_baseline
 
@@ -457,7 +462,7 @@ def backend_load(snapshot: LoadSnapshot, backend: Role, signal: LoadSignal) -> i
 def total_load(snapshot: LoadSnapshot, signal: LoadSignal) -> int:
     # The two roles spelled out: this runs for every request, and a generator over ROLES costs more
     # than the sum.
-    return backend_load(snapshot, Role.SPECULATIVE, signal) + backend_load(snapshot, Role.BASELINE, signal)
+    return backend_load(snapshot, SPECULATIVE, signal) + backend_load(snapshot, BASELINE, signal)
 
 
 def next_mode(load: int, state: PolicyState, cfg: PolicyConfig, now: float = 0.0) -> PolicyState:
@@ -465,27 +470,27 @@ def next_mode(load: int, state: PolicyState, cfg: PolicyConfig, now: float = 0.0
     means speculation never pays: everything goes to the baseline."""
     if cfg.high_watermark == 0:
         # Kept as it is when already there: an adaptive probe session lives in this state.
-        return state if state.mode == Role.BASELINE else PolicyState(Role.BASELINE)
-    if state.mode == Role.SPECULATIVE and load >= cfg.high_watermark:
-        return PolicyState(Role.BASELINE)
-    if state.mode == Role.BASELINE:
+        return state if state.mode == BASELINE else PolicyState(BASELINE)
+    if state.mode == SPECULATIVE and load >= cfg.high_watermark:
+        return PolicyState(BASELINE)
+    if state.mode == BASELINE:
         if load > cfg.low_watermark:
             return state if state.low_since is None else dataclasses.replace(state, low_since=None)
         since = now if state.low_since is None else state.low_since
         if now - since >= cfg.low_hold_s:
-            return PolicyState(Role.SPECULATIVE)
+            return PolicyState(SPECULATIVE)
         return state if state.low_since is not None else dataclasses.replace(state, low_since=since)
     return state
 
 
 def return_held(load: int, state: PolicyState, cfg: PolicyConfig) -> bool:
     """Whether the state stays in baseline mode only because the low watermark's hold runs."""
-    return state.mode == Role.BASELINE and state.low_since is not None and load <= cfg.low_watermark
+    return state.mode == BASELINE and state.low_since is not None and load <= cfg.low_watermark
 
 
 def leaves_full_pool(to: Role, load: int, cfg: PolicyConfig) -> bool:
     """Whether a switch to `to` leaves a speculative KV pool that `load` fills (cfg.capacity)."""
-    return to == Role.BASELINE and cfg.capacity is not None and load >= cfg.capacity
+    return to == BASELINE and cfg.capacity is not None and load >= cfg.capacity
 
 
 def switch_pays(to: Role, load: int, cfg: PolicyConfig, margin: float) -> bool:
@@ -515,7 +520,7 @@ def dwell_mode(
         return state, "dwell_hold"
     if not switch_pays(nxt.mode, load, cfg, switch_margin):
         return state, "switch_cost"
-    if nxt.mode == Role.SPECULATIVE and not fresh and cfg.probe_s > 0:
+    if nxt.mode == SPECULATIVE and not fresh and cfg.probe_s > 0:
         return dataclasses.replace(state, probing=True), "dwell_hold"
     return PolicyState(nxt.mode, since=now), None
 
@@ -529,11 +534,11 @@ def probe_due(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig, loa
     """Whether the next request should go to the idle speculative server to re-measure acceptance:
     at once during a probe session, else after a wait that doubles with each probe."""
     idle = snapshot.speculative_idle_since
-    if cfg.probe_s <= 0 or state.mode != Role.BASELINE or idle is None or load >= cfg.probe_max_load:
+    if cfg.probe_s <= 0 or state.mode != BASELINE or idle is None or load >= cfg.probe_max_load:
         return False
     if cfg.capacity is not None and load > max(cfg.low_watermark, hysteresis_low(cfg.capacity)):
         return False
-    if not snapshot.healthy.get(Role.SPECULATIVE, False):
+    if not snapshot.healthy.get(SPECULATIVE, False):
         return False
     if state.probing:
         return True
@@ -587,19 +592,19 @@ def _settled(
         return next_mode(load, state, cfg, now), None
     if cfg.policy in LEARNING:
         return dwell_mode(load, state, cfg, now, fresh, switch_margin)
-    return PolicyState(Role.SPECULATIVE if spec_load < cfg.spillover_limit else Role.BASELINE), None
+    return PolicyState(SPECULATIVE if spec_load < cfg.spillover_limit else BASELINE), None
 
 
 def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:
-    spec_load = backend_load(snapshot, Role.SPECULATIVE, cfg.load_signal)
-    load = spec_load + backend_load(snapshot, Role.BASELINE, cfg.load_signal)
+    spec_load = backend_load(snapshot, SPECULATIVE, cfg.load_signal)
+    load = spec_load + backend_load(snapshot, BASELINE, cfg.load_signal)
     fresh = accept_fresh(snapshot.speculative_idle_since, snapshot.now, cfg)
     was_probing = state.probing
     state, held = _settled(load, spec_load, state, cfg, snapshot.now, fresh, snapshot.switch_margin)
     choice: Role = state.mode
     reason: Reason
     if cfg.policy == "spillover":
-        reason = "light_load" if choice == Role.SPECULATIVE else "spillover"
+        reason = "light_load" if choice == SPECULATIVE else "spillover"
     else:
         reason = held or _reason(choice, load, state, cfg)
     if cfg.policy in LEARNING and probe_due(snapshot, state, cfg, load):
@@ -610,7 +615,7 @@ def decide(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Dec
             shadow = dataclasses.replace(state, probes=probes, probing=False)
             return _checked(choice, reason, shadow, snapshot, load)._replace(shadow=True)
         state = _probe_sent(dataclasses.replace(state, probes=probes, probing=True), was_probing)
-        return Decision(Role.SPECULATIVE, "probe", state, load)
+        return Decision(SPECULATIVE, "probe", state, load)
     return _checked(choice, reason, state, snapshot, load)
 
 
@@ -655,13 +660,13 @@ def class_choice(
     reason: Reason
     choice: Role
     if spec_load >= (view.high if cfg.capacity is None else min(view.high, cfg.capacity)):
-        choice, reason = Role.BASELINE, "class"
+        choice, reason = BASELINE, "class"
     elif spec_load <= view.low:
-        choice, reason = Role.SPECULATIVE, "class"
+        choice, reason = SPECULATIVE, "class"
     elif held is not None and healthy.get(held, False):
         choice, reason = held, "affinity"
     else:
-        choice, reason = (Role.BASELINE if view.gains is False else Role.SPECULATIVE), "class"
+        choice, reason = (BASELINE if view.gains is False else SPECULATIVE), "class"
     if not healthy.get(choice, False):
         return decision
     return Decision(choice, reason, decision.state, decision.load)
@@ -679,9 +684,9 @@ def _gained_choice(
     """The class rule where each role's gain is known (the module's rule)."""
     reason: Reason = "class"
     if cfg.capacity is not None and spec_load >= cfg.capacity:
-        choice = Role.BASELINE
+        choice = BASELINE
     else:
-        choice = Role.SPECULATIVE if gains.speculative >= gains.baseline else Role.BASELINE
+        choice = SPECULATIVE if gains.speculative >= gains.baseline else BASELINE
         if held is not None and held != choice and healthy.get(held, False):
             gain_held, speed_held = gains.of(held)
             if gains.of(choice)[0] - gain_held <= cfg.affinity_slack * cached_tokens / 1000 * speed_held:
@@ -695,7 +700,7 @@ def _ranked_choice(decision: Decision, gains: bool | None, cfg: PolicyConfig, he
     """The class rule without a speed model: by the class's rank, below the high watermark."""
     if gains is None or decision.load >= cfg.high_watermark:
         return decision
-    choice = Role.SPECULATIVE if gains else Role.BASELINE
+    choice = SPECULATIVE if gains else BASELINE
     if not healthy.get(choice, False):
         return decision
     return Decision(choice, "class", decision.state, decision.load)
@@ -711,8 +716,8 @@ def spills(decision: Decision, held: Role | None, cfg: PolicyConfig) -> bool:
     with the spill on, for a request whose conversation's cache (`held`) is not on the baseline."""
     return (
         cfg.kv_spill_at > 0
-        and decision.backend == Role.BASELINE
-        and held != Role.BASELINE
+        and decision.backend == BASELINE
+        and held != BASELINE
         and decision.reason in _SPILLABLE
         and cfg.policy in LEARNING
     )
@@ -729,21 +734,21 @@ def kv_spill(
     """The decision once the KV pools are read (the module's rule): `baseline_used` the least full
     of the baseline's pools, `speculative_used` the most full of the speculative role's (fractions;
     None: unknown, no spill)."""
-    if not spills(decision, held, cfg) or not healthy.get(Role.SPECULATIVE, False):
+    if not spills(decision, held, cfg) or not healthy.get(SPECULATIVE, False):
         return decision
     if baseline_used is None or speculative_used is None or baseline_used < cfg.kv_spill_at:
         return decision
-    room = cfg.kv_spill_at if held == Role.SPECULATIVE else cfg.kv_spill_room
+    room = cfg.kv_spill_at if held == SPECULATIVE else cfg.kv_spill_room
     if speculative_used >= room:
         return decision
     # The request itself measures the speculative server now: a shadow due goes unsent, uncounted.
     state = shadow_unsent(decision.state) if decision.shadow else decision.state
-    return Decision(Role.SPECULATIVE, "kv_spill", state, decision.load)
+    return Decision(SPECULATIVE, "kv_spill", state, decision.load)
 
 
 def decide_batch(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:
     """A batch request's backend: the baseline (the throughput choice), the mode left as it is."""
-    return _checked(Role.BASELINE, "batch", state, snapshot, total_load(snapshot, cfg.load_signal))
+    return _checked(BASELINE, "batch", state, snapshot, total_load(snapshot, cfg.load_signal))
 
 
 def _probe_sent(state: PolicyState, was_probing: bool) -> PolicyState:
@@ -777,7 +782,7 @@ def probes_restarted(state: PolicyState) -> PolicyState:
 
 
 def _reason(choice: Role, load: int, state: PolicyState, cfg: PolicyConfig) -> Reason:
-    if choice == Role.SPECULATIVE:
+    if choice == SPECULATIVE:
         return "light_load"
     if load >= cfg.high_watermark:
         return "heavy_load"

@@ -28,8 +28,10 @@ from .forecast import Trend
 from .inflight import InflightTracker, Lease
 from .metrics import Metrics
 from .policy import (
+    BASELINE,
     LEARNING,
     ROLES,
+    SPECULATIVE,
     ClassView,
     Decision,
     LoadSnapshot,
@@ -317,14 +319,14 @@ class Router:
             cfg = dataclasses.replace(cfg, probe_s=0.0)
         decision = decide(snapshot, self.state, cfg)
         if klass is not None and self._pooled:
-            spec = backend_load(snapshot, Role.SPECULATIVE, cfg.load_signal)
-            base = backend_load(snapshot, Role.BASELINE, cfg.load_signal)
+            spec = backend_load(snapshot, SPECULATIVE, cfg.load_signal)
+            base = backend_load(snapshot, BASELINE, cfg.load_signal)
             gains = None if klass.accept is None else self.pool_gains(klass.accept, (spec, base))
             healthy, pooled = snapshot.healthy, self._pooled
             decision = class_choice(decision, klass, cfg, healthy, pooled, spec, held, gains, cached_tokens)
         if held is not None and decision.reason not in ("class", "affinity"):
             decision = affinity_choice(decision, held, cfg, snapshot.healthy, self._pooled)
-        if decision.backend is Role.BASELINE and spills(decision, held, cfg):
+        if decision.backend is BASELINE and spills(decision, held, cfg):
             decision = self._spilled(decision, held, cfg, snapshot.healthy)
         self._set_state(decision.state)
         self._metrics.decisions.inc(decision.backend or "none", decision.reason)
@@ -335,10 +337,10 @@ class Router:
     ) -> Decision:
         """policy.kv_spill with the pools read: the speculative role's only where the baseline's are
         full (the decision is made for every request, and mostly they are not)."""
-        pools = self.kv_used(Role.BASELINE)
+        pools = self.kv_used(BASELINE)
         if pools is None or pools[0] < cfg.kv_spill_at:
             return decision
-        room = self.kv_used(Role.SPECULATIVE)
+        room = self.kv_used(SPECULATIVE)
         return kv_spill(decision, held, cfg, healthy, pools[0], None if room is None else room[1])
 
     def kv_used(self, role: Role) -> tuple[float, float] | None:
@@ -351,7 +353,7 @@ class Router:
         errs toward full: on the speculative side toward no spill, and on the baseline's it would
         spill from a pool with room."""
         least, most = math.inf, 0.0
-        local = role is Role.SPECULATIVE
+        local = role is SPECULATIVE
         for s in self.group.of(role):
             view = self._servers[s]
             if not view.healthy:
@@ -399,8 +401,8 @@ class Router:
             return None
         spec, base = loads if loads is not None else (self.backend_load(r) for r in ROLES)
         on_spec = self.engine_accept() or a.estimate.accept_live or accept
-        g_spec, v_spec = self._gain(Role.SPECULATIVE, spec, accept, on_spec)
-        g_base, v_base = self._gain(Role.BASELINE, base, 1.0, 1.0)
+        g_spec, v_spec = self._gain(SPECULATIVE, spec, accept, on_spec)
+        g_base, v_base = self._gain(BASELINE, base, 1.0, 1.0)
         return PoolGains(g_spec, g_base, v_spec, v_base)
 
     def _gain(self, role: Role, load: int, accept: float, held_accept: float) -> tuple[float, float]:
@@ -469,7 +471,7 @@ class Router:
         held = self._tokens_on(server, batch)
         now, more = fit.step_s(max(batch, 1.0), held), fit.step_s(batch + 1.0, held + prompt_tokens)
         per_step = 1.0
-        if role == Role.SPECULATIVE:
+        if role == SPECULATIVE:
             per_step = self.engine_accept() or a.estimate.accept_live or speed.accept or 1.0
         steps = self.out_tokens / per_step
         return turn_cost(steps, batch, now, more, new_tokens, a.cfg.prefill_tok_s), batch
@@ -571,7 +573,7 @@ class Router:
         if a is None:
             return
         now = self._clock()
-        if backend != Role.SPECULATIVE:
+        if backend != SPECULATIVE:
             accept = None
         elif accept is None:
             accept = self.accept_live(now)[0]
@@ -612,12 +614,12 @@ class Router:
 
     def counts_steps(self) -> bool:
         """Whether the speculative servers' streams send one content event per decode step."""
-        names = [self._servers[s].engine for s in self.group.of(Role.SPECULATIVE)]
+        names = [self._servers[s].engine for s in self.group.of(SPECULATIVE)]
         return bool(names) and all(n is not None and ENGINES[n].stream_steps for n in names)
 
     def engine_accept(self) -> float | None:
         """The speculative servers' acceptance as their engines report it (their mean)."""
-        servers = self.group.of(Role.SPECULATIVE)
+        servers = self.group.of(SPECULATIVE)
         if len(servers) == 1:  # most groups: read for every pool's class request
             return self._servers[servers[0]].spec_accept_length
         found = [a for s in servers if (a := self._servers[s].spec_accept_length) is not None]
@@ -632,7 +634,7 @@ class Router:
             return
         # What each client is served weighs its acceptance (evidence.py).
         self.evidence.served(client, tokens, self._clock())
-        if backend != Role.SPECULATIVE or not self.state.probing:
+        if backend != SPECULATIVE or not self.state.probing:
             return
         session = self.state.session
         self.state = probe_returned(self.state, tokens, self.adaptive.cfg.probe_tokens)
@@ -683,12 +685,12 @@ class Router:
         tells the truth."""
         if self.cfg.load_signal == "local":
             # The common case, on every admit and release: no snapshot to build.
-            spec_load = self.interactive_count(Role.SPECULATIVE)
-            load = spec_load + self.interactive_count(Role.BASELINE)
+            spec_load = self.interactive_count(SPECULATIVE)
+            load = spec_load + self.interactive_count(BASELINE)
         else:
             snap = self.snapshot()
             load = total_load(snap, self.cfg.load_signal)
-            spec_load = backend_load(snap, Role.SPECULATIVE, self.cfg.load_signal)
+            spec_load = backend_load(snap, SPECULATIVE, self.cfg.load_signal)
         self.last_load = load
         now = self._clock()
         self._update(now)
@@ -736,7 +738,7 @@ class Router:
         for its next turn (_streams_in); None while a pool's size or the streams' tokens are
         unknown."""
         pools = 0
-        for s in self.group.of(Role.SPECULATIVE):
+        for s in self.group.of(SPECULATIVE):
             pool = self._servers[s].kv_capacity
             if pool is None:
                 return None
@@ -823,12 +825,12 @@ class Router:
 
     def _publish_mode(self) -> None:
         m = self._metrics
-        m.child(m.group_mode, self.group.name).set(1 if self.state.mode == Role.SPECULATIVE else 0)
+        m.child(m.group_mode, self.group.name).set(1 if self.state.mode == SPECULATIVE else 0)
 
     def server_changed(self, server: str) -> None:
         """A lease on one of the group's servers was taken or released."""
-        if self.tracker.role(server) == Role.SPECULATIVE:
-            self._spec_idle_since = self._clock() if self.role_count(Role.SPECULATIVE) == 0 else None
+        if self.tracker.role(server) == SPECULATIVE:
+            self._spec_idle_since = self._clock() if self.role_count(SPECULATIVE) == 0 else None
         self.refresh()
 
     def _set_state(self, state: PolicyState) -> None:
@@ -982,7 +984,7 @@ class Fleet:
             m.child(m.inflight, role).set_function(lambda role=role: sum(r.role_count(role) for r in routers))
         m.load.set_function(lambda: sum(r.last_load for r in routers))
         # The share of groups in speculative mode: 1 or 0 as with one group, between with several.
-        m.mode.set_function(lambda: sum(r.state.mode == Role.SPECULATIVE for r in routers) / n)
+        m.mode.set_function(lambda: sum(r.state.mode == SPECULATIVE for r in routers) / n)
         m.watermark.labels("high").set_function(lambda: sum(r.policy_cfg().high_watermark for r in routers) / n)
         m.watermark.labels("low").set_function(lambda: sum(r.policy_cfg().low_watermark for r in routers) / n)
         for r in routers:

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .calibration import MODEL_FORM, ModelFit, StepFit
-from .policy import ROLES, Role, hysteresis_low
+from .policy import BASELINE, ROLES, SPECULATIVE, Role, hysteresis_low
 
 # The weight of one observation in the live correction's average (of logs).
 CORRECTION_ALPHA = 0.1
@@ -288,7 +288,7 @@ class StepModel:
         return kept[1]
 
     def per_step(self, role: Role) -> float:
-        return self.accept if role == Role.SPECULATIVE else 1.0
+        return self.accept if role == SPECULATIVE else 1.0
 
     def predict(self, role: Role, load: float, tokens: float) -> Prediction:
         """Role `role` holding the group's `load` streams and `tokens` tokens (over its servers)."""
@@ -347,7 +347,7 @@ class StepModel:
         corrections stand: every request and lease asks, and within those steps the answer moves by
         under 1%."""
         c = self.corrections
-        key = (round(a * 100), self.context_key, c[Role.SPECULATIVE].log_k, c[Role.BASELINE].log_k)
+        key = (round(a * 100), self.context_key, c[SPECULATIVE].log_k, c[BASELINE].log_k)
         found = self._solved.get(key)
         if found is None:
             if len(self._solved) >= MAX_SOLVED:
@@ -356,8 +356,8 @@ class StepModel:
         return found
 
     def _solve_at(self, a: float, t: float) -> tuple[float, int, int]:
-        spec, base = self.step(Role.SPECULATIVE), self.step(Role.BASELINE)
-        ns, nb = self.servers.get(Role.SPECULATIVE, 1) or 1, self.servers.get(Role.BASELINE, 1) or 1
+        spec, base = self.step(SPECULATIVE), self.step(BASELINE)
+        ns, nb = self.servers.get(SPECULATIVE, 1) or 1, self.servers.get(BASELINE, 1) or 1
         up = 1.0 + self.limits.margin
         lo_wm, hi_wm = self.limits.min_watermark, self.limits.max_watermark
 
@@ -379,7 +379,7 @@ class StepModel:
         if not (tok_s > 0 and math.isfinite(tok_s) and batch >= 1):
             return
         n = self.servers.get(role, 1) or 1
-        per_step = (accept or self.fit.accept_length) if role == Role.SPECULATIVE else 1.0
+        per_step = (accept or self.fit.accept_length) if role == SPECULATIVE else 1.0
         predicted = self.fit.of(role).step_s(max(batch / n, 1.0), max(tokens, 0.0) / n)
         self.corrections[role].observe((per_step / tok_s) / predicted)
 
