@@ -104,11 +104,13 @@ request the mode or its class sends to the baseline goes to the speculative role
 u a server's KV pool in use, over the servers that are up: its engine's reading (SGLang
 token_usage, vLLM kv_cache_usage_perc), and for a speculative server the larger of that and this
 gateway's tokens in flight there over the pool's size (the reading is a scrape old, and what was
-spilled since is in the second; routing.Router.kv_used), unknown (no spill) where not known; F
+spilled since is in the second; routing.Router.kv_used; where its engine says nothing, the
+second alone), unknown (no spill) where neither is known; F
 SPECGATE_KV_SPILL_AT (0: off), R SPECGATE_KV_SPILL_ROOM. In a fleet of groups, the group chosen
 (by load) is the one whose pools are read. New conversations spill only while
-the speculative pools are under R, leaving room for those there to grow; a conversation already
-spilled keeps its cache while they are under F. A conversation whose cache is on the baseline waits
+the speculative pools are under R, leaving room for those there to grow; a conversation whose cache
+is on the speculative role (the affinity table's: one spilled already) keeps it while they are
+under F. A conversation whose cache is on the baseline waits
 there: a move would prefill it again into the pool that has room, which costs more than waiting
 for memory where it is cached. Probes, batch requests, failovers and stored responses never spill.
 Measured on the simulated H200 pair, 8k-token chats at 128 sessions (the baseline's 419k tokens
@@ -219,9 +221,9 @@ class Role(enum.StrEnum):
 
 
 ROLES: tuple[Role, ...] = tuple(Role)
-# The roles as module constants: in Python 3.11 an enum member read off its class goes through a
-# descriptor, some 45 ns a time against 5 for a global, and the per-request decision names them a
-# few dozen times (loadtest/decisions.py).
+# The roles as module constants: in Python 3.11 an enum member read off its class is a slow lookup
+# (the enum metaclass defines __getattr__), 48 ns a time against 5 for a global, measured with
+# timeit, and the per-request decision names them a few dozen times (loadtest/decisions.py).
 SPECULATIVE: Final = Role.SPECULATIVE
 BASELINE: Final = Role.BASELINE
 Mode = Role
