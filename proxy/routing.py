@@ -132,7 +132,7 @@ class Router:
         # What the policy is told of a class, by rank and acceptance (rounded): a class's every
         # request asks, and solving its watermarks walks the curves. Solved again once the
         # estimate moves.
-        self._class_views: dict[tuple[bool | None, float, int], ClassView] = {}
+        self._class_views: dict[tuple[bool | None, int, int], ClassView] = {}
         # Each role's curve speeds at a load and one more (_rates), as asked; under the model
         # policy, its fitted ones at a context too (to 1%, StepModel's key).
         self._rates_seen: dict[tuple[Role, float, int], tuple[float, float]] = {}
@@ -373,13 +373,15 @@ class Router:
         if accept is None or not self._pooled:
             return _RANKED[gains]
         # What stands until the estimate moves (the adaptive curves) or, under the model policy,
-        # the context (to 1%) or a correction (observe).
-        rounded = round(accept, 2)
-        key = (gains, rounded, 0 if self.speed is None else self.speed.context_key)
+        # the context (to 1%) or a correction (observe). Keyed by the acceptance in hundredths:
+        # round(x, 2) costs a third of a microsecond, round(x * 100) a tenth of that.
+        cents = round(accept * 100)
+        key = (gains, cents, 0 if self.speed is None else self.speed.context_key)
         view = self._class_views.get(key)
         if view is None:
             if len(self._class_views) >= MAX_CLASS_VIEWS:
                 self._class_views.clear()
+            rounded = cents / 100
             view = self._class_views[key] = self._view_of(gains, self.class_marks(rounded), rounded)
         return view
 
