@@ -17,7 +17,7 @@ from . import access
 from .config import redact_url
 from .errors import ApiError
 from .gate import Gate
-from .policy import LEARNING, ROLES, Role
+from .policy import ROLES, Role, spill_on
 from .routing import Router
 
 router = APIRouter()
@@ -215,7 +215,7 @@ def _spill(g: Router) -> dict[str, object]:
     is on, its fractions, and each role's pools as the rule reads them (None: unknown)."""
     base, spec = g.kv_used(Role.BASELINE), g.kv_used(Role.SPECULATIVE)
     return {
-        "on": g.cfg.kv_spill_at > 0 and g.cfg.policy in LEARNING,
+        "on": spill_on(g.cfg),
         "at": g.cfg.kv_spill_at,
         "room": g.cfg.kv_spill_room,
         "baseline_least_used": None if base is None else round(base[0], 3),

@@ -712,17 +712,16 @@ def _ranked_choice(decision: Decision, gains: bool | None, cfg: PolicyConfig, he
 _SPILLABLE = _MODE_REASONS | {"class"}
 
 
+def spill_on(cfg: PolicyConfig) -> bool:
+    """Whether a full baseline spills at all: a learning policy, with SPECGATE_KV_SPILL_AT above 0."""
+    return cfg.kv_spill_at > 0 and cfg.policy in LEARNING
+
+
 def spills(decision: Decision, held: Role | None, cfg: PolicyConfig) -> bool:
     """Whether the baseline's full KV pools may send `decision` to speculation (the module's rule),
-    before any pool is read: a mode's or a class's choice of the baseline, under a learning policy
-    with the spill on, for a request whose conversation's cache (`held`) is not on the baseline."""
-    return (
-        cfg.kv_spill_at > 0
-        and decision.backend == BASELINE
-        and held != BASELINE
-        and decision.reason in _SPILLABLE
-        and cfg.policy in LEARNING
-    )
+    before any pool is read: a mode's or a class's choice of the baseline, with the spill on, for a
+    request whose conversation's cache (`held`) is not on the baseline."""
+    return decision.backend == BASELINE and held != BASELINE and decision.reason in _SPILLABLE and spill_on(cfg)
 
 
 def kv_spill(

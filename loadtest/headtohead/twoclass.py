@@ -795,20 +795,20 @@ def pooled_ratio(runs: Sequence[ClassCell], target: str) -> float | None:
 
 
 def _pooled_pairs(runs: Sequence[ClassCell], target: str) -> list[tuple[float, float]]:
-    """(the target's goodput, the better fixed target's) in each run where its ratio is known. For
-    NOISE_OF with a conclusive control, the mean of the two: the control is the same policy in the
-    same run, a second sample of it (set on 2026-12-06, evening, after 80 runs of the pair at 8k/32
-    showed the two copies' spread to be the ratio's, and judged on fresh seeds since)."""
-    out = []
-    for c in runs:
-        if c.ratio(target) is None:
-            continue
-        goodput = c.targets[target].goodput_req_s
-        copy = c.targets.get(CONTROL) if target == NOISE_OF else None
-        if copy is not None and c.ratio(CONTROL) is not None:
-            goodput = (goodput + copy.goodput_req_s) / 2
-        out.append((goodput, c.best_fixed() or 0.0))
-    return out
+    """(the target's goodput, with its copy's (_with_copy), the better fixed target's) in each run
+    where its ratio is known."""
+    return [(_with_copy(c, target, c.ratio), c.best_fixed() or 0.0) for c in runs if c.ratio(target) is not None]
+
+
+def _with_copy(c: ClassCell, target: str, known: Callable[[str], float | None]) -> float:
+    """The target's goodput; for NOISE_OF, the mean of it and its control's where `known` gives the
+    control a figure: the control is the same policy in the same run, a second sample of it (set on
+    2026-12-06, evening, after 80 runs of the pair at 8k/32 showed the two copies' spread to be the
+    ratio's, and judged on fresh seeds since)."""
+    goodput = c.targets[target].goodput_req_s
+    if target == NOISE_OF and CONTROL in c.targets and known(CONTROL) is not None:
+        goodput = (goodput + c.targets[CONTROL].goodput_req_s) / 2
+    return goodput
 
 
 def pooled_interval(runs: Sequence[ClassCell], target: str) -> tuple[float, float] | None:
@@ -926,17 +926,14 @@ def hop_line(runs: Sequence[ClassCell]) -> str | None:
 
 
 def direct_line(runs: Sequence[ClassCell]) -> str:
-    """NOISE_OF's goodput (with its control's, as _pooled_pairs) over DIRECT's, pooled over the runs
+    """NOISE_OF's goodput (with its control's, _with_copy) over DIRECT's, pooled over the runs
     where both are known: against the baseline server straight, where that is the better fixed
     choice (the earlier sets' reference, all-spec straight aside)."""
-    known = []
-    for c in runs:
-        if DIRECT not in c.targets or c.versus(NOISE_OF, DIRECT) is None:
-            continue
-        goodput = c.targets[NOISE_OF].goodput_req_s
-        if CONTROL in c.targets and c.versus(CONTROL, DIRECT) is not None:
-            goodput = (goodput + c.targets[CONTROL].goodput_req_s) / 2
-        known.append((goodput, c.targets[DIRECT].goodput_req_s))
+    known = [
+        (_with_copy(c, NOISE_OF, functools.partial(c.versus, other=DIRECT)), c.targets[DIRECT].goodput_req_s)
+        for c in runs
+        if DIRECT in c.targets and c.versus(NOISE_OF, DIRECT) is not None
+    ]
     return _pooled_over(known, len(runs), len(runs)) if known else "unknown"
 
 
