@@ -7,12 +7,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import IO
+
+# The lines of a quiet process's stderr kept to say why it died (Proc.stderr_tail): enough for a
+# traceback's end, bounded however much the process writes over a long run.
+STDERR_LINES = 20
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -38,6 +45,22 @@ def http_status(url: str, timeout_s: float = 2.0) -> int | None:
 class Proc:
     name: str
     popen: subprocess.Popen[bytes]
+    # The last lines of stderr, where it was piped (start, quiet): kept by a reader thread.
+    stderr_lines: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_LINES), kw_only=True)
+    reader: threading.Thread | None = field(default=None, kw_only=True)
+
+    def stderr_tail(self) -> str:
+        """The last lines the process wrote to stderr, once it has exited (its reader has read to
+        the end); empty where its stderr was not kept."""
+        if self.reader is not None:
+            self.reader.join(timeout=2.0)
+        return "".join(self.stderr_lines).rstrip()
+
+    def died(self, when: str) -> str:
+        """`NAME exited with code N WHEN`, and its stderr's last lines where they were kept."""
+        tail = self.stderr_tail()
+        said = f"{self.name} exited with code {self.popen.returncode} {when}"
+        return f"{said}; its stderr ended:\n{tail}" if tail else said
 
     @property
     def pid(self) -> int:
@@ -87,21 +110,36 @@ def start(
         if cpus:
             os.sched_setaffinity(0, cpus)
 
-    out = subprocess.DEVNULL if quiet else None
+    # A quiet process's stderr is piped and its last lines kept, so that one which dies before it is
+    # ready says why (a port taken between free_port and its bind, a bad flag) instead of only its code.
     popen = subprocess.Popen(
-        [sys.executable, *args], env={**os.environ, **(env or {})}, stdout=out, stderr=out, preexec_fn=pin
+        [sys.executable, *args],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL if quiet else None,
+        stderr=subprocess.PIPE if quiet else None,
+        preexec_fn=pin,
     )
     proc = Proc(name, popen)
+    if popen.stderr is not None:
+        proc.reader = threading.Thread(target=_keep_lines, args=(popen.stderr, proc.stderr_lines), daemon=True)
+        proc.reader.start()
     if ready_url is not None:
         deadline = time.monotonic() + timeout_s
         while http_status(ready_url, timeout_s=1.0) != 200:
             if not proc.alive():
-                raise RuntimeError(f"{name} exited with code {popen.returncode} before it was ready")
+                raise RuntimeError(proc.died("before it was ready"))
             if time.monotonic() > deadline:
                 proc.stop()
                 raise RuntimeError(f"{name} was not ready at {ready_url} within {timeout_s:g} s")
             time.sleep(0.05)
     return proc
+
+
+def _keep_lines(pipe: IO[bytes], lines: deque[str]) -> None:
+    """Read `pipe` to its end (so the process never blocks on a full pipe), keeping the last lines."""
+    with pipe:
+        for raw in pipe:
+            lines.append(raw.decode(errors="replace"))
 
 
 @contextmanager

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from loadtest.kit.processes import Fleet, NotReady
 from loadtest.llamacpp import LlamaServer
-from loadtest.procs import free_port
+from loadtest.procs import free_port, simulator_args
 
 from .conftest import StartSim, StartStack
 
@@ -210,3 +214,21 @@ def test_a_llama_servers_own_log_is_removed_when_it_stops_and_a_given_one_kept(t
         server.stop()
         assert proc.poll() is not None
         assert log.exists() is not owns
+
+
+def test_a_process_that_dies_before_it_is_ready_says_why() -> None:
+    # The race fresh_start retries: the port free_port found is taken before the server binds it.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        fleet = Fleet()
+        fleet.start("simulators-x", simulator_args("speculative", port), [f"http://127.0.0.1:{port}/health"])
+        try:
+            with pytest.raises(NotReady) as raised:
+                fleet.ready()
+        finally:
+            fleet.stop()
+    said = str(raised.value)
+    assert said.startswith("simulators-x exited with code 1 before it was ready; its stderr ended:")
+    assert "address already in use" in said

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from proxy.calibration import load as load_calibration
 
 from ..args import count, level_tuple, non_negative, positive
 from ..kit.command import add_run_options, check_max_tokens, say
+from ..kit.processes import fresh_start
 from ..kit.sampling import cpu_use, self_cpu_s
 from ..report import write_json
 from .plan import HeadPlan, context_label, context_list
@@ -127,7 +129,8 @@ def run_headtohead(plan: HeadPlan, out_dir: Path, reuse: Path | None, quiet: boo
                 "verdict": cal.verdict,
             }
             say(f"  specgate's watermarks: high={cal.high_watermark} low={cal.low_watermark} ({cal.verdict})", quiet)
-            cells += [run_cell(plan, accept, context, c, path, quiet) for c in plan.sessions]
+            cells += [fresh_start(functools.partial(run_cell, plan, accept, context, c, path, quiet), quiet)
+                      for c in plan.sessions]  # fmt: skip
     return {
         "settings": {
             **{k: v for k, v in vars(plan).items()},

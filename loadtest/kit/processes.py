@@ -50,7 +50,7 @@ def wait_ready(pending: Sequence[tuple[Proc, str]], timeout_s: float = 60.0) -> 
     while left:
         for proc, url in list(left):
             if not proc.alive():
-                raise NotReady(f"{proc.name} exited with code {proc.popen.returncode} before it was ready")
+                raise NotReady(proc.died("before it was ready"))
             if http_status(url, timeout_s=1.0) == 200:
                 left.remove((proc, url))
         if left and time.monotonic() > deadline:
@@ -103,13 +103,22 @@ def calibrate_fresh_pair(
     calibrate arguments (seed, tokens, minimum requests; a --workload, with `prompts` None, since
     --prompts is refused beside one); `prompt_tokens`: calibrate's --prompt-tokens, the lengths the
     speed model's fit sweeps (none: no fit). Its output goes to calibration.txt."""
-    spec_port, base_port = free_port(), free_port()
-    spec, base = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{base_port}"
-    pair = Fleet()
-    pair.start("simulators-calibration", pair_args(spec_port, base_port), [spec + "/health", base + "/health"])
+
+    def started() -> tuple[Fleet, str, str]:
+        spec_port, base_port = free_port(), free_port()
+        spec, base = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{base_port}"
+        pair = Fleet()
+        pair.start("simulators-calibration", pair_args(spec_port, base_port), [spec + "/health", base + "/health"])
+        try:
+            pair.ready()
+        except BaseException:
+            pair.stop()
+            raise
+        return pair, spec, base
+
+    pair, spec, base = fresh_start(started, quiet)
     path = out_dir / "calibration.json"
     try:
-        pair.ready()
         args = [
             sys.executable, "-m", "loadtest", "calibrate", "--speculative", spec, "--baseline", base,
             *(["--prompts", prompts] if prompts else []), "--concurrency", ",".join(map(str, levels)),

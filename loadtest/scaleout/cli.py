@@ -80,12 +80,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Any
 
 from ..args import count, level_tuple, non_negative, positive
 from ..kit.command import add_run_options, check_max_tokens, check_profile, check_settle, say
+from ..kit.processes import fresh_start
 from ..kit.sampling import CpuUse
 from ..report import write_json
 from .plan import (
@@ -120,7 +122,7 @@ def run_scaleout(
     runs: dict[str, ConfigRun] = {}
     cpu: dict[str, CpuUse] = {}
     for names in batches:
-        done, use = run_batch(plan, names, wm, quiet)
+        done, use = fresh_start(functools.partial(run_batch, plan, names, wm, quiet), quiet)
         label = " + ".join(names) if len(names) > 1 else names[0]
         cpu[label] = use
         runs.update({run.name: run for run in done})

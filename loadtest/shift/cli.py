@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import math
 import time
 from pathlib import Path
@@ -56,7 +57,7 @@ from proxy.calibration import load as load_calibration
 
 from ..args import level_tuple, positive
 from ..kit.command import add_run_options, check_max_tokens, check_profile, check_settle, say
-from ..kit.processes import Fleet
+from ..kit.processes import Fleet, fresh_start
 from ..kit.sampling import cpu_use, self_cpu_s
 from ..prompts import source
 from ..report import fmt, write_json
@@ -100,7 +101,7 @@ def run_shift(plan: ShiftPlan, out_dir: Path, calibration: str | None, quiet: bo
         f"({cal_data.verdict}); acceptance {fmt(cal_data.accept_length or math.nan, 2)}",
         quiet,
     )
-    levels = [run_level(plan, c, str(cal), quiet) for c in plan.levels]
+    levels = [fresh_start(functools.partial(run_level, plan, c, str(cal), quiet), quiet) for c in plan.levels]
     settings = {
         **{k: v for k, v in vars(plan).items() if k != "adaptive"},
         "adaptive_settings_at_time_scale_1": adaptive_settings(plan),
