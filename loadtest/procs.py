@@ -135,6 +135,12 @@ def start(
     return proc
 
 
+def port_taken(exc: BaseException) -> bool:
+    """Whether `start` failed because the process found its port taken: free_port's port can be
+    taken by another socket before the server binds it, and starting again on a fresh one is the cure."""
+    return isinstance(exc, RuntimeError) and "address already in use" in str(exc)
+
+
 def _keep_lines(pipe: IO[bytes], lines: deque[str]) -> None:
     """Read `pipe` to its end (so the process never blocks on a full pipe), keeping the last lines."""
     with pipe:

@@ -13,7 +13,7 @@ import pytest
 
 from loadtest.kit.processes import Fleet, NotReady
 from loadtest.llamacpp import LlamaServer
-from loadtest.procs import free_port, simulator_args
+from loadtest.procs import free_port, port_taken, simulator_args, start
 
 from .conftest import StartSim, StartStack
 
@@ -231,4 +231,20 @@ def test_a_process_that_dies_before_it_is_ready_says_why() -> None:
             fleet.stop()
     said = str(raised.value)
     assert said.startswith("simulators-x exited with code 1 before it was ready; its stderr ended:")
-    assert "address already in use" in said
+    assert "address already in use" in said and port_taken(raised.value)
+
+
+def test_a_gateway_on_a_taken_port_is_told_apart_from_one_that_fails_otherwise() -> None:
+    # tests.helpers.start_proxy starts again on a fresh port only for the first.
+    env = {"SPECGATE_SPECULATIVE_URL": "http://127.0.0.1:1", "SPECGATE_BASELINE_URL": "http://127.0.0.1:2"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError) as raised:
+            start("proxy", ["-m", "proxy"], ready_url=f"http://127.0.0.1:{port}/health",
+                  env={**env, "SPECGATE_PORT": str(port)})  # fmt: skip
+    assert port_taken(raised.value)
+    with pytest.raises(RuntimeError) as raised:
+        start("proxy", ["-m", "proxy"], ready_url="http://127.0.0.1:1/health", env={**env, "SPECGATE_PORT": "-5"})
+    assert "exited with code" in str(raised.value) and not port_taken(raised.value)
