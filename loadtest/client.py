@@ -85,11 +85,20 @@ class Target:
     tag_requests: bool = False
     # A class's requests go to its own URL here (a static split by class); others to `url`.
     class_urls: Mapping[str, str] = field(default_factory=dict)
+    # Stream i's requests go to stream_urls[i % len] (every session of a stream stays on one server,
+    # the streams dealt to the servers in turn); none: `url`.
+    stream_urls: tuple[str, ...] = ()
 
     def for_class(self, traffic_class: str | None) -> Target:
         """The target a request of this class is sent to."""
         url = self.class_urls.get(traffic_class) if traffic_class else None
         return self if url is None else dataclasses.replace(self, url=url)
+
+    def for_stream(self, stream: int) -> Target:
+        """The target stream `stream`'s requests are sent to."""
+        if not self.stream_urls:
+            return self
+        return dataclasses.replace(self, url=self.stream_urls[stream % len(self.stream_urls)], stream_urls=())
 
     def endpoint(self) -> str:
         return self.url.rstrip("/") + ("/v1/chat/completions" if self.chat else "/v1/completions")

@@ -132,6 +132,7 @@ class _Level:
 
     async def worker(self, stream: int) -> None:
         counted_first = False
+        mine = self.target.for_stream(stream)
         script = self.workload.stream(stream)
         reply: str | None = None  # the first send starts the script, which receives nothing
         while not self.stop.is_set():
@@ -140,8 +141,8 @@ class _Level:
             if turn.think_s > 0 and await self.stopped_within(turn.think_s):
                 break
             text: list[str] | None = [] if turn.keep_reply else None
-            headers = self.target.headers(turn.traffic_class, turn.session) if self.target.tag_requests else None
-            target = self.target.for_class(turn.traffic_class)
+            headers = mine.headers(turn.traffic_class, turn.session) if mine.tag_requests else None
+            target = mine.for_class(turn.traffic_class)
             r = await stream_request(self.session, target, turn.prompt, text_sink=text, headers=headers)
             r.traffic_class, r.session, r.turn = turn.traffic_class, turn.session, turn.turn
             self.results.append(r)

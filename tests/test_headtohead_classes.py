@@ -20,6 +20,7 @@ from loadtest.headtohead.twoclass import (
     CONFIDENCE,
     CONTROL,
     DIRECT,
+    ORACLE,
     POOLED_MIN_RUNS,
     SCALE_FILE,
     ClassCell,
@@ -29,6 +30,7 @@ from loadtest.headtohead.twoclass import (
     gate_settings,
     goodput_verdict,
     hit_verdict,
+    measured_oracle_gap,
     misrouted,
     oracle_gap,
     oracle_hit_rate,
@@ -364,6 +366,17 @@ def test_hit_verdict_within_five_points_of_the_oracle() -> None:
     # Every later turn back on its session's server is shown, not counted: an oracle that placed
     # the first turns better could have found more cached.
     assert hit_verdict(dataclasses.replace(c, returned={"features": 1.0}), "features") == "unknown"
+    # There the oracle measured beside it, evictions and all, is the measure (features' rate 0.5).
+    for oracle_rate, verdict in ((0.56, "missed"), (0.54, "met"), (0.3, "met")):
+        c.targets[ORACLE] = dataclasses.replace(tc(ORACLE, 0.0), prefix_cache_hit_rate=oracle_rate)
+        assert hit_verdict(c, "features") == verdict
+        assert measured_oracle_gap(c, "features") == pytest.approx(oracle_rate - 0.5)
+    c.targets[ORACLE] = tc(ORACLE, 0.0, conclusive=False)
+    assert hit_verdict(c, "features") == "unknown" and measured_oracle_gap(c, "features") is None
+    # ...and only there: where a fixed target served some, the oracle that evicts nothing still is.
+    c.targets["all-base"] = tc("all-base", 8.0)
+    c.targets[ORACLE] = dataclasses.replace(tc(ORACLE, 0.0), prefix_cache_hit_rate=0.5)
+    assert hit_verdict(c, "features") == "missed"  # 0.9 - 0.5, the measured oracle's 0 not asked
 
 
 def test_where_nobody_met_the_slos_throughput_decides() -> None:
@@ -491,6 +504,23 @@ def test_calibration_brackets_the_top_sessions_and_smg_is_a_sixth_target() -> No
         "http://a",
         "http://b",
     ]
+
+
+def test_the_oracle_keeps_each_stream_on_one_of_its_pairs_servers() -> None:
+    plan = ClassPlan(oracle=True)
+    assert plan.targets[-1] == ORACLE and ORACLE not in ClassPlan().targets
+    assert plan.time_scale(32, 1000) == pytest.approx(ClassPlan().time_scale(32, 1000) * 6 / 7, rel=1e-3)
+    oracle = Target("http://s", "m", tag_requests=True, stream_urls=("http://s", "http://b"))
+    assert [oracle.for_stream(i).url for i in range(4)] == ["http://s", "http://b", "http://s", "http://b"]
+    assert oracle.for_stream(1).for_stream(0).url == "http://b"  # a stream's target stays its own
+    assert Target("http://x", "m").for_stream(3).url == "http://x"
+    assert build_parser().parse_args(["headtohead-classes", "--oracle"]).oracle is True
+    c = cell(10, 8, 11, split=True)
+    c.targets[ORACLE] = dataclasses.replace(tc(ORACLE, 0.0), prefix_cache_hit_rate=0.58)
+    text = table(plan, [c])
+    assert "features short of oracle |" in text and "| +8.0 |" in text
+    assert any(line.startswith("features against the oracle measured beside it: hit rate within 5% of it or above "
+                               "in 0 of 1 cells") for line in summary_lines([c]))  # fmt: skip
 
 
 def test_single_class_and_pooled_runs() -> None:

@@ -42,6 +42,8 @@ class Servers:
     fleet: Fleet
     # A target that sends each class to a URL of its own (a static split): target -> class -> URL.
     class_urls: dict[str, dict[str, str]] = field(default_factory=dict)
+    # A target that keeps each stream on one of several URLs (client.Target.stream_urls).
+    stream_urls: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def calibration_dir(out_dir: Path, accept: float, context: int) -> Path:
@@ -185,6 +187,7 @@ async def measure_cell(
                 max_tokens=plan.max_tokens,
                 tag_requests=tag_requests,
                 class_urls=servers.class_urls.get(name, {}),
+                stream_urls=servers.stream_urls.get(name, ()),
             )
             for name, url in servers.urls.items()
         }

@@ -21,6 +21,9 @@ one pair per target:
              (the static split by class, measured rather than assumed);
   smg        with --smg BINARY: SGLang's gateway (`smg launch --policy cache_aware`) in front of the
              pair, both servers as plain workers (its hit rate beside specgate's).
+  oracle     with --oracle: the issue's oracle, every session on one server for all its turns (the
+             streams dealt to the pair's two servers in turn), straight: its hit rate measured,
+             evictions and all.
 
 With --fixed-through specgate, all-spec, all-base and each class of the split reach their server
 through a specgate pinned to it (the other role a closed port), paying the hop the specgates pay,
@@ -33,7 +36,9 @@ acceptance (the file's `classes`). Scoring per cell, in simulated time: goodput
 (requests finishing in the window within --slo-ttft-ms 1000 and --slo-tpot-ms 50), each specgate
 variant's over the better of all-spec and all-base, each class's goodput, the prefix-cache hit rate
 (cached_tokens) and the oracle's (`oracle_hit_rate`: every turn back on the server of its last turn,
-nothing evicted). Targets (issue 28): >= 1.10x where the classes should be split (class B has more
+nothing evicted; where neither fixed target met the SLOs, the pools overflow and that cannot hold,
+so there the oracle is the one measured with --oracle, and without it the hit verdict is unknown).
+Targets (issue 28): >= 1.10x where the classes should be split (class B has more
 goodput on all-spec and class A on all-base, each beyond 5%, and the measured split has more goodput
 than the better of all-spec and all-base, beyond 5%), >= 0.97x in every cell, hit rate within 5
 points of the oracle. An inconclusive figure is unknown, never a pass or a fail. With --repeats N
@@ -95,6 +100,11 @@ SPLIT = "split"
 CONTROL = "control"
 NOISE_OF = "features"
 SPLIT_ROLES = {"A": "baseline", "B": "speculative"}
+# With --oracle: the issue's oracle run beside the others, every session kept on one server of a pair
+# of its own for all its turns (the streams dealt to the two servers in turn), straight. Its hit rate
+# is what an oracle finds where the pools overflow and evict, which oracle_hit_rate's (nothing
+# evicted) cannot show: hit_verdict's measure there.
+ORACLE = "oracle"
 ROLES = ("speculative", "baseline")
 # With --fixed-through specgate: the role each fixed target's gate is pinned to.
 PINNED = (("all-spec", "speculative"), ("all-base", "baseline"))
@@ -165,6 +175,8 @@ class ClassPlan:
     # How the fixed targets reach their servers (FIXED_THROUGH): straight, or through a pinned
     # specgate (DIRECT then runs beside them).
     fixed_through: str = "direct"
+    # The oracle measured (ORACLE) beside the others.
+    oracle: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.window_s <= self.max_window_s:
@@ -190,6 +202,7 @@ class ClassPlan:
         direct = (DIRECT,) if self.gated_fixed else ()
         return (
             *FIXED, *gates, *split, *((CONTROL,) if self.control else ()), *direct, *(("smg",) if self.smg else ()),
+            *((ORACLE,) if self.oracle else ()),
         )  # fmt: skip
 
     @property
@@ -440,15 +453,16 @@ def _floor(ratio: float | None, noise: float | None) -> Verdict:
 
 
 def hit_verdict(cell: ClassCell, target: str) -> Verdict:
-    """met/missed: the target's hit rate within HIT_POINTS of the oracle's on its own requests;
-    unknown where neither fixed target met the SLOs (fixed_served_none): there the pools overflow,
-    and no server can come near an oracle that evicts nothing, whoever served some. (A target that
-    sent every later turn back to its session's server, returned_share 1, routed as that oracle does
-    from wherever it placed the first turns, but not as one that placed them better: spread over
-    both servers' memory, smg's conversations found more cached at 8k/128. So that share is shown,
-    not counted.)"""
-    gap = oracle_gap(cell, target)
-    if gap is None or fixed_served_none(cell):
+    """met/missed: the target's hit rate within HIT_POINTS of the oracle's on its own requests
+    (oracle_gap). Where neither fixed target met the SLOs (fixed_served_none) the pools overflow,
+    and no routing comes near an oracle that evicts nothing: there the target is judged against the
+    oracle measured beside it (measured_oracle_gap, --oracle), and is unknown without one. (A
+    target that sent every later turn back to its session's server, returned_share 1, routed as
+    that oracle does from wherever it placed the first turns, but not as one that placed them
+    better: spread over both servers' memory, smg's conversations found more cached at 8k/128
+    once. So that share is shown, not counted.)"""
+    gap = measured_oracle_gap(cell, target) if fixed_served_none(cell) else oracle_gap(cell, target)
+    if gap is None:
         return "unknown"
     return "met" if gap <= HIT_POINTS else "missed"
 
@@ -477,6 +491,17 @@ def fixed_served_none(cell: ClassCell) -> bool:
     made the cell's runs judged apart from those where it served none.)"""
     best = cell.best_fixed()
     return best is not None and best < NO_GOODPUT
+
+
+def measured_oracle_gap(cell: ClassCell, target: str) -> float | None:
+    """How far the target's hit rate falls short of the measured oracle's (ORACLE, beside it in the
+    run; negative: above it); None where either is inconclusive or has none, or no oracle ran."""
+    t, o = cell.targets.get(target), cell.targets.get(ORACLE)
+    if t is None or o is None or not (t.conclusive and o.conclusive):
+        return None
+    if t.prefix_cache_hit_rate is None or o.prefix_cache_hit_rate is None:
+        return None
+    return o.prefix_cache_hit_rate - t.prefix_cache_hit_rate
 
 
 def oracle_gap(cell: ClassCell, target: str) -> float | None:
@@ -538,6 +563,7 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
     urls: dict[str, str] = {}
     servers: dict[str, dict[str, str]] = {}
     class_urls: dict[str, dict[str, str]] = {}
+    stream_urls: dict[str, tuple[str, ...]] = {}
     pairs: dict[str, dict[str, str]] = {}
     try:
         for target in plan.targets:
@@ -552,6 +578,8 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
             elif target == SPLIT:
                 urls[target] = spec
                 class_urls[target] = {c: servers[target][role] for c, role in SPLIT_ROLES.items()}
+            elif target == ORACLE:
+                urls[target], stream_urls[target] = spec, (spec, base)
         fleet.ready()
         if plan.gated_fixed:
             start_pinned_gates(plan, t, fleet, pairs, urls, class_urls)
@@ -572,7 +600,7 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
     except BaseException:
         fleet.stop()
         raise
-    return Servers(urls=urls, servers=servers, fleet=fleet, class_urls=class_urls)
+    return Servers(urls=urls, servers=servers, fleet=fleet, class_urls=class_urls, stream_urls=stream_urls)
 
 
 def start_pinned_gates(
@@ -719,6 +747,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         + " / ".join(plan.targets)
         + " | oracle (features) | features to spec | features back on its role |"
         + (" short of own oracle, features / smg |" if "smg" in plan.targets else "")
+        + (f" features short of {ORACLE} |" if ORACLE in plan.targets else "")
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in cells:
@@ -744,6 +773,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
                 if "smg" in plan.targets
                 else ""
             )
+            + (f" {_points(measured_oracle_gap(c, 'features'))} |" if ORACLE in plan.targets else "")
         )
     lines.append(
         f"\n(simulated time; goodput: requests a second finishing within TTFT <= {plan.slo_ttft_ms:g} ms and TPOT "
@@ -760,6 +790,12 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
             f"; all-spec, all-base and the split through a specgate pinned to their server, {DIRECT} the "
             f"baseline server straight: all-base / {DIRECT} is what the hop costs"
             if plan.gated_fixed
+            else ""
+        )
+        + (
+            f"; {ORACLE}: every session kept on one server of its own pair, the streams dealt to the two in turn "
+            "(its hit rate, evictions and all, judges the hit target where neither fixed target met the SLOs)"
+            if ORACLE in plan.targets
             else ""
         )
         + "; * inconclusive)"
@@ -1005,6 +1041,15 @@ def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
             "where both are known; "
             f"no further from its own oracle than smg from its own in {closer}"
         )
+    measured = [(c, g) for c in cells if ORACLE in c.targets and (g := measured_oracle_gap(c, "features")) is not None]
+    if measured:
+        out.append(
+            f"features against the {ORACLE} measured beside it: hit rate within {HIT_POINTS:.0%} of it or above in "
+            f"{sum(1 for _, g in measured if g <= HIT_POINTS)} of {len(measured)} {'runs' if several else 'cells'} "
+            "where both are known (points short: "
+            + ", ".join(f"{context_label(c.context)}/{c.sessions} {_points(g)}" for c, g in measured)
+            + ")"
+        )
     warned = sum(1 for c in cells if c.cpu_warning)
     if warned:
         out.append(
@@ -1110,6 +1155,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    f"{DIRECT} (the baseline server straight) beside them for what the hop costs")  # fmt: skip
     p.add_argument("--smg", default=None, metavar="BINARY",
                    help="add smg --policy cache_aware in front of a pair (e.g. .venv-peers/bin/smg)")  # fmt: skip
+    p.add_argument("--oracle", action="store_true",
+                   help=f"add the oracle ({ORACLE}): every session kept on one server of a pair of its own for all "
+                   "its turns, the streams dealt to the two in turn; where neither fixed target meets the SLOs and "
+                   "the pools evict, the hit target is judged on its measured hit rate (else unknown)")  # fmt: skip
     add_run_options(p, "a cell needs per target", "headtohead-classes-results")
 
 
@@ -1121,7 +1170,7 @@ def cmd_headtohead_classes(args: argparse.Namespace) -> int:
         max_window_s=max(args.max_window_s, args.window_s),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, min_requests=args.min_requests,
         smg=args.smg, topology=args.topology, classes=args.classes, repeats=args.repeats, control=args.control,
-        gates=args.gates, fixed_through=args.fixed_through,
+        gates=args.gates, fixed_through=args.fixed_through, oracle=args.oracle,
     )  # fmt: skip
     out_dir = Path(args.out_dir)
     started = time.monotonic()
