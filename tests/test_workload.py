@@ -397,6 +397,7 @@ class Recorder:
 
     def __init__(self, cached: bool = True, piece_s: float = 0.0, malformed: int = 0) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.sessions: list[str | None] = []  # each request's x-session-id
         self.cached = cached
         # Seconds between the reply's pieces; the request of this number (from 1) answers a first
         # event that is valid JSON but no object (0: none does).
@@ -406,6 +407,7 @@ class Recorder:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.sessions.append(request.headers.get("x-session-id"))
         n = len(self.bodies)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -499,6 +501,25 @@ async def test_a_class_with_a_url_of_its_own_is_sent_there_and_only_there(record
     assert len(code.bodies) == sum(r.traffic_class == "code" for r in sent) > 0
     assert len(rest.bodies) == sum(r.traffic_class == "chat" for r in sent) > 0
     assert Target(url, "m").for_class("code").url == url
+
+
+@pytest.mark.anyio
+async def test_a_target_with_a_url_per_stream_keeps_every_session_on_its_streams_server(
+    recorder: tuple[str, Recorder],
+) -> None:
+    """headtohead-classes' oracle: stream i's sessions all on stream_urls[i % 2], every turn."""
+    first, one = recorder
+    two = Recorder()
+    spec = WorkloadSpec("multiturn", turns=3, system_tokens=20, user_tokens=20, think_time_s=0.0)
+    async with serving(two) as second, make_session() as session:
+        target = Target(first, "m", max_tokens=8, tag_requests=True, stream_urls=(first, second))
+        run = await measure_level(session, target, 4, LevelPlan(duration_s=0.3), Workload(spec), min_requests=0)
+    assert all(r.ok for r in run.results) and len(one.bodies) + len(two.bodies) == len(run.results)
+    on_one, on_two = set(one.sessions), set(two.sessions)
+    assert on_one and on_two and not on_one & on_two and None not in on_one | on_two
+    # Sessions are named stream.session: streams 0 and 2 on the first server, 1 and 3 on the second.
+    assert {str(s).split(".")[0] for s in on_one} == {"0", "2"}
+    assert {str(s).split(".")[0] for s in on_two} == {"1", "3"}
 
 
 @pytest.mark.anyio
