@@ -66,6 +66,8 @@ log = logging.getLogger("specgate.routing")
 MAX_CLASS_VIEWS = 256
 # Loads whose curve speeds are kept (Router._rates): a pool's loads per server, and a few fractions.
 MAX_RATES_SEEN = 4096
+# A pool's gains kept (Router.pool_gains), by acceptance, loads and the speculative role's acceptance.
+MAX_GAINS_SEEN = 4096
 # Returning turns a router's turn_growth is the mean of, at most (then a moving average).
 GROWTH_TURNS = 64
 # The share of the speculative pool under which its footprint is read ahead (_growth_ahead).
@@ -84,6 +86,43 @@ _MIXED = {s: f"from traffic classes and {s}" for s in ("from probe streams", "li
 class Router:
     """One group's router (a paired group, or the pool): its mode, its adaptive beliefs, and the
     load and health of its servers, read through their views. `Fleet` holds one per group."""
+
+    # Every request reads a dozen of these. Slots keep each read a fixed offset: an instance dict
+    # shares its keys with its class's only up to 30 of them in CPython 3.11, past which each read
+    # is a lookup (a 31st attribute made the plain model policy's decision 0.2 us slower).
+    __slots__ = (
+        "_accept_now",
+        "_accept_seen",
+        "_capped",
+        "_class_views",
+        "_classes",
+        "_clock",
+        "_gains_seen",
+        "_kv_read_at",
+        "_members",
+        "_metrics",
+        "_pooled",
+        "_rates_seen",
+        "_rng",
+        "_server_caps",
+        "_servers",
+        "_spec_idle_since",
+        "_spec_views",
+        "_switch_per_token",
+        "_turns",
+        "adaptive",
+        "cfg",
+        "evidence",
+        "footprint",
+        "group",
+        "kv_streams",
+        "last_load",
+        "out_tokens",
+        "speed",
+        "state",
+        "tracker",
+        "turn_growth",
+    )
 
     def __init__(
         self,
@@ -118,6 +157,7 @@ class Router:
         self._members = tuple(
             (role, tuple((s, servers[s], tracker.load_of(s)) for s in group.of(role))) for role in ROLES
         )
+        self._spec_views = tuple(servers[s] for s in group.of(SPECULATIVE))
         self._spec_idle_since: float | None = clock()
         # Acceptance measured from probe streams, pooled by client (evidence.py): it stands while
         # the newest reading is younger than accept_fresh_s, then the engine's reading (which
@@ -136,6 +176,10 @@ class Router:
         # Each role's curve speeds at a load and one more (_rates), as asked; under the model
         # policy, its fitted ones at a context too (to 1%, StepModel's key).
         self._rates_seen: dict[tuple[Role, float, int], tuple[float, float]] = {}
+        # pool_gains' answers, as asked by every class's request in a pool (a microsecond each to
+        # work out, where the loads and acceptances repeat): forgotten with the class views, when
+        # the estimate is read again or a server's health changes.
+        self._gains_seen: dict[tuple[float, int, int, float, int], PoolGains] = {}
         # The model policy's step-time model: None without a fit (the adaptive rule then, as it is).
         self.speed: StepModel | None = None
         # 1 / (P * H), which prices a switch of a paired group per token it re-prefills
@@ -403,9 +447,15 @@ class Router:
             return None
         spec, base = loads if loads is not None else (self.backend_load(r) for r in ROLES)
         on_spec = self.engine_accept() or a.estimate.accept_live or accept
-        g_spec, v_spec = self._gain(SPECULATIVE, spec, accept, on_spec)
-        g_base, v_base = self._gain(BASELINE, base, 1.0, 1.0)
-        return PoolGains(g_spec, g_base, v_spec, v_base)
+        key = (accept, spec, base, on_spec, 0 if self.speed is None else self.speed.context_key)
+        gains = self._gains_seen.get(key)
+        if gains is None:
+            g_spec, v_spec = self._gain(SPECULATIVE, spec, accept, on_spec)
+            g_base, v_base = self._gain(BASELINE, base, 1.0, 1.0)
+            if len(self._gains_seen) >= MAX_GAINS_SEEN:
+                self._gains_seen.clear()
+            gains = self._gains_seen[key] = PoolGains(g_spec, g_base, v_spec, v_base)
+        return gains
 
     def _gain(self, role: Role, load: int, accept: float, held_accept: float) -> tuple[float, float]:
         """(what `role`, holding `load`, gains with one more stream of acceptance `accept`, that
@@ -621,10 +671,10 @@ class Router:
 
     def engine_accept(self) -> float | None:
         """The speculative servers' acceptance as their engines report it (their mean)."""
-        servers = self.group.of(SPECULATIVE)
-        if len(servers) == 1:  # most groups: read for every pool's class request
-            return self._servers[servers[0]].spec_accept_length
-        found = [a for s in servers if (a := self._servers[s].spec_accept_length) is not None]
+        views = self._spec_views
+        if len(views) == 1:  # most groups: read for every pool's class request
+            return views[0].spec_accept_length
+        found = [a for v in views if (a := v.spec_accept_length) is not None]
         return sum(found) / len(found) if found else None
 
     def note_output(self, backend: Role, tokens: int, events: int | None = None, client: str = "") -> None:
@@ -696,6 +746,8 @@ class Router:
         self.last_load = load
         now = self._clock()
         self._update(now)
+        if health:
+            self._gains_seen.clear()  # a role's load is spread over its servers that are up
         if self.speed is not None:
             if health:
                 # A role's load is spread over its servers that are up (all while none is).
@@ -808,6 +860,7 @@ class Router:
         if accept is not None and seen is not None and abs(accept - seen) > ACCEPT_CHANGE * seen:
             self.state = probes_restarted(self.state)
         self._class_views.clear()
+        self._gains_seen.clear()
         if a.update(accept, now, source, self.server_caps()) and self.speed is None:
             high, low = a.watermarks()
             log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)

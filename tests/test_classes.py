@@ -342,6 +342,7 @@ def test_the_model_policy_spreads_a_roles_load_over_its_servers_that_are_up() ->
     (router,) = fleet.routers
     assert router.speed is not None and router.speed.servers[Role.BASELINE] == 2
     both = (router.speed.crossover, router.cfg.high_watermark, router.class_view(True, 3.0))
+    gains = router.pool_gains(3.0, (1, 4))
     # One baseline server down (health's on_change refreshes the fleet): the same load on the one
     # left is a batch twice the size, slower a stream, so speculation pays to more streams, the
     # group's and a class's.
@@ -355,6 +356,11 @@ def test_the_model_policy_spreads_a_roles_load_over_its_servers_that_are_up() ->
     assert router.cfg.high_watermark > both[1]
     one = router.class_view(True, 3.0)
     assert one.high is not None and both[2].high is not None and one.high > both[2].high
+    # A class's gains too (kept between asks, forgotten when health changes): the baseline's four
+    # streams on one server, not two each, step slower.
+    alone = router.pool_gains(3.0, (1, 4))
+    assert gains is not None and alone is not None and alone.speed_baseline < gains.speed_baseline
+    assert alone.speculative == pytest.approx(gains.speculative)
     # Both down: the role's load is read as spread over all of them again, for when they return.
     r.health["b0"].healthy = False
     fleet.refresh()
@@ -362,6 +368,7 @@ def test_the_model_policy_spreads_a_roles_load_over_its_servers_that_are_up() ->
     r.health["b0"].healthy = r.health["b1"].healthy = True
     fleet.refresh()
     assert (router.speed.crossover, router.cfg.high_watermark, router.class_view(True, 3.0)) == both
+    assert router.pool_gains(3.0, (1, 4)) == gains
 
 
 def test_a_classs_watermarks_are_the_groups_curves_at_its_acceptance() -> None:
