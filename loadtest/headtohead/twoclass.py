@@ -21,9 +21,9 @@ one pair per target:
              (the static split by class, measured rather than assumed);
   smg        with --smg BINARY: SGLang's gateway (`smg launch --policy cache_aware`) in front of the
              pair, both servers as plain workers (its hit rate beside specgate's).
-  oracle     with --oracle: the issue's oracle, every session on one server for all its turns (the
-             streams dealt to the pair's two servers in turn), straight: its hit rate measured,
-             evictions and all.
+  oracle     with --oracle: the issue's oracle, every session on one server of its pair for all its
+             turns (each server given as many sessions of each class), straight: its hit rate
+             measured, evictions and all.
 
 With --fixed-through specgate, all-spec, all-base and each class of the split reach their server
 through a specgate pinned to it (the other role a closed port), paying the hop the specgates pay,
@@ -37,7 +37,8 @@ acceptance (the file's `classes`). Scoring per cell, in simulated time: goodput
 variant's over the better of all-spec and all-base, each class's goodput, the prefix-cache hit rate
 (cached_tokens) and the oracle's (`oracle_hit_rate`: every turn back on the server of its last turn,
 nothing evicted; where neither fixed target met the SLOs, the pools overflow and that cannot hold,
-so there the oracle is the one measured with --oracle, and without it the hit verdict is unknown).
+so there the target is judged against the best oracle routing measured, with --oracle: all-spec,
+all-base and oracle, each held to its own estimate; without --oracle the hit verdict is unknown).
 Targets (issue 28): >= 1.10x where the classes should be split (class B has more
 goodput on all-spec and class A on all-base, each beyond 5%, and the measured split has more goodput
 than the better of all-spec and all-base, beyond 5%), >= 0.97x in every cell, hit rate within 5
@@ -101,10 +102,13 @@ CONTROL = "control"
 NOISE_OF = "features"
 SPLIT_ROLES = {"A": "baseline", "B": "speculative"}
 # With --oracle: the issue's oracle run beside the others, every session kept on one server of a pair
-# of its own for all its turns (the streams dealt to the two servers in turn), straight. Its hit rate
-# is what an oracle finds where the pools overflow and evict, which oracle_hit_rate's (nothing
+# of its own for all its turns (each server given as many sessions of each class), straight. Its hit
+# rate is what an oracle finds where the pools overflow and evict, which oracle_hit_rate's (nothing
 # evicted) cannot show: hit_verdict's measure there.
 ORACLE = "oracle"
+# The targets that send every turn back to the server of its session's turn before, each from first
+# placements of its own: the issue's oracle's routing (all-spec and all-base have one server each).
+STICKY = (*FIXED, ORACLE)
 ROLES = ("speculative", "baseline")
 # With --fixed-through specgate: the role each fixed target's gate is pinned to.
 PINNED = (("all-spec", "speculative"), ("all-base", "baseline"))
@@ -456,7 +460,8 @@ def hit_verdict(cell: ClassCell, target: str) -> Verdict:
     """met/missed: the target's hit rate within HIT_POINTS of the oracle's on its own requests
     (oracle_gap). Where neither fixed target met the SLOs (fixed_served_none) the pools overflow,
     and no routing comes near an oracle that evicts nothing: there the target is judged against the
-    oracle measured beside it (measured_oracle_gap, --oracle), and is unknown without one. (A
+    best oracle routing measured beside it (measured_oracle_gap, --oracle), and is unknown without
+    one. (A
     target that sent every later turn back to its session's server, returned_share 1, routed as
     that oracle does from wherever it placed the first turns, but not as one that placed them
     better: spread over both servers' memory, smg's conversations found more cached at 8k/128
@@ -494,14 +499,19 @@ def fixed_served_none(cell: ClassCell) -> bool:
 
 
 def measured_oracle_gap(cell: ClassCell, target: str) -> float | None:
-    """How far the target's hit rate falls short of the measured oracle's (ORACLE, beside it in the
-    run; negative: above it); None where either is inconclusive or has none, or no oracle ran."""
-    t, o = cell.targets.get(target), cell.targets.get(ORACLE)
-    if t is None or o is None or not (t.conclusive and o.conclusive):
+    """How much further the target's hit rate falls short of its own no-eviction estimate
+    (oracle_gap) than the best measured sticky target's (STICKY: the oracle run beside it, and
+    all-spec and all-base, which return every turn to their one server too) falls short of its own:
+    what the target lost to eviction and placement beyond what the best oracle routing measured
+    lost, each on its own requests (raw hit rates differ by the share of first turns too). Negative:
+    it lost less. None where any is unknown, or no oracle ran."""
+    if ORACLE not in cell.targets:
         return None
-    if t.prefix_cache_hit_rate is None or o.prefix_cache_hit_rate is None:
+    own = oracle_gap(cell, target)
+    sticky = [oracle_gap(cell, name) for name in STICKY]
+    if own is None or any(g is None for g in sticky):
         return None
-    return o.prefix_cache_hit_rate - t.prefix_cache_hit_rate
+    return own - min(g for g in sticky if g is not None)
 
 
 def oracle_gap(cell: ClassCell, target: str) -> float | None:
@@ -579,7 +589,7 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
                 urls[target] = spec
                 class_urls[target] = {c: servers[target][role] for c, role in SPLIT_ROLES.items()}
             elif target == ORACLE:
-                urls[target], stream_urls[target] = spec, (spec, base)
+                urls[target], stream_urls[target] = spec, oracle_urls(plan, spec, base)
         fleet.ready()
         if plan.gated_fixed:
             start_pinned_gates(plan, t, fleet, pairs, urls, class_urls)
@@ -601,6 +611,13 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
         fleet.stop()
         raise
     return Servers(urls=urls, servers=servers, fleet=fleet, class_urls=class_urls, stream_urls=stream_urls)
+
+
+def oracle_urls(plan: ClassPlan, spec: str, base: str) -> tuple[str, ...]:
+    """The oracle's client.Target.stream_urls: stream i is of class i mod the classes
+    (classes_by_stream), so each URL repeated once a class deals each server as many streams of
+    each class, where the two URLs in turn would send each class to one server."""
+    return tuple(url for url in (spec, base) for _ in plan.traffic())
 
 
 def start_pinned_gates(
@@ -747,7 +764,7 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
         + " / ".join(plan.targets)
         + " | oracle (features) | features to spec | features back on its role |"
         + (" short of own oracle, features / smg |" if "smg" in plan.targets else "")
-        + (f" features short of {ORACLE} |" if ORACLE in plan.targets else "")
+        + (f" features short of {ORACLE} |" if ORACLE in plan.targets else "")  # measured_oracle_gap
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in cells:
@@ -793,8 +810,10 @@ def table(plan: ClassPlan, cells: Sequence[ClassCell]) -> str:
             else ""
         )
         + (
-            f"; {ORACLE}: every session kept on one server of its own pair, the streams dealt to the two in turn "
-            "(its hit rate, evictions and all, judges the hit target where neither fixed target met the SLOs)"
+            f"; {ORACLE}: every session kept on one server of its own pair, each server given as many sessions of "
+            f"each class; features short of {ORACLE}: how much further features' hit rate fell short of its own "
+            "estimate than the best of all-spec's, all-base's and the oracle's fell short of theirs (what judges the "
+            "hit target where neither fixed target met the SLOs)"
             if ORACLE in plan.targets
             else ""
         )
@@ -1044,9 +1063,10 @@ def summary_lines(cells: Sequence[ClassCell]) -> list[str]:
     measured = [(c, g) for c in cells if ORACLE in c.targets and (g := measured_oracle_gap(c, "features")) is not None]
     if measured:
         out.append(
-            f"features against the {ORACLE} measured beside it: hit rate within {HIT_POINTS:.0%} of it or above in "
+            f"features against the best oracle routing measured beside it (all-spec, all-base, {ORACLE}; each "
+            f"against its own estimate): within {HIT_POINTS:.0%} of it or above in "
             f"{sum(1 for _, g in measured if g <= HIT_POINTS)} of {len(measured)} {'runs' if several else 'cells'} "
-            "where both are known (points short: "
+            "where all are known (points short: "
             + ", ".join(f"{context_label(c.context)}/{c.sessions} {_points(g)}" for c, g in measured)
             + ")"
         )
@@ -1157,8 +1177,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="add smg --policy cache_aware in front of a pair (e.g. .venv-peers/bin/smg)")  # fmt: skip
     p.add_argument("--oracle", action="store_true",
                    help=f"add the oracle ({ORACLE}): every session kept on one server of a pair of its own for all "
-                   "its turns, the streams dealt to the two in turn; where neither fixed target meets the SLOs and "
-                   "the pools evict, the hit target is judged on its measured hit rate (else unknown)")  # fmt: skip
+                   "its turns, each server given as many sessions of each class; where neither fixed target meets "
+                   "the SLOs and the pools evict, the hit target is judged against the best of it, all-spec and "
+                   "all-base (else unknown)")  # fmt: skip
     add_run_options(p, "a cell needs per target", "headtohead-classes-results")
 
 
