@@ -527,6 +527,13 @@ def test_the_oracle_keeps_each_stream_on_one_of_its_pairs_servers() -> None:
         ("http://b", "A"), ("http://b", "B"), ("http://s", "A"), ("http://s", "B")
     ]  # fmt: skip
     assert oracle_urls(ClassPlan(classes="B"), "http://s", "http://b") == ("http://s", "http://b")
+    # Any count: each class within one of even over the two, and the two within one in all.
+    for streams in (2, 6, 7, 9, 10):
+        dealt = [Target("x", "m", stream_urls=urls).for_stream(i).url for i in range(streams)]
+        classes = [Workload(spec, TextBank(0)).stream(i).send(None).traffic_class for i in range(streams)]
+        for k in ("A", "B", None):
+            on = [u for u, c in zip(dealt, classes, strict=True) if k is None or c == k]
+            assert abs(on.count("http://s") - on.count("http://b")) <= 1, (streams, k)
     assert plan.time_scale(32, 1000) == pytest.approx(ClassPlan().time_scale(32, 1000) * 6 / 7, rel=1e-3)
     oracle = Target("http://s", "m", tag_requests=True, stream_urls=("http://s", "http://b"))
     assert [oracle.for_stream(i).url for i in range(4)] == ["http://s", "http://b", "http://s", "http://b"]

@@ -508,10 +508,10 @@ def measured_oracle_gap(cell: ClassCell, target: str) -> float | None:
     if ORACLE not in cell.targets:
         return None
     own = oracle_gap(cell, target)
-    sticky = [oracle_gap(cell, name) for name in STICKY]
-    if own is None or any(g is None for g in sticky):
+    sticky = [g for name in STICKY if (g := oracle_gap(cell, name)) is not None]
+    if own is None or len(sticky) < len(STICKY):
         return None
-    return own - min(g for g in sticky if g is not None)
+    return own - min(sticky)
 
 
 def oracle_gap(cell: ClassCell, target: str) -> float | None:
@@ -615,9 +615,12 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
 
 def oracle_urls(plan: ClassPlan, spec: str, base: str) -> tuple[str, ...]:
     """The oracle's client.Target.stream_urls: stream i is of class i mod the classes
-    (classes_by_stream), so each URL repeated once a class deals each server as many streams of
-    each class, where the two URLs in turn would send each class to one server."""
-    return tuple(url for url in (spec, base) for _ in plan.traffic())
+    (classes_by_stream), where the two URLs in turn would send each class to one server. Each class
+    alternates between them instead, starting on the other server from one round of the classes to
+    the next (two classes: spec, base, base, spec), so that each server holds as many streams of
+    each class as the count allows, and as many in all within one."""
+    n = len(plan.traffic())
+    return tuple((spec, base)[(i // n + i % n) % 2] for i in range(2 * n))
 
 
 def start_pinned_gates(
