@@ -12,10 +12,12 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, TypeVar
+
+T = TypeVar("T")
 
 # The lines of a quiet process's stderr kept to say why it died (Proc.stderr_tail): enough for a
 # traceback's end, bounded however much the process writes over a long run.
@@ -139,6 +141,17 @@ def port_taken(exc: BaseException) -> bool:
     """Whether `start` failed because the process found its port taken: free_port's port can be
     taken by another socket before the server binds it, and starting again on a fresh one is the cure."""
     return isinstance(exc, RuntimeError) and "address already in use" in str(exc)
+
+
+def on_free_port(launch: Callable[[int], T], host: str = "127.0.0.1") -> T:
+    """`launch(port)` on a port free_port found, and once more on a fresh one where that port was
+    taken before the process bound it (port_taken); any other failure is raised as it is."""
+    try:
+        return launch(free_port(host))
+    except RuntimeError as exc:
+        if not port_taken(exc):
+            raise
+    return launch(free_port(host))
 
 
 def _keep_lines(pipe: IO[bytes], lines: deque[str]) -> None:

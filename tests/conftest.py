@@ -24,7 +24,7 @@ from pathlib import Path
 import hypothesis.configuration
 import pytest
 
-from loadtest.procs import Proc, free_port, port_taken, simulator_args, start
+from loadtest.procs import Proc, on_free_port, simulator_args, start
 from proxy.config import Settings
 
 from .helpers import start_proxy
@@ -245,19 +245,14 @@ def simulator() -> Iterator[StartSim]:
     procs: list[Proc] = []
 
     def start_sim(role: str = "baseline", *args: str, wait_ready: bool = True) -> Sim:
-        for attempt in range(2):
-            port = free_port()
+        def launch(port: int) -> Sim:
             url = f"http://127.0.0.1:{port}"
             ready = f"{url}/health" if wait_ready else None
-            try:
-                proc = start(f"simulator-{role}", simulator_args(role, port, *args), ready_url=ready)
-            except RuntimeError as exc:
-                if attempt or not port_taken(exc):
-                    raise
-                continue
-            procs.append(proc)
-            return Sim(url, port, proc)
-        raise AssertionError("unreachable")
+            return Sim(url, port, start(f"simulator-{role}", simulator_args(role, port, *args), ready_url=ready))
+
+        sim = on_free_port(launch)
+        procs.append(sim.proc)
+        return sim
 
     yield start_sim
     for proc in procs:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import orjson
 
-from loadtest.procs import Proc, free_port, port_taken, start
+from loadtest.procs import Proc, on_free_port, start
 from proxy import promtext
 from proxy.adaptive import AdaptiveConfig
 from proxy.config import Settings
@@ -109,14 +109,7 @@ class Proxy:
 def start_proxy(speculative_url: str, baseline_url: str, ready: str = "/health", **env: str) -> Proxy:
     """specgate as a process (`python -m proxy`) on a free loopback port in front of the given
     servers, returned once `ready` answers 200. `env`: SPECGATE_* settings over these defaults."""
-    for attempt in range(2):
-        port = free_port()
-        try:
-            return _start_proxy(port, speculative_url, baseline_url, ready, env)
-        except RuntimeError as exc:
-            if attempt or not port_taken(exc):
-                raise
-    raise AssertionError("unreachable")
+    return on_free_port(lambda port: _start_proxy(port, speculative_url, baseline_url, ready, env))
 
 
 def _start_proxy(port: int, speculative_url: str, baseline_url: str, ready: str, env: dict[str, str]) -> Proxy:

@@ -13,7 +13,7 @@ import pytest
 
 from loadtest.kit.processes import Fleet, NotReady
 from loadtest.llamacpp import LlamaServer
-from loadtest.procs import free_port, port_taken, simulator_args, start
+from loadtest.procs import free_port, on_free_port, port_taken, simulator_args, start
 
 from .conftest import StartSim, StartStack
 
@@ -248,3 +248,24 @@ def test_a_gateway_on_a_taken_port_is_told_apart_from_one_that_fails_otherwise()
     with pytest.raises(RuntimeError) as raised:
         start("proxy", ["-m", "proxy"], ready_url="http://127.0.0.1:1/health", env={**env, "SPECGATE_PORT": "-5"})
     assert "exited with code" in str(raised.value) and not port_taken(raised.value)
+
+
+def test_a_launch_whose_port_was_taken_is_tried_once_more_on_a_fresh_one() -> None:
+    tried: list[int] = []
+
+    def taken_once(port: int) -> int:
+        tried.append(port)
+        if len(tried) == 1:
+            raise RuntimeError("x exited with code 1 before it was ready; ...: address already in use")
+        return port
+
+    assert on_free_port(taken_once) == tried[1] and len(tried) == 2
+
+    def broken(port: int) -> int:
+        tried.append(port)
+        raise RuntimeError("x exited with code 2 before it was ready")
+
+    tried.clear()
+    with pytest.raises(RuntimeError, match="code 2"):
+        on_free_port(broken)
+    assert len(tried) == 1  # not a taken port: not tried again

@@ -461,10 +461,9 @@ def hit_verdict(cell: ClassCell, target: str) -> Verdict:
     (oracle_gap). Where neither fixed target met the SLOs (fixed_served_none) the pools overflow,
     and no routing comes near an oracle that evicts nothing: there the target is judged against the
     best oracle routing measured beside it (measured_oracle_gap, --oracle), and is unknown without
-    one. (A
-    target that sent every later turn back to its session's server, returned_share 1, routed as
-    that oracle does from wherever it placed the first turns, but not as one that placed them
-    better: spread over both servers' memory, smg's conversations found more cached at 8k/128
+    one. (A target that sent every later turn back to its session's server, returned_share 1,
+    routed as that oracle does from wherever it placed the first turns, but not as one that placed
+    them better: spread over both servers' memory, smg's conversations found more cached at 8k/128
     once. So that share is shown, not counted.)"""
     gap = measured_oracle_gap(cell, target) if fixed_served_none(cell) else oracle_gap(cell, target)
     if gap is None:
