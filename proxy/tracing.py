@@ -8,11 +8,17 @@ and `OTEL_TRACES_EXPORTER=none` turn it off again. The SDK reads the rest itself
 the exporter's headers, timeout and compression, the batch processor's sizes.
 
 No global state: the provider is the app's (its lifespan builds it and flushes it at exit), never
-`trace.set_tracer_provider`, so tests build apps with providers of their own. The SDK is an
-optional extra (`specgate[otel]`) and imported only when tracing is on. With an endpoint set and
-the SDK missing, specgate says so once and serves untraced: telemetry must not be what stops a
-gateway (OpenTelemetry's own rule for misconfiguration), and `OTEL_*` variables are often set for
-every workload of a cluster at once.
+`trace.set_tracer_provider`, so tests build apps with providers of their own. The flush at exit
+waits at most `OTEL_BSP_EXPORT_TIMEOUT` (milliseconds; FLUSH_TIMEOUT_S when unset), then gives up
+with one warning and lets the process exit: the SDK's own shutdown waits up to 30 s for a collector
+that does not answer, which after SPECGATE_SHUTDOWN_GRACE_S would pass a pod's grace period
+(deploy/kubernetes/deployment.yaml). The SDK's worker and the thread that shuts it down are daemon
+threads, so neither holds up the exit.
+
+The SDK is an optional extra (`specgate[otel]`) and imported only when tracing is on. With an
+endpoint set and the SDK missing, specgate says so once and serves untraced: telemetry must not be
+what stops a gateway (OpenTelemetry's own rule for misconfiguration), and `OTEL_*` variables are
+often set for every workload of a cluster at once.
 
 The client's W3C `traceparent`/`tracestate` are continued; the server's request carries specgate's
 own instead (its attempt span as the parent), never the client's. When tracing is off, both pass
@@ -22,9 +28,13 @@ through untouched and the hot path pays one `is None` test per step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import os
+import threading
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -51,6 +61,11 @@ PROTOCOL = "http/protobuf"
 SERVICE_NAME = "specgate"
 # A model name is the client's to choose: kept short on the span.
 _MODEL_CHARS = 256
+# The bound on the last spans' export at shutdown, in milliseconds (the standard variable; the SDK
+# stores it but its batch processor does not use it).
+FLUSH_VAR = "OTEL_BSP_EXPORT_TIMEOUT"
+# Its default here: the SDK's 30 s plus SPECGATE_SHUTDOWN_GRACE_S would pass a pod's grace period.
+FLUSH_TIMEOUT_S = 5.0
 
 
 def wanted(environ: Mapping[str, str]) -> str | None:
@@ -81,7 +96,33 @@ def wanted(environ: Mapping[str, str]) -> str | None:
     return endpoint
 
 
-def provider_from_env(environ: Mapping[str, str] = os.environ) -> SdkTracerProvider | None:
+def flush_timeout_s(environ: Mapping[str, str]) -> float:
+    """How long shutdown waits for the last spans to export: `OTEL_BSP_EXPORT_TIMEOUT` when set,
+    else FLUSH_TIMEOUT_S (also when it is not a number of milliseconds >= 0: said once)."""
+    raw = environ.get(FLUSH_VAR, "").strip()
+    if not raw:
+        return FLUSH_TIMEOUT_S
+    try:
+        millis = float(raw)
+    except ValueError:
+        millis = math.nan
+    if not (0 <= millis < math.inf):
+        log.warning("%s=%r is not a number of milliseconds >= 0: using %g s", FLUSH_VAR, raw[:40], FLUSH_TIMEOUT_S)
+        return FLUSH_TIMEOUT_S
+    return millis / 1000
+
+
+@dataclass(frozen=True)
+class Exporting:
+    """What `provider_from_env` makes: the provider, where it exports, and how long its shutdown
+    may wait for the last spans."""
+
+    provider: SdkTracerProvider
+    endpoint: str
+    flush_s: float
+
+
+def provider_from_env(environ: Mapping[str, str] = os.environ) -> Exporting | None:
     """A provider exporting over OTLP/HTTP in batches, as the environment says; None when tracing
     is off or the SDK is not installed (said once)."""
     endpoint = wanted(environ)
@@ -106,13 +147,15 @@ def provider_from_env(environ: Mapping[str, str] = os.environ) -> SdkTracerProvi
         # Neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES named it: the SDK's default says
         # only "python".
         resource = resource.merge(Resource({SERVICE_NAME_KEY: SERVICE_NAME}))
+    flush_s = flush_timeout_s(environ)
     # shutdown_on_exit=False: the lifespan flushes it; an atexit hook would be process-wide state.
     provider = SdkTracerProvider(resource=resource, shutdown_on_exit=False)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    # The bound given to the processor too, where the SDK would read the variable again itself.
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(), export_timeout_millis=flush_s * 1000))
     log.info(
         "tracing on: OTLP/HTTP to %s as service %s", redact_url(endpoint), resource.attributes.get(SERVICE_NAME_KEY)
     )
-    return provider
+    return Exporting(provider, endpoint, flush_s)
 
 
 class Tracing:
@@ -125,7 +168,7 @@ class Tracing:
         topology: Topology,
         allowed_paths: Iterable[str] = (),
         *,
-        owned: SdkTracerProvider | None = None,
+        owned: Exporting | None = None,
     ) -> None:
         self.provider = provider
         # The provider when the lifespan made it (and so shuts it down).
@@ -152,7 +195,7 @@ class Tracing:
         if provider is not None:
             return cls(provider, topology, allowed_paths)
         made = provider_from_env()
-        return None if made is None else cls(made, topology, allowed_paths, owned=made)
+        return None if made is None else cls(made.provider, topology, allowed_paths, owned=made)
 
     def route(self, path: str) -> str:
         if path in self._exact:
@@ -184,10 +227,40 @@ class Tracing:
         return RequestTrace(self, span)
 
     async def aclose(self) -> None:
-        """Flush and stop the provider the lifespan made (the exporter's last batch is a blocking
-        HTTP request: off the event loop)."""
-        if self._owned is not None:
-            await asyncio.to_thread(self._owned.shutdown)
+        """Flush and stop the provider the lifespan made, waiting at most its flush bound; past it,
+        say so and return, so that the process can exit with spans still unsent."""
+        owned = self._owned
+        if owned is None:
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def settle() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def shut_down() -> None:
+            # The exporter's last batches are blocking HTTP requests: off the event loop.
+            try:
+                owned.provider.shutdown()
+            except Exception:
+                log.exception("tracing: the provider's shutdown failed")
+            # Past the bound the loop may be closed already (RuntimeError): nobody waits any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle)
+
+        # A daemon thread, not asyncio.to_thread: the interpreter joins an executor's threads at
+        # exit, so one still in the SDK's shutdown would hold the exit up for as long as it waits.
+        threading.Thread(target=shut_down, name="specgate-trace-flush", daemon=True).start()
+        await asyncio.wait((done,), timeout=owned.flush_s)
+        if not done.done():
+            log.warning(
+                "tracing: the last spans did not reach %s within %g s (%s): exiting without waiting "
+                "further, spans may be lost",
+                redact_url(owned.endpoint),
+                owned.flush_s,
+                FLUSH_VAR,
+            )
 
 
 class RequestTrace:

@@ -2,9 +2,9 @@
 with and without the optional components, every object against the Kubernetes API's schemas in
 strict mode (unknown fields rejected) for the oldest and newest versions the manifests are meant
 for, and the consistency a schema cannot see: selectors against labels, port names, the settings
-against proxy.config.Settings, the grace periods against the shutdown grace, the scrape config's
-relabelling against the pod, and the probe and scrape paths against a running proxy configured
-from the ConfigMap and the Secret."""
+against proxy.config.Settings, the grace periods against the shutdown grace and the trace flush,
+the scrape config's relabelling against the pod, and the probe and scrape paths against a running
+proxy configured from the ConfigMap and the Secret."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import yaml
 from pydantic import ValidationError
 
 from proxy.config import Settings
+from proxy.tracing import flush_timeout_s
 
 from .conftest import StartStack
 from .helpers import wait_for
@@ -319,11 +320,15 @@ def test_settings_are_real_and_parse(plain: list[Doc], monkeypatch: pytest.Monke
 
 def test_termination_grace_covers_the_shutdown(plain: list[Doc], monkeypatch: pytest.MonkeyPatch) -> None:
     """The kubelet's grace period counts from the start of preStop: the pause, then the running
-    streams' SPECGATE_SHUTDOWN_GRACE_S, then some room for the exit itself."""
-    s = settings_from(config_env(plain), monkeypatch)
+    streams' SPECGATE_SHUTDOWN_GRACE_S, then the last spans' export (OTEL_BSP_EXPORT_TIMEOUT when
+    the manifests set it, else specgate's default: a collector that never answers takes all of
+    it), then some room for the exit itself."""
+    env = config_env(plain)
+    s = settings_from(env, monkeypatch)  # SPECGATE_SHUTDOWN_GRACE_S, or its default when absent
     pause = container(plain)["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert 0 < pause <= 15
-    assert pod_spec(plain)["terminationGracePeriodSeconds"] >= pause + s.shutdown_grace_s + 5
+    flush = flush_timeout_s(env)
+    assert pod_spec(plain)["terminationGracePeriodSeconds"] >= pause + s.shutdown_grace_s + flush + 2
 
 
 def service_link_env(service: Doc) -> dict[str, str]:

@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +28,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from loadtest.overhead import Scenario, format_results, run_overhead
 from loadtest.procs import Proc, free_port, start
 from proxy.topology import build
-from proxy.tracing import Tracing, provider_from_env
+from proxy.tracing import FLUSH_TIMEOUT_S, Tracing, flush_timeout_s, provider_from_env
 
 from .conftest import StartStack
 from .helpers import sse_json, wait_for, wait_until
@@ -47,6 +50,10 @@ OTEL_VARS = (
     "OTEL_RESOURCE_ATTRIBUTES",
     "OTEL_TRACES_SAMPLER",
     "OTEL_TRACES_SAMPLER_ARG",
+    "OTEL_BSP_EXPORT_TIMEOUT",
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+    "OTEL_EXPORTER_OTLP_TIMEOUT",
+    "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
 )
 
 
@@ -375,12 +382,12 @@ TOPOLOGY = build("http://127.0.0.1:1", "http://127.0.0.1:2", None)
 def made(monkeypatch: pytest.MonkeyPatch, **env: str) -> Iterator[TracerProvider | None]:
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    provider = provider_from_env()
+    got = provider_from_env()
     try:
-        yield provider
+        yield None if got is None else got.provider
     finally:
-        if provider is not None:
-            provider.shutdown()
+        if got is not None:
+            got.provider.shutdown()
 
 
 def test_off_unless_an_endpoint_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -440,6 +447,66 @@ def test_without_the_sdk_it_says_so_once_and_serves_untraced(
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "pip install 'specgate[otel]'" in warnings[0].getMessage()
     assert "pw" not in caplog.text
+
+
+def test_the_flush_bound_at_exit_is_otel_bsp_export_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    assert flush_timeout_s({}) == FLUSH_TIMEOUT_S == 5
+    assert flush_timeout_s({"OTEL_BSP_EXPORT_TIMEOUT": "2500"}) == 2.5
+    assert flush_timeout_s({"OTEL_BSP_EXPORT_TIMEOUT": "0"}) == 0
+    assert not caplog.records
+    for junk in ("soon", "-1", "nan", "inf"):
+        caplog.clear()
+        assert flush_timeout_s({"OTEL_BSP_EXPORT_TIMEOUT": junk}) == FLUSH_TIMEOUT_S
+        (warning,) = caplog.records
+        assert warning.levelno == logging.WARNING and "OTEL_BSP_EXPORT_TIMEOUT" in warning.getMessage()
+    # The mapping given, not the process's environment.
+    made = provider_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_BSP_EXPORT_TIMEOUT": "700"})
+    assert made is not None and made.flush_s == 0.7
+    made.provider.shutdown()
+
+
+@contextlib.contextmanager
+def black_hole() -> Iterator[str]:
+    """A collector that takes connections (the kernel's backlog) but never reads or answers them."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(100)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.anyio
+async def test_a_collector_that_never_answers_delays_the_exit_by_the_flush_bound_only(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 53: the SDK's shutdown waited 30 s for a black-holed collector, past a pod's grace period."""
+    caplog.set_level(logging.WARNING)
+    before = set(threading.enumerate())
+    with black_hole() as url:
+        # The exporter reads its own variables from the process's environment: a batch a span, each
+        # given up after 0.5 s (too soon for a retry), so the SDK alone would wait its whole 30 s
+        # on 80 spans.
+        for name, value in (("OTEL_EXPORTER_OTLP_ENDPOINT", url), ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "1"),
+                            ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "0.5")):  # fmt: skip
+            monkeypatch.setenv(name, value)
+        made = provider_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": url, "OTEL_BSP_EXPORT_TIMEOUT": "300"})
+        assert made is not None
+        tracing = Tracing(made.provider, TOPOLOGY, owned=made)
+        for _ in range(80):
+            tracing.tracer.start_span("POST /v1/completions").end()
+        t0 = time.monotonic()
+        await tracing.aclose()
+        took = time.monotonic() - t0
+        # A bound on a hang, not a benchmark: the SDK's own is 30 s.
+        assert took < 10, took
+        ours = [r for r in caplog.records if r.name == "specgate.tracing" and r.levelno >= logging.WARNING]
+        assert len(ours) == 1, [r.getMessage() for r in ours]
+        assert url in ours[0].getMessage() and "spans may be lost" in ours[0].getMessage()
+        # Nothing the tracing started holds up the interpreter's exit.
+        started = [t for t in threading.enumerate() if t not in before and not t.name.startswith("asyncio_")]
+        assert started and all(t.daemon for t in started), [(t.name, t.daemon) for t in started]
+    # The collector gone, each batch fails at once and the threads end (within this test, so
+    # that the exporter's complaints land in its logs, not in another test's).
+    await wait_until(lambda: not any(t.is_alive() for t in started), timeout_s=10)
 
 
 def test_span_names_take_the_route_not_the_path(spans: Spans) -> None:
