@@ -3,15 +3,23 @@ part of the traffic, the classes that gain most from it get it first.
 
 A request's class is named by SPECGATE_CLASS_KEY: `header` (the client's `x-specgate-class`, the
 default: no header, no class), `api_key` (a hash of its bearer key, never the key), `user` (the
-body's `user`), `model` (the body's `model`), or `none`. At most SPECGATE_MAX_CLASSES classes are
-tracked; a request of any other class counts as `other`. Each tracked class keeps, decayed with a
+body's `user`), `model` (the body's `model`), or `none`. Each tracked class keeps, decayed with a
 half-life of CLASS_HALF_LIFE_S:
 
     traffic_c = sum of its requests' weights           (each 1 when it arrived, halving every half-life)
     accept_c  = sum tokens / sum decode steps          (of its streams on a speculative server whose
                                                         engine sends one content event a step)
 
-and a class whose traffic has faded below FORGET_WEIGHT is forgotten, making room for a new one.
+The classes the calibration file names are tracked from their first request and never displaced;
+besides them at most SPECGATE_MAX_CLASSES are. A request of a class not tracked counts as `other`,
+and its class is a candidate: at most CANDIDATES_PER_CLASS x SPECGATE_MAX_CLASSES are kept, each
+with its traffic decayed alike. A new candidate pushes out the one with the least and inherits its
+traffic (space-saving: a class with more than 1/(CANDIDATES_PER_CLASS x SPECGATE_MAX_CLASSES) of
+the untracked traffic stays a candidate however many names pass), but only its own traffic counts
+for a place: a candidate whose own is more than DISPLACE_RATIO times the least tracked class's
+traffic takes that class's place (displaced, its series with it; it may come back as a candidate).
+So a name sent once keeps its place only until a class with twice its traffic comes, and never
+takes one from a class with a request in the last half-life, however many such names a client sends.
 A class the calibration file names (`classes`, what calibrate measured per class) starts, when its
 first request arrives, with PRIOR_STEPS decode steps at that acceptance: known from its first
 request rather than after its first streams end, so its first conversations start where they will
@@ -55,7 +63,14 @@ OTHER = "other"
 # Characters of a class name kept (a metric label): longer names are cut, odd characters replaced.
 NAME_CHARS = 64
 CLASS_HALF_LIFE_S = 300.0
-FORGET_WEIGHT = 0.05
+# A candidate takes a tracked class's place once its own traffic is more than this many times that
+# class's: two classes of about equal traffic do not trade a place back and forth, each trade losing
+# what was learnt of one (and its metric series).
+DISPLACE_RATIO = 2.0
+# Candidates kept per place: the more, the faster a flood of names must come to push a class with
+# steady traffic out of them before its own traffic earns a place; each request of a class not
+# tracked walks them once.
+CANDIDATES_PER_CLASS = 2
 # Decode steps a class needs before its acceptance counts (a few streams' worth).
 MIN_STEPS = 32
 # Decode steps a calibration's acceptance for a class counts as: enough to count for one half-life
@@ -110,6 +125,24 @@ class ClassStats:
         return self.tokens / self.steps if self.steps >= MIN_STEPS else None
 
 
+@dataclass(slots=True)
+class Candidate:
+    """A class not tracked: its traffic since it became a candidate, and what it inherited from the
+    candidate it pushed out (which keeps it among them, never earns it a place: a flood of names
+    would pass the same weight on and on)."""
+
+    own: float
+    inherited: float
+    at: float
+
+    def decay(self, now: float, half_life_s: float) -> None:
+        if now > self.at:
+            f = 0.5 ** ((now - self.at) / half_life_s)
+            self.own *= f
+            self.inherited *= f
+            self.at = now
+
+
 class ClassBook:
     """The tracked classes and what is known of each."""
 
@@ -121,7 +154,9 @@ class ClassBook:
         # Acceptance by class name, from the calibration file.
         self.priors = dict(priors or {})
         self.stats: dict[str, ClassStats] = {}
-        # Classes forgotten since the last `take_forgotten` (their metric series go with them).
+        # The classes not tracked that asked last, at most CANDIDATES_PER_CLASS per place.
+        self.candidates: dict[str, Candidate] = {}
+        # Classes displaced since the last `take_forgotten` (their metric series go with them).
         self._forgotten: list[str] = []
         self._ranked: dict[str, bool] = {}
         self._ranked_at = -math.inf
@@ -131,26 +166,66 @@ class ClassBook:
         self._mix_at = -math.inf
 
     def tracked(self, name: str, now: float) -> str:
-        """A request of class `name` arrived: the name it is counted under, itself while there is
-        room (a faded class is forgotten to make it), else `other`."""
-        if name not in self.stats and self._named() >= self.max_classes:
-            for n, old in list(self.stats.items()):
-                old.decay(now, self.half_life_s)
-                if n != OTHER and old.traffic < FORGET_WEIGHT:
-                    del self.stats[n]
-                    self._forgotten.append(n)
-            if self._named() >= self.max_classes:
-                name = OTHER
+        """A request of class `name` arrived: the name it is counted under, itself while tracked,
+        else `other` unless its traffic earns it a place now."""
         s = self.stats.get(name)
         if s is None:
-            s = ClassStats(at=now)
-            prior = self.priors.get(name) if name != OTHER else None
-            if prior is not None:
-                s.tokens, s.steps = prior * PRIOR_STEPS, float(PRIOR_STEPS)
-            self.stats[name] = s
+            if name != OTHER and name not in self.priors and self._placed() >= self.max_classes:
+                s = self._admitted(name, now)
+                if s is None:
+                    name = OTHER
+                    s = self.stats.get(name)
+            if s is None:
+                s = self._add(name, now)
         s.decay(now, self.half_life_s)
         s.traffic += 1.0
         return name
+
+    def _add(self, name: str, now: float) -> ClassStats:
+        s = ClassStats(at=now)
+        prior = self.priors.get(name) if name != OTHER else None
+        if prior is not None:
+            s.tokens, s.steps = prior * PRIOR_STEPS, float(PRIOR_STEPS)
+        self.stats[name] = s
+        return s
+
+    def _placed(self) -> int:
+        """The tracked classes that hold one of SPECGATE_MAX_CLASSES' places."""
+        return sum(1 for n in self.stats if n != OTHER and n not in self.priors)
+
+    def _admitted(self, name: str, now: float) -> ClassStats | None:
+        """A request of `name`, not tracked, with every place taken: counted among the candidates,
+        and the class tracked (its traffic moved from `other` to it) if that earns it a place."""
+        if self.max_classes <= 0:
+            return None
+        hl = self.half_life_s
+        c = self.candidates.get(name)
+        if c is None:
+            inherited = 0.0
+            if len(self.candidates) >= CANDIDATES_PER_CLASS * self.max_classes:
+                for old in self.candidates.values():
+                    old.decay(now, hl)
+                least = min(self.candidates, key=lambda n: self.candidates[n].own + self.candidates[n].inherited)
+                out = self.candidates.pop(least)
+                inherited = out.own + out.inherited
+            c = self.candidates[name] = Candidate(0.0, inherited, now)
+        c.decay(now, hl)
+        c.own += 1.0
+        for s in self.stats.values():
+            s.decay(now, hl)
+        placed = (n for n in self.stats if n != OTHER and n not in self.priors)
+        gone = min(placed, key=lambda n: self.stats[n].traffic)
+        if c.own <= DISPLACE_RATIO * self.stats[gone].traffic:
+            return None
+        del self.stats[gone], self.candidates[name]
+        self._forgotten.append(gone)
+        earlier = c.own - 1.0  # this request is counted by the caller
+        other = self.stats.get(OTHER)
+        if other is not None:
+            other.traffic = max(0.0, other.traffic - earlier)
+        s = self._add(name, now)
+        s.traffic = earlier
+        return s
 
     def named(self, name: str) -> str:
         """The name a request of class `name` that does not count in the mix is counted under (a
@@ -191,9 +266,6 @@ class ClassBook:
             if a is not None and s.traffic > 0:
                 known.append((a, s.traffic, name))
         return known, total
-
-    def _named(self) -> int:
-        return len(self.stats) - (OTHER in self.stats)
 
     def take_forgotten(self) -> list[str]:
         out, self._forgotten = self._forgotten, []

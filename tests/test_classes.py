@@ -87,7 +87,9 @@ def test_a_class_the_calibration_measured_is_known_from_its_first_request() -> N
     assert book.accept("chat") == 1.3 and book.gains_most("chat", 0.0) is None  # one class known: no rank
     book.tracked("code", 0.0)
     assert book.ranked(0.0) == {"code": True, "chat": False}
-    # A third class has no room; the pooled rest have no prior, whatever the file says.
+    # They take no room from the others; once those fill it, the pooled rest have no prior,
+    # whatever the file says.
+    assert (book.tracked("a", 0.0), book.tracked("b", 0.0)) == ("a", "b")
     assert book.tracked("prose", 0.0) == OTHER and book.accept(OTHER) is None
     # The prior fades as evidence does: still known a half-life on, unknown after it without
     # live evidence.
@@ -103,6 +105,83 @@ def test_a_class_the_calibration_measured_is_known_from_its_first_request() -> N
     # A class the file does not name is learnt as before.
     fresh.tracked("new", 0.0)
     assert fresh.accept("new") is None
+
+
+def _junk(book: ClassBook, names: range, now: float, prefix: str = "junk") -> None:
+    for i in names:
+        book.tracked(f"{prefix}-{i}", now)
+
+
+def test_names_sent_once_do_not_keep_a_real_class_out() -> None:
+    book = ClassBook(32)
+    _junk(book, range(32), 0.0)
+    assert len(book.stats) == 32 and book.take_forgotten() == []
+    # A second later a class with traffic comes: its own name by its second request, taking the
+    # place of one of the names seen once (whose series go).
+    seen = [book.tracked("real", 1.0), book.tracked("real", 2.0)]
+    assert seen == [OTHER, "real"]
+    (gone,) = book.take_forgotten()
+    assert gone.startswith("junk-") and gone not in book.stats and "real" in book.stats
+    # Its requests while it waited moved from `other` to it.
+    assert book.stats["real"].traffic == pytest.approx(2.0, abs=0.01)
+    assert book.stats[OTHER].traffic == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_class_the_calibration_names_is_tracked_whatever_else_fills_the_book() -> None:
+    book = ClassBook(32, priors={"code": 3.0, "chat": 1.3})
+    _junk(book, range(1000), 0.0)
+    for _ in range(50):  # junk with more traffic than any class the file names
+        _junk(book, range(32), 0.0, prefix="loud")
+    assert book.tracked("code", 1.0) == "code" and book.accept("code") == 3.0
+    assert book.tracked("chat", 1.0) == "chat" and book.accept("chat") == 1.3
+    assert book.ranked(1.0)["code"] is True
+    # Nothing displaces them, and they take no room from the rest.
+    _junk(book, range(1000), 2.0, prefix="later")
+    assert {"code", "chat"} <= set(book.stats)
+    assert len(book.stats) == 32 + 2 + 1 and "code" not in book.take_forgotten()
+
+
+def test_a_class_with_steady_traffic_is_not_displaced_by_a_flood_of_names_sent_once() -> None:
+    book = ClassBook(32)
+    _junk(book, range(32), 0.0)
+    # For ten minutes a new name five times a second, a class every 2 s, and from 100 s on a
+    # second class as steady.
+    steady, late = [], []
+    for step in range(1, 3001):
+        t = step * 0.2
+        book.tracked(f"flood-{step}", t)
+        if step % 10 == 0:
+            steady.append(book.tracked("steady", t))
+            if t >= 100.0:
+                late.append(book.tracked("late", t))
+        assert not {"steady", "late"} & set(book.take_forgotten())
+    assert steady[0] == OTHER and set(steady[1:]) == {"steady"}
+    assert late[0] == OTHER and set(late[1:]) == {"late"}
+    assert len(book.stats) <= 32 + 1
+
+
+def test_a_class_seen_once_gives_its_place_to_one_with_steady_traffic() -> None:
+    book = ClassBook(1)
+    assert book.tracked("once", 0.0) == "once"
+    seen = [book.tracked("steady", 10.0 + 2 * i) for i in range(5)]
+    assert seen == [OTHER, "steady", "steady", "steady", "steady"]
+    assert book.take_forgotten() == ["once"]
+    # Back once, it has less traffic than the class in its place: `other`.
+    assert book.tracked("once", 20.0) == OTHER and book.take_forgotten() == []
+
+
+def test_the_book_stays_bounded_under_many_names() -> None:
+    book = ClassBook(8, priors={"a": 2.0, "b": 2.0, "c": 2.0})
+    for i in range(100_000):
+        now = i * 0.01
+        book.tracked(f"n{i}", now)
+        if i % 7 == 0:
+            book.tracked(f"repeat{i % 50}", now)
+        if i % 1000 == 0:
+            book.tracked("abc"[i // 1000 % 3], now)
+        book.take_forgotten()
+    assert len(book.stats) <= 8 + 3 + 1 and {"a", "b", "c"} <= set(book.stats)
+    assert len(book.candidates) <= 2 * 8
 
 
 def test_without_a_speed_model_a_pools_classes_are_ranked_below_the_high_watermark() -> None:
@@ -504,6 +583,27 @@ async def test_classes_off_and_bounded(gateway: StartGateway) -> None:
     assert set(tracked) == {"a", "b", OTHER}
     text = await small.metrics_text()
     assert 'class="c"' not in text and 'specgate_class_requests_total{backend="speculative",class="other"} 2.0' in text
+
+
+@pytest.mark.anyio
+async def test_names_sent_once_take_no_room_from_a_calibrated_class_nor_keep_a_steady_one_out(
+    gateway: StartGateway, tmp_path: Path
+) -> None:
+    gw = await gateway(max_classes=2, calibration=_calibration_with_classes(tmp_path, code=3.0))
+    for name in ("a", "b", "c", "d"):
+        await _ask(gw, name, "hi", stream=False)
+    await _ask(gw, "code", "hi", stream=False)
+    tracked = (await gw.routing())["classes"]["tracked"]
+    assert set(tracked) == {"a", "b", "code", OTHER}, tracked
+    assert (tracked["code"]["accept_length"], tracked["code"]["calibrated_accept_length"]) == (3.0, 3.0)
+    # `c` sent again, more than twice the traffic of the least of `a` and `b`: it takes that
+    # one's place, and the series of the one it displaced go.
+    for _ in range(2):
+        await _ask(gw, "c", "hi", stream=False)
+    tracked = (await gw.routing())["classes"]["tracked"]
+    assert set(tracked) == {"b", "c", "code", OTHER}, tracked
+    text = await gw.metrics_text()
+    assert 'class="a"' not in text and 'class="c"' in text and 'class="code"' in text
 
 
 # llama-server's own figures, one content event a token: 65 tokens in 21 steps (44 of 60 drafts
