@@ -22,7 +22,11 @@ protocol with these limits added (`edge_protocol()` binds the settings to it):
   reads nothing after an upgrade); one with a body gets 400 and is closed, because the parser hands
   an upgrade's body to the new protocol and specgate would relay an empty one;
 - trailers of a chunked request body are dropped: they would otherwise join the request's
-  headers after the fact and be forwarded upstream.
+  headers after the fact and be forwarded upstream;
+- a response that cannot be completed honestly (a server's JSON body that broke off after its first
+  bytes went on) is cut: the app calls the scope's `ABORT` extension, which closes the connection,
+  so the client's HTTP parser sees a body cut short rather than a complete one. ASGI has no message
+  for it, and an app that raises or returns early is logged by uvicorn as its own failure.
 
 Per request this costs a clock read: one timer per connection is moved on only when it fires.
 """
@@ -30,10 +34,11 @@ Per request this costs a clock read: one timer per connection is moved on only w
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from .errors import error_body
 from .kinds import Rejection
@@ -54,6 +59,8 @@ _REASONS = {
     431: b"Request Header Fields Too Large",
     503: b"Service Unavailable",
 }
+# The scope extension that cuts the connection of a response the app cannot complete.
+ABORT = "specgate.abort"
 # What a header line adds to the head besides its name and value (": " and CRLF).
 _HEADER_OVERHEAD = 4
 
@@ -185,6 +192,11 @@ class EdgeProtocol(HttpToolsProtocol):
             self._close("upgrade", self.limits.upgrade)
             return
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None:
+            # Bound to this request's cycle: a pipelined request may have the protocol's next.
+            abort: Any = functools.partial(self._abort, cycle)
+            cycle.scope["extensions"] = {ABORT: abort}
 
     def on_body(self, body: bytes) -> None:
         if not self._answered:
@@ -193,6 +205,12 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         if not self._answered:
             super().on_message_complete()
+
+    def _abort(self, cycle: RequestResponseCycle) -> None:
+        """Cut the connection under a response that cannot be completed. The cycle counts as
+        disconnected: later writes go nowhere, and uvicorn logs nothing of it (the app has)."""
+        cycle.disconnected = True
+        self.transport.close()
 
     # uvicorn's upgrade handling, turned off (see the module's docstring)
     def _should_upgrade(self) -> bool:

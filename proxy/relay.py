@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from starlette.types import Message, Receive, Scope, Send
 
 from .affinity import Outcome
 from .call import ProxyCall
+from .edge import ABORT
 from .engines import DONE_GRACE_S
 from .errors import ApiError
 from .gate import Gate
@@ -31,7 +33,8 @@ from .metrics import code_class
 from .observe import ClassLearning, Generated, Learning, Liveness, StreamObserver, StreamTiming, TokenCounts
 from .policy import Reason, Role, other
 from .routing import Router
-from .sse import DONE, BodyReader, generated_mark, reader_for
+from .sse import BodyReader, generated_mark, reader_for
+from .sseframe import ends_with_done
 from .upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("specgate.relay")
@@ -51,7 +54,7 @@ class RelayResponse:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
-        relay = _Relay(self.gate, self.call, send)
+        relay = _Relay(self.gate, self.call, send, scope.get("extensions", {}).get(ABORT))
         timeout = self.gate.settings.read_timeout_s
 
         async def watch() -> None:
@@ -92,10 +95,14 @@ class RelayResponse:
 class _Relay:
     """One request's journey. `finish()` runs exactly once, on every path."""
 
-    def __init__(self, gate: Gate, call: ProxyCall, send: Send) -> None:
+    def __init__(self, gate: Gate, call: ProxyCall, send: Send, abort: Callable[[], None] | None = None) -> None:
         self.gate = gate
         self.call = call
         self._send = send
+        # Cuts the client's connection (the edge's, edge.ABORT); None where the server offers none.
+        self._abort = abort
+        # The response could not be completed and its connection was cut (counted as the server's 502).
+        self._cut = False
         # The client left (or took no bytes for too long): the relay was cancelled for it.
         self.gone = False
         # The server's slot, taken once a server is chosen; a failover moves it to another server.
@@ -229,7 +236,8 @@ class _Relay:
         typed = call.endpoint == "responses"
         reader = reader_for(up.content_type, up.status, call.strip_usage, typed)
         headers = up.headers()
-        if is_sse and call.strip_usage:
+        if is_sse:
+            # The relayed stream may differ in length: a usage chunk dropped, an error event added.
             headers = [(k, v) for k, v in headers if k != b"content-length"]
         headers += self._own_headers(backend, reason)
         # Sent just before the first body bytes: until then a failure can still be answered cleanly.
@@ -247,7 +255,7 @@ class _Relay:
             # and can reuse its connection, and it is not woken twice. `[DONE]` waits a moment for
             # the end of body (engines.DONE_GRACE_S).
             while True:
-                if is_sse and chunk.endswith(DONE) and not up.ended:
+                if is_sse and ends_with_done(chunk) and not up.ended:
                     await up.wait_end(DONE_GRACE_S)
                 if not chunk or up.ended:
                     break
@@ -265,12 +273,17 @@ class _Relay:
                 out = reader.feed(chunk)
         except UpstreamError as err:
             gate.metrics.upstream_errors.labels(backend, err.kind).inc()
-            log.warning("request %s: stream from %s broke: %s", call.request_id, backend, err)
             if call.trace is not None:
                 call.trace.broke(err.kind, str(err))
             # The turn did not end: its server is not where its conversation's next turn should go.
             self._broken = True
-            await self._last(reader.broken(f"Upstream stream broke: {err}", "upstream_" + err.kind))
+            end = reader.broken(f"Upstream stream broke: {err}", "upstream_" + err.kind)
+            if end is None:
+                log.warning("request %s: body from %s broke: %s; client connection cut", call.request_id, backend, err)
+                await self._cut_short(err, reason)
+                return
+            log.warning("request %s: stream from %s broke: %s", call.request_id, backend, err)
+            await self._last(end)
             return
         tail = reader.flush()
         usage = self._usage = reader.usage()
@@ -279,7 +292,7 @@ class _Relay:
         if usage is not None and call.previous is None:
             # A continuation's estimate is of its new input alone, its usage of the whole stored
             # conversation: it would teach every estimate the conversation's length.
-            gate.token_ratio.learn(call.prompt_estimate, usage[0])
+            gate.token_ratio.learn(call.prompt_estimate, usage[0], call.client)
         if call.stores and up.status == 200 and (made := reader.response_id()) is not None:
             gate.stored.remember(made, lease.server)
         await self._last(out + tail if tail else out)
@@ -328,6 +341,20 @@ class _Relay:
         self.complete = True
         self.finish()
         await self._body(data, more=False)
+
+    async def _cut_short(self, err: UpstreamError, reason: Reason) -> None:
+        """A body that broke off and cannot be ended as if complete (a JSON body): nothing sent
+        yet gets a clean 502; else the client's connection is cut, so its parser sees the body cut
+        short. Without the edge's abort (another ASGI server), returning unended does the same."""
+        if self._head is not None:  # not a byte went out: still time for an honest answer
+            api = ApiError(502, f"Upstream failed: {err}", "server_error", "upstream_unavailable")
+            await self._error(api, reason)
+            return
+        self.status = 502
+        self._cut = True
+        self.finish()
+        if self._abort is not None:
+            self._abort()
 
     async def _body(self, data: bytes, *, more: bool) -> None:
         body: Message = {"type": "http.response.body", "body": data, "more_body": more}
@@ -395,7 +422,7 @@ class _Relay:
                 self.gate.affinity.remember(self.call.affinity, self.lease.server, cached)
         m = self.gate.metrics
         role = self.role
-        status = self.status if self.complete else 499
+        status = self.status if self.complete or self._cut else 499
         m.child(m.requests, role or "none", self.call.endpoint, code_class(status)).inc()
         if self.traffic_class is not None:
             # A class forgotten while this request ran has had its series removed: not made again.

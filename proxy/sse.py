@@ -17,13 +17,14 @@ import orjson
 from .engines import MAX_KV_TOKENS, USAGE_FIELDS, reported_steps
 from .errors import sse_error
 from .kinds import Endpoint
+from .sseframe import data_of, last_end, split_events
 
 # The most tokens a usage may count of either kind: no request holds more than a KV pool.
 MAX_USAGE_TOKENS = MAX_KV_TOKENS
 
 # Bytes of a non-streamed JSON body kept to read its `usage`; larger bodies are relayed unread.
 USAGE_BODY_LIMIT = 4 * 1024 * 1024
-# A partial SSE event held back (only when a usage chunk must be dropped) is released past this.
+# A partial SSE event is held back until its end arrives, up to this size (EventCuts).
 PARTIAL_EVENT_LIMIT = 256 * 1024
 _USAGE_MARK = b'"completion_tokens"'
 # A finish event: its `finish_reason` is a string, not null.
@@ -56,8 +57,9 @@ class BodyReader(Protocol):
         """A Responses API body's response id, once it has ended."""
         ...
 
-    def broken(self, message: str, code: str) -> bytes:
-        """What ends the client's copy of a body that broke off after its first bytes."""
+    def broken(self, message: str, code: str) -> bytes | None:
+        """What ends the client's copy of a body that broke off after its first bytes; None when
+        nothing can end it honestly (a JSON body cut short): the client's connection is cut."""
         ...
 
 
@@ -91,8 +93,8 @@ class Passthrough:
     def response_id(self) -> str | None:
         return None
 
-    def broken(self, message: str, code: str) -> bytes:
-        return b""  # a JSON body cut short: the client's parser says so
+    def broken(self, message: str, code: str) -> bytes | None:
+        return None  # a body cut short cannot be ended as if complete
 
 
 class JsonUsage(Passthrough):
@@ -133,69 +135,105 @@ class JsonUsage(Passthrough):
         return self._obj
 
 
-class SseRelay:
-    """Tracks SSE event boundaries in a relayed stream, to read token usage and, when asked, to
-    drop the usage chunk that specgate itself asked for. Bytes pass through unchanged and unmerged;
-    only when dropping is on is a partial trailing event held until its end arrives (a client
-    cannot use half an event), and the finish event until the next bytes: a server may have moved
-    fields into the usage chunk only because usage was asked for (llama-server's `timings`, see
-    engines.py), and those go back onto the finish event, where the client would have found them."""
+class EventCuts:
+    """Cuts a relayed event stream at event ends, so that the client only ever holds whole events:
+    a partial trailing event waits for its end, and a stream that breaks drops it rather than
+    leave half an event for the client's decoder to read as one (the error event after it would
+    be lost with it). An event longer than `limit` goes on as it is: a stream with no blank line
+    for that long is not SSE as servers write it, and holding it would hold the stream."""
 
-    __slots__ = ("_held", "_partial", "_strip", "_usage_event", "_usage_parsed")
+    __slots__ = ("_limit", "_partial", "open")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._partial = b""
+        # The client holds an event passed on unended (past `limit`).
+        self.open = False
+
+    def cut(self, chunk: bytes) -> bytes:
+        """The whole events this piece completes (a partial one held back, or passed past the limit)."""
+        data = self._partial + chunk if self._partial else chunk
+        end = last_end(data)
+        if end == len(data):
+            self._partial = b""
+            if data:
+                self.open = False
+            return data
+        if end == 0 and self.open:
+            return data  # more of the event passed on unended: holding it helps no one
+        complete, rest = data[:end], data[end:]
+        if complete:
+            self.open = False
+        if len(rest) > self._limit:
+            self._partial = b""
+            self.open = True
+            return complete + rest
+        self._partial = rest
+        return complete
+
+    def rest(self) -> bytes:
+        """What is held at the body's end: a last event without its blank line, passed on."""
+        out, self._partial = self._partial, b""
+        return out
+
+    def cut_short(self) -> bytes:
+        """What ends the client's copy before an error event when the stream broke: the held
+        partial event is dropped, and an event passed on unended is closed."""
+        self._partial = b""
+        return b"\n\n" if self.open else b""
+
+
+class SseRelay:
+    """Tracks SSE event boundaries in a relayed stream (EventCuts: only whole events pass), to read
+    token usage and, when asked, to drop the usage chunk that specgate itself asked for. Event bytes
+    pass through unchanged; when dropping, the finish event waits for the next bytes: a server may
+    have moved fields into the usage chunk only because usage was asked for (llama-server's
+    `timings`, see engines.py), and those go back onto the finish event, where the client would
+    have found them."""
+
+    __slots__ = ("_cuts", "_held", "_strip", "_usage_event", "_usage_parsed")
 
     def __init__(self, strip_usage: bool) -> None:
         self._strip = strip_usage
-        self._partial = b""
+        self._cuts = EventCuts(PARTIAL_EVENT_LIMIT)
         self._held = b""
         self._usage_event: bytes | None = None
         self._usage_parsed: Any = None
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to send to the client for this piece of upstream body."""
-        data = self._partial + chunk if self._partial else chunk
-        end = data.rfind(b"\n\n")
-        cut = end + 2 if end >= 0 else 0
-        complete, self._partial = data[:cut], data[cut:]
+        complete = self._cuts.cut(chunk)
         if self._held:
             complete, self._held = self._held + complete, b""
         if _USAGE_MARK in complete:
             complete = self._scan(complete)
-        if self._strip and complete and _FINISH_MARK in complete:
+        if self._strip and complete and _FINISH_MARK in complete and not self._cuts.open:
             # The usage chunk follows the finish event: hold that event until the next bytes come.
-            last = complete.rfind(b"\n\n", 0, len(complete) - 2)
-            tail = complete[last + 2 :] if last >= 0 else complete
+            tail = split_events(complete)[-1]
             if _FINISH_MARK in tail:
                 complete, self._held = complete[: len(complete) - len(tail)], tail
-        if len(self._partial) > PARTIAL_EVENT_LIMIT:
-            # Not SSE as servers write it (no blank line for this long): stop holding anything back.
-            held, self._partial = self._held + self._partial, b""
-            self._held = b""
-            if self._strip:
-                self._strip = False
-                return complete + held
-        return complete if self._strip else chunk
+        return complete
 
     def flush(self) -> bytes:
-        rest, self._partial, self._held = self._held + self._partial, b"", b""
-        return rest if self._strip else b""
+        rest, self._held = self._held + self._cuts.rest(), b""
+        return rest
 
     def _scan(self, complete: bytes) -> bytes:
         kept: list[bytes] = []
-        for event in complete.split(b"\n\n"):
+        changed = False
+        for event in split_events(complete):
             if _USAGE_MARK in event:
                 self._usage_event = event
                 if self._strip and (b'"choices":[]' in event or b'"choices": []' in event):
                     self._drop_usage(event, kept)
+                    changed = True
                     continue
             kept.append(event)
-        return b"\n\n".join(kept)
+        return b"".join(kept) if changed else complete
 
     def _drop_usage(self, event: bytes, kept: list[bytes]) -> None:
         """Drop the usage chunk, keeping what else the server put in it (see the class)."""
-        try:
-            obj = orjson.loads(event.strip().removeprefix(b"data:"))
-        except orjson.JSONDecodeError:
-            return
+        obj = _json(data_of(event))
         if not isinstance(obj, dict):
             return
         extra = {k: v for k, v in obj.items() if k not in _ENVELOPE and v is not None}
@@ -203,17 +241,14 @@ class SseRelay:
             return
         for i in range(len(kept) - 1, -1, -1):
             if kept[i].startswith(b"data:") and _FINISH_MARK in kept[i]:
-                try:
-                    prev = orjson.loads(kept[i].removeprefix(b"data:"))
-                except orjson.JSONDecodeError:
-                    break
+                prev = _json(data_of(kept[i]))
                 if isinstance(prev, dict):
                     prev.update({k: v for k, v in extra.items() if k not in prev})
-                    kept[i] = b"data: " + orjson.dumps(prev)
+                    kept[i] = b"data: " + orjson.dumps(prev) + _blank_line(kept[i])
                     return
                 break
         # The finish event is gone already: the rest of the chunk goes on without the usage.
-        kept.append(b"data: " + orjson.dumps({k: v for k, v in obj.items() if k != "usage"}))
+        kept.append(b"data: " + orjson.dumps({k: v for k, v in obj.items() if k != "usage"}) + _blank_line(event))
 
     def usage(self) -> tuple[int, int] | None:
         return usage_of(self._usage_obj())
@@ -225,17 +260,29 @@ class SseRelay:
         """The last event with token counts, as JSON (None without one); parsed once, at the end."""
         event, self._usage_event = self._usage_event, None
         if event is not None:
-            try:
-                self._usage_parsed = orjson.loads(event.strip().removeprefix(b"data:").strip())
-            except (orjson.JSONDecodeError, RecursionError):
-                self._usage_parsed = None
+            self._usage_parsed = _json(data_of(event))
         return self._usage_parsed
 
     def response_id(self) -> str | None:
         return None
 
     def broken(self, message: str, code: str) -> bytes:
-        return sse_error(message, code)
+        held, self._held = self._held, b""
+        return held + self._cuts.cut_short() + sse_error(message, code)
+
+
+def _json(data: bytes | None) -> Any:
+    if data is None:
+        return None
+    try:
+        return orjson.loads(data)
+    except (orjson.JSONDecodeError, RecursionError):
+        return None
+
+
+def _blank_line(event: bytes) -> bytes:
+    """The line ends that close `event`, as the server wrote them."""
+    return event[len(event.rstrip(b"\r\n")) :] or b"\n\n"
 
 
 # A Responses stream's last event: its whole response, with usage (whichever way it ended).
@@ -244,55 +291,43 @@ _TERMINAL = (b"response.completed", b"response.incomplete", b"response.failed")
 
 class ResponseEvents:
     """A Responses API stream (`event: <type>` / `data: {...}` pairs, numbered by `sequence_number`,
-    no `[DONE]`), passed through unchanged. Its events are told apart as they pass, to keep the last
-    one that ends the response (`response.completed`, or `.incomplete` / `.failed`), whose response
-    holds the usage and the id, read once, at the end."""
+    no `[DONE]`), passed through whole event by whole event (EventCuts). Its events are told apart as
+    they pass, to keep the last one that ends the response (`response.completed`, or `.incomplete` /
+    `.failed`), whose response holds the usage and the id, read once, at the end."""
 
-    __slots__ = ("_final", "_parts", "_size", "events")
+    __slots__ = ("_cuts", "_final", "events")
 
     def __init__(self) -> None:
-        self._parts: list[bytes] = []
-        self._size = 0
+        # The terminal event carries the whole response: held whole up to the size read for usage.
+        self._cuts = EventCuts(USAGE_BODY_LIMIT)
         self._final: bytes | None = None
-        # Complete events so far: the next one's sequence_number, as engines number them from 0.
+        # Events so far (a block with a data field; comments such as `: ping` are none): the next
+        # one's sequence_number, as engines number them from 0.
         self.events = 0
 
     def feed(self, chunk: bytes) -> bytes:
-        start = 0
-        if self._parts and self._parts[-1].endswith(b"\n") and chunk.startswith(b"\n"):
-            self._event_ended()  # the blank line was split between two reads
-            start = 1
-        while (at := chunk.find(b"\n\n", start)) >= 0:
-            self._keep(chunk[start:at])
-            self._event_ended()
-            start = at + 2
-        if start < len(chunk):
-            self._keep(chunk[start:] if start else chunk)
-        return chunk
+        complete = self._cuts.cut(chunk)
+        if complete and not self._cuts.open:
+            self._count(complete)
+        return complete
 
-    def _keep(self, part: bytes) -> None:
-        self._size += len(part)
-        if self._size <= USAGE_BODY_LIMIT:
-            self._parts.append(part)
-
-    def _event_ended(self) -> None:
-        event = b"".join(self._parts) if self._size <= USAGE_BODY_LIMIT else b""
-        self._parts.clear()
-        self._size = 0
-        if event.strip():
-            self.events += 1
-            if any(mark in event for mark in _TERMINAL):
-                self._final = event
+    def _count(self, complete: bytes) -> None:
+        for event in split_events(complete):
+            if data_of(event) is not None:
+                self.events += 1
+                if any(mark in event for mark in _TERMINAL):
+                    self._final = event
 
     def flush(self) -> bytes:
-        if self._parts:
-            self._event_ended()  # a last event without its blank line
-        return b""
+        rest = self._cuts.rest()
+        if rest:
+            self._count(rest)  # a last event without its blank line
+        return rest
 
     def _response(self) -> Any:
         if self._final is None:
             return None
-        obj = _event_data(self._final)
+        obj = _json(data_of(self._final))
         return obj.get("response") if isinstance(obj, dict) else None
 
     def usage(self) -> tuple[int, int] | None:
@@ -306,17 +341,9 @@ class ResponseEvents:
 
     def broken(self, message: str, code: str) -> bytes:
         """The Responses API's own error event (it has no `[DONE]` to end with)."""
+        cut = self._cuts.cut_short()
         error = {"type": "error", "code": code, "message": message, "param": None, "sequence_number": self.events}
-        return b"event: error\ndata: " + orjson.dumps(error) + b"\n\n"
-
-
-def _event_data(event: bytes) -> Any:
-    """An SSE event's data (its `data:` lines joined) as JSON, or None."""
-    lines = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
-    try:
-        return orjson.loads(b"\n".join(lines)) if lines else None
-    except (orjson.JSONDecodeError, RecursionError):
-        return None
+        return cut + b"event: error\ndata: " + orjson.dumps(error) + b"\n\n"
 
 
 def usage_of(obj: Any) -> tuple[int, int] | None:
@@ -356,7 +383,7 @@ def content_events(body: bytes) -> int:
     stream's decode steps. The role chunk and finish chunk (empty content), the usage chunk and
     `[DONE]` carry none."""
     n = 0
-    for event in body.split(b"\n\n"):
+    for event in split_events(body):
         for mark in _OUTPUT:
             at = event.find(mark)
             if at >= 0 and event[at + len(mark) : at + len(mark) + 1] not in (b'"', b""):
@@ -383,7 +410,7 @@ def response_deltas(body: bytes) -> int:
     what `content_events` is to a chat stream. Its `*.done` events and `response.completed` repeat
     the whole text, so the chat marks would count those too."""
     n = 0
-    for event in body.split(b"\n\n"):
+    for event in split_events(body):
         at = event.find(_DELTA)
         if at >= 0 and event[at + len(_DELTA) : at + len(_DELTA) + 1] not in (b'"', b""):
             n += 1
@@ -392,13 +419,10 @@ def response_deltas(body: bytes) -> int:
 
 def completion_tokens(data: bytes) -> int | None:
     """completion_tokens of a stream's usage chunk (its last event that has one)."""
-    for event in reversed(data.split(b"\n\n")):
+    for event in reversed(split_events(data)):
         if b'"completion_tokens"' not in event:
             continue
-        try:
-            obj = orjson.loads(event.strip().removeprefix(b"data:").strip())
-        except orjson.JSONDecodeError:
-            return None
+        obj = _json(data_of(event))
         usage = obj.get("usage") if isinstance(obj, dict) else None
         value = usage.get("completion_tokens") if isinstance(usage, dict) else None
         return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -14,6 +14,37 @@ from aiohttp import web
 
 SSE = {"Content-Type": "text/event-stream"}
 RELEASE = web.AppKey("release", asyncio.Event)
+_DELTA = (
+    b'{"type":"response.output_text.delta","sequence_number":1,"item_id":"m","output_index":0,'
+    b'"content_index":0,"delta":"a"}'
+)
+# Streams that break inside an event: the bytes written before the connection drops.
+CUTS = {
+    "chat_cut_mid_event": (
+        b": ping\n\n",
+        b'data: {"choices":[{"index":0,"delta":{"content":" a"}}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{"content":" b',
+    ),
+    "responses_cut_mid_event": (
+        b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n',
+        b": ping\n\n: ping\n\n: ping\n\n",
+        b"event: response.output_text.delta\ndata: " + _DELTA + b"\n\n",
+        b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "seq',
+    ),
+}
+_COMPLETED = (
+    b'{"type":"response.completed","sequence_number":2,"response":{"id":"resp_crlf","object":"response",'
+    b'"status":"completed","output":[],"usage":{"input_tokens":11,"output_tokens":4,"total_tokens":15}}}'
+)
+# A whole Responses stream framed with CRLF, as sse-starlette writes it.
+RESPONSES_CRLF = (
+    b'event: response.created\r\ndata: {"type":"response.created","sequence_number":0}\r\n\r\n'
+    + b"event: response.output_text.delta\r\ndata: "
+    + _DELTA
+    + b"\r\n\r\n: ping\r\n\r\nevent: response.completed\r\ndata: "
+    + _COMPLETED
+    + b"\r\n\r\n"
+)
 SEEN = web.AppKey("seen", list[str])
 
 
@@ -26,6 +57,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return web.Response(body=b'{"pad":"' + b"x" * (48 * 1024 * 1024) + b'"}', content_type="application/json")
     if mode == "huge_head":
         return web.Response(body=b"{}", content_type="application/json", headers={"X-Pad": "h" * 200_000})
+    if mode == "json_cut":
+        # A body shorter than its Content-Length: the connection drops after its first bytes.
+        short = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "400"})
+        await short.prepare(request)
+        await short.write(b'{"id":"1","choices":[{"index":0,"message":{"role":"assistant","content":"a')
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return short
     resp = web.StreamResponse(headers=SSE)
     await resp.prepare(request)
     if mode == "echo_raw":
@@ -59,6 +99,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
         release = request.app[RELEASE]
         await release.wait()
         release.clear()
+    elif mode in CUTS:
+        # The connection drops in the middle of an event, after a comment and a whole event.
+        for part in CUTS[mode]:
+            await resp.write(part)
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+    elif mode == "responses_crlf":
+        await resp.write(RESPONSES_CRLF)
     elif mode == "reset_mid_stream":
         await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":" a"}}]}\n\n')
         await asyncio.sleep(0.05)
@@ -98,6 +149,7 @@ def make_app() -> web.Application:
     app = web.Application(client_max_size=1024**2)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_post("/v1/responses", generate)
     app.router.add_post("/v1/echo/{tail:.*}", echo)
     app.router.add_post("/release", release)
     app.router.add_get("/seen", seen)

@@ -118,6 +118,7 @@ class StreamingASGITransport(httpx.AsyncBaseTransport):
         started: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         chunks: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
         body_sent = False
+        ended = asyncio.Event()
 
         async def receive() -> Message:
             nonlocal body_sent
@@ -136,6 +137,7 @@ class StreamingASGITransport(httpx.AsyncBaseTransport):
                 if message.get("body"):
                     chunks.put_nowait(message["body"])
                 if not message.get("more_body", False):
+                    ended.set()
                     chunks.put_nowait(None)
 
         async def run() -> None:
@@ -148,7 +150,9 @@ class StreamingASGITransport(httpx.AsyncBaseTransport):
             else:
                 if not started.done():
                     started.set_exception(RuntimeError("the app returned without a response"))
-                chunks.put_nowait(None)
+                if not ended.is_set():
+                    # As a server closes the connection under a response the app left unfinished.
+                    chunks.put_nowait(httpx.RemoteProtocolError("the app returned mid-response"))
 
         task = asyncio.create_task(run())
         self.tasks.add(task)

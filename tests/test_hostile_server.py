@@ -18,7 +18,7 @@ from .conftest import StartSim
 from .helpers import routing, scrape, wait_for
 
 # The default inference routes, and the hostile server's echo route under them.
-ALLOWED = "/v1/chat/completions,/v1/completions,/v1/embeddings,/v1/models,/generate,/v1/echo/*"
+ALLOWED = "/v1/chat/completions,/v1/completions,/v1/responses,/v1/embeddings,/v1/models,/generate,/v1/echo/*"
 
 
 def start_proxy(speculative: str, baseline: str, **env: str) -> tuple[str, Proc]:
@@ -173,3 +173,16 @@ def test_only_listed_paths_reach_a_server(hostile: tuple[str, Proc]) -> None:
     got, headers, answer = raw_answer(url, b"POST /v1/echo/x?a=%2F HTTP/1.1\r\nhost: x", b"{}")
     assert got == 200 and orjson.loads(answer)["target"] == "/v1/echo/x?a=%2F"
     still_healthy(url)
+
+
+def test_a_json_body_cut_short_cuts_the_clients_connection_with_one_line_logged(hostile: tuple[str, Proc]) -> None:
+    url, proxy = hostile
+    with pytest.raises(httpx.RemoteProtocolError):
+        httpx.post(
+            url + "/v1/chat/completions", json={"mode": "json_cut", "messages": [{"role": "user", "content": "x"}]}
+        )
+    still_healthy(url)
+    wait_for(lambda: "client connection cut" in "".join(proxy.stderr_lines))
+    logged = "".join(proxy.stderr_lines)
+    assert "Exception in ASGI application" not in logged and "without completing" not in logged, logged
+    assert logged.count("json_cut") == 0  # nothing of the request's body

@@ -8,12 +8,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
+import openai
 import pytest
+from openai._streaming import SSEDecoder
 
 from loadtest.procs import free_port
+from proxy import promtext
 
 from .helpers import wait_until
-from .hostile_server import serving
+from .hostile_server import RESPONSES_CRLF, serving
 from .inprocess import Gateway, StartGateway
 from .test_hostile_server import ALLOWED
 
@@ -169,3 +173,102 @@ async def test_huge_response_head_is_not_relayed(gateway: StartGateway, bad_serv
     assert 'specgate_server_upstream_errors_total{kind="protocol",server="speculative"} 1.0' in errors
     assert 'specgate_server_upstream_errors_total{kind="protocol",server="baseline"} 1.0' in errors
     assert (await both.client.get("/ready")).status_code == 200  # a bad answer is not a dead server
+
+
+def sdk(gw: Gateway) -> openai.AsyncOpenAI:
+    """The real openai client, over the in-process transport."""
+    # The SDK types its client as httpx2's; the in-process httpx client speaks the same interface.
+    client: Any = gw.client
+    return openai.AsyncOpenAI(base_url="http://specgate/v1", api_key="k", http_client=client, max_retries=0)
+
+
+@pytest.mark.parametrize("own_usage", [False, True], ids=["usage-asked-by-specgate", "usage-asked-by-client"])
+async def test_a_chat_stream_cut_mid_event_gives_the_client_whole_events_then_the_error(
+    gateway: StartGateway, bad_server: str, own_usage: bool
+) -> None:
+    gw = await hostile_gateway(gateway, bad_server)
+    body: dict[str, Any] = {
+        "mode": "chat_cut_mid_event",
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+    }
+    if own_usage:  # then specgate drops nothing, and passed the stream on as it came
+        body["stream_options"] = {"include_usage": True}
+    r = await gw.client.post("/v1/chat/completions", json=body)
+    # The openai SDK's own decoder: every event it reads is whole JSON, the half event is gone.
+    events = [e for e in SSEDecoder().iter_bytes(iter([r.content]))]
+    assert events[-1].data == "[DONE]"
+    datas = [e.json() for e in events[:-1]]
+    assert datas[0]["choices"][0]["delta"]["content"] == " a"
+    assert len(datas) == 2 and datas[1]["error"]["code"] == "upstream_disconnect"
+    with pytest.raises(openai.APIError, match="Upstream stream broke"):
+        stream = await sdk(gw).chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            stream=True,
+            extra_body={"mode": "chat_cut_mid_event"},
+        )
+        async for _ in stream:
+            pass
+    await still_healthy(gw)
+
+
+async def test_a_responses_stream_cut_mid_event_ends_with_its_error_event(
+    gateway: StartGateway, bad_server: str
+) -> None:
+    gw = await hostile_gateway(gateway, bad_server)
+    stream = await sdk(gw).responses.create(
+        model="m", input="x", stream=True, extra_body={"mode": "responses_cut_mid_event"}
+    )
+    events = [e async for e in stream]
+    assert [e.type for e in events] == ["response.created", "response.output_text.delta", "error"]
+    # Numbered after the server's last event: the `: ping` comments between them are no events.
+    assert events[-1].sequence_number == 2
+    await still_healthy(gw)
+
+
+async def test_a_crlf_framed_responses_stream_is_read_and_its_response_remembered(
+    gateway: StartGateway, bad_server: str
+) -> None:
+    gw = await hostile_gateway(gateway, bad_server)
+    body = {"mode": "responses_crlf", "model": "m", "input": "x", "stream": True}
+    r = await gw.client.post("/v1/responses", json=body)
+    assert r.status_code == 200 and r.content == RESPONSES_CRLF
+    assert (await gw.metrics())["specgate_output_tokens_total"] == 4
+    again = await gw.client.post("/v1/responses", json={**body, "previous_response_id": "resp_crlf"})
+    assert again.headers["x-specgate-reason"] == "stored_response"
+    await still_healthy(gw)
+
+
+async def test_a_json_body_cut_short_cuts_the_clients_connection(gateway: StartGateway, bad_server: str) -> None:
+    gw = await hostile_gateway(gateway, bad_server)
+    with pytest.raises(httpx.RemoteProtocolError):
+        await ask(gw, "json_cut", stream=False)
+    found = promtext.samples(await gw.metrics_text(), {"specgate_requests_total", "specgate_upstream_errors_total"})
+    codes = {s.labels["code"] for s in found if s.name == "specgate_requests_total" and s.value}
+    assert codes == {"5xx"}  # the server's failure, not a 2xx
+    assert sum(s.value for s in found if s.name == "specgate_upstream_errors_total") == 1
+    await still_healthy(gw)
+
+
+@pytest.mark.parametrize("name", ["x-specgate-priority", "x-specgate-class", "x-session-id"])
+async def test_a_repeated_specgate_header_is_refused(gateway: StartGateway, bad_server: str, name: str) -> None:
+    gw = await hostile_gateway(gateway, bad_server)
+    value = "interactive" if name == "x-specgate-priority" else "a"
+    r = await gw.client.post("/v1/echo/x", json={}, headers=[(name, value), (name.upper(), value)])
+    assert r.status_code == 400 and r.json()["error"]["code"] == "repeated_header"
+    assert name in r.json()["error"]["message"]
+    assert (await gw.client.post("/v1/echo/x", json={}, headers=[(name, value)])).status_code == 200
+    await still_healthy(gw)
+
+
+async def test_two_trace_contexts_are_none_and_neither_is_forwarded(gateway: StartGateway, bad_server: str) -> None:
+    gw = await hostile_gateway(gateway, bad_server)
+    one = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    two = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    state = ("tracestate", "k=v")
+    r = await gw.client.post("/v1/echo/x", json={}, headers=[("traceparent", one), ("traceparent", two), state])
+    got = {k.lower() for k, _ in r.json()["headers"]}
+    assert r.status_code == 200 and not got & {"traceparent", "tracestate"}
+    r = await gw.client.post("/v1/echo/x", json={}, headers=[("traceparent", one), state])
+    assert [v for k, v in r.json()["headers"] if k.lower() == "traceparent"] == [one]  # tracing off: as sent

@@ -1,11 +1,19 @@
-"""SseRelay: bytes pass through unchanged; the injected usage chunk is dropped across any split."""
+"""SseRelay and ResponseEvents: bytes pass through unchanged in whole events, framed with any line
+end; the injected usage chunk is dropped across any split; a stream that breaks ends in whole
+events and then its error."""
 
 from __future__ import annotations
 
+import itertools
+
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from proxy.sse import PARTIAL_EVENT_LIMIT, JsonUsage, ResponseEvents, SseRelay, reader_for, usage_of
+from proxy import sse
+from proxy.sse import PARTIAL_EVENT_LIMIT, EventCuts, JsonUsage, ResponseEvents, SseRelay, reader_for, usage_of
+from proxy.sseframe import data_of, last_end, split_events
 
 ROLE = b'data: {"id":"1","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
 TOKEN = b'data: {"id":"1","choices":[{"index":0,"delta":{"content":" hi"}}]}\n\n'
@@ -28,11 +36,11 @@ def test_strip_drops_only_the_usage_chunk_whatever_the_split(size: int) -> None:
 
 
 @pytest.mark.parametrize("size", [1, 13, len(STREAM)])
-def test_without_strip_every_chunk_passes_unchanged(size: int) -> None:
+def test_without_strip_the_stream_passes_unchanged_in_whole_events(size: int) -> None:
     relay = SseRelay(strip_usage=False)
-    pieces = splits(STREAM, size)
-    assert [relay.feed(c) for c in pieces] == pieces
-    assert relay.flush() == b""
+    out = [relay.feed(c) for c in splits(STREAM, size)]
+    assert b"".join(out) + relay.flush() == STREAM
+    assert all(o.endswith(b"\n\n") for o in out if o)  # a client never holds half an event
     assert relay.usage() == (7, 3)
 
 
@@ -130,3 +138,93 @@ def test_moved_fields_survive_when_the_finish_chunk_is_gone() -> None:
     out = relay.feed(LL_USAGE + DONE)
     kept = orjson.loads(out.split(b"\n\n")[0].removeprefix(b"data: "))
     assert kept == {"choices": [], "id": "1", "timings": {"draft_n": 12, "draft_n_accepted": 9, "predicted_n": 3}}
+
+
+def crlf(data: bytes) -> bytes:
+    return data.replace(b"\n", b"\r\n")
+
+
+@pytest.mark.parametrize("end", [b"\r\n", b"\r"], ids=["crlf", "cr"])
+@pytest.mark.parametrize("size", [1, 5, 64, len(STREAM) * 2])
+def test_any_line_end_frames_a_stream(end: bytes, size: int) -> None:
+    framed = STREAM.replace(b"\n", end)
+    relay = SseRelay(strip_usage=True)
+    out = b"".join(relay.feed(c) for c in splits(framed, size)) + relay.flush()
+    assert out == (ROLE + TOKEN * 3 + FINISH + DONE).replace(b"\n", end)
+    assert relay.usage() == (7, 3)
+    kept = SseRelay(strip_usage=False)
+    assert b"".join(kept.feed(c) for c in splits(framed, size)) + kept.flush() == framed
+    assert kept.usage() == (7, 3)
+    assert sse.content_events(framed) == 3 and sse.completion_tokens(framed) == 3
+
+
+@pytest.mark.parametrize("size", [1, 9, 1000])
+def test_a_chat_stream_broken_mid_event_drops_the_half_event(size: int) -> None:
+    for strip in (True, False):
+        relay = SseRelay(strip_usage=strip)
+        cut = ROLE + TOKEN + TOKEN[:20]
+        out = b"".join(relay.feed(c) for c in splits(cut, size))
+        out += relay.broken("Upstream stream broke", "upstream_disconnect")
+        events = split_events(out)
+        assert events[:2] == [ROLE, TOKEN] and events[-1] == DONE
+        assert orjson.loads(data_of(events[2]) or b"")["error"]["code"] == "upstream_disconnect"
+        assert len(events) == 4
+
+
+def test_an_event_passed_on_past_the_limit_is_closed_before_the_error() -> None:
+    relay = SseRelay(strip_usage=False)
+    blob = b"data: " + b"x" * (PARTIAL_EVENT_LIMIT + 10)
+    assert relay.feed(blob) == blob
+    assert relay.broken("broke", "upstream_disconnect").startswith(b"\n\ndata: ")
+
+
+CREATED = b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n'
+DELTA = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"a"}\n\n'
+COMPLETED = (
+    b'event: response.completed\ndata: {"type":"response.completed","response":{"id":"resp_1","object":"response",'
+    b'"usage":{"input_tokens":11,"output_tokens":4}}}\n\n'
+)
+
+
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+@pytest.mark.parametrize("size", [1, 7, 4096])
+def test_responses_events_are_counted_without_comments_in_any_framing(end: bytes, size: int) -> None:
+    body = (CREATED + b": ping\n\n" * 3 + DELTA + b":\n\n" + COMPLETED).replace(b"\n", end)
+    reader = ResponseEvents()
+    out = b"".join(reader.feed(c) for c in splits(body, size)) + reader.flush()
+    assert out == body
+    assert (reader.events, reader.usage(), reader.response_id()) == (3, (11, 4), "resp_1")
+
+
+def test_a_responses_stream_broken_mid_event_ends_with_a_whole_error_event() -> None:
+    reader = ResponseEvents()
+    cut = CREATED + b": ping\n\n" + DELTA + b'event: response.output_text.delta\ndata: {"type": "resp'
+    out = b"".join(reader.feed(c) for c in splits(cut, 11)) + reader.broken("broke", "upstream_disconnect")
+    events = [e for e in split_events(out) if data_of(e) is not None]
+    assert events[:2] == [CREATED, DELTA]
+    error = orjson.loads(data_of(events[2]) or b"")
+    assert (error["type"], error["sequence_number"], len(events)) == ("error", 2, 3)
+
+
+def test_data_of_reads_fields_as_an_event_source_does() -> None:
+    assert data_of(b"data: a\ndata:b\r\ndata\n\n") == b"a\nb\n"
+    assert data_of(b": ping\n\n") is None
+    assert data_of(b"event: x\ndatum: y\n\n") is None
+    assert data_of(b"id: 1\rdata: z\r\r") == b"z"
+
+
+@given(st.lists(st.sampled_from([b"\n", b"\r", b"\r\n", b"a", b"data: x", b":"]), max_size=30))
+def test_framing_splits_any_bytes_back_into_themselves(parts: list[bytes]) -> None:
+    data = b"".join(parts)
+    events = split_events(data)
+    assert b"".join(events) == data
+    # Cut anywhere and fed in two pieces, the bytes come out as they went in, and what went out
+    # never leaves the client inside an event: past its last blank line, line ends at most.
+    ends = [0, *itertools.accumulate(len(e) for e in split_events(data[: last_end(data)]))]
+    for at in range(len(data) + 1):
+        cuts = EventCuts(1 << 20)
+        first = cuts.cut(data[:at])
+        both = first + cuts.cut(data[at:])
+        assert both + cuts.rest() == data
+        for sent in (first, both):
+            assert not sent[max(e for e in ends if e <= len(sent)) :].strip(b"\r\n"), sent
