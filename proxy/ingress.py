@@ -25,7 +25,6 @@ from .errors import ApiError
 from .gate import Gate
 from .kinds import CLASSED, Endpoint
 from .metrics import code_class
-from .policy import LEARNING
 from .relay import RelayResponse
 from .tokens import prompt_estimate
 from .tracing import RequestTrace
@@ -37,6 +36,9 @@ _EXACT: dict[str, Endpoint] = {
     GENERATE_PATH: "generate",
 }
 _JSON_TYPES = (b"application/json",)
+# The request headers specgate decides by: each must come once (a repeated one is refused, 400).
+OWN_HEADERS = frozenset({b"x-specgate-priority", b"x-specgate-class", b"x-session-id"})
+_TRACE_CONTEXT = (b"traceparent", b"tracestate")
 
 
 class _ClientGone(Exception):
@@ -50,14 +52,23 @@ def endpoint_of(path: str) -> Endpoint:
 async def handle(gate: Gate, scope: Scope, receive: Receive, send: Send) -> None:
     started = asyncio.get_running_loop().time()
     headers: dict[bytes, bytes] = {}
+    repeated: set[bytes] | None = None
     for k, v in scope["headers"]:
-        headers.setdefault(k.lower(), v)
+        k = k.lower()
+        if k in headers:
+            repeated = {k} if repeated is None else repeated | {k}
+        else:
+            headers[k] = v
+    if repeated is not None and b"traceparent" in repeated:
+        # Two trace contexts are none (W3C Trace Context): neither is continued nor forwarded.
+        del headers[b"traceparent"]
+        headers.pop(b"tracestate", None)
     request_id = request_id_of(headers.get(b"x-request-id"))
     path: str = scope["path"]
     endpoint = endpoint_of(path)
     trace = None if gate.tracing is None else gate.tracing.request(scope["method"], path, headers, request_id)
     try:
-        call = await _accept(gate, scope, receive, headers, request_id, endpoint, started, trace)
+        call = await _accept(gate, scope, receive, headers, request_id, endpoint, started, trace, repeated)
     except ApiError as err:
         if trace is not None:
             trace.end(err.status, code=err.code)
@@ -80,9 +91,14 @@ async def _accept(
     endpoint: Endpoint,
     started: float,
     trace: RequestTrace | None = None,
+    repeated: set[bytes] | None = None,
 ) -> ProxyCall:
     settings = gate.settings
     authorize(settings, headers.get(b"authorization", b""))
+    if repeated is not None and (twice := repeated & OWN_HEADERS):
+        # specgate would read one copy and the server perhaps the other.
+        shown = ", ".join(sorted(h.decode("latin-1") for h in twice))
+        raise ApiError(400, f"Send each of specgate's headers once; repeated: {shown}.", code="repeated_header")
     body = await read_body(receive, headers.get(b"content-length"), settings)
     ctype = headers.get(b"content-type", b"")
     if ctype and ctype.split(b";", 1)[0].strip().lower() not in _JSON_TYPES:
@@ -115,15 +131,12 @@ async def _accept(
     raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
     target = raw_path + b"?" + query if query else raw_path
     client = scope.get("client")
-    up_headers = gate.upstream.request_headers(
-        scope["headers"], request_id, client[0] if client else None, scope["scheme"]
-    )
-    # Only the adaptive policy pools evidence by client: no hash on every request otherwise.
-    client_id = (
-        client_key(headers.get(b"authorization", b""), client[0] if client else None)
-        if settings.policy in LEARNING
-        else ""
-    )
+    sent = scope["headers"]
+    if repeated is not None and b"traceparent" in repeated:
+        sent = [(k, v) for k, v in sent if k.lower() not in _TRACE_CONTEXT]
+    up_headers = gate.upstream.request_headers(sent, request_id, client[0] if client else None, scope["scheme"])
+    # Who sent it: the key its prompt estimates' ratio and its acceptance evidence are kept under.
+    client_id = client_key(headers.get(b"authorization", b""), client[0] if client else None)
     previous: str | None = None
     stores = False
     if endpoint == "responses":
@@ -146,7 +159,7 @@ async def _accept(
         stores,
         trace,
         prompt_estimate=estimate,
-        prompt_tokens=gate.token_ratio.scaled(estimate),
+        prompt_tokens=gate.token_ratio.scaled(estimate, client_id),
         batch=_batch(headers.get(b"x-specgate-priority")),
         affinity=(
             conversation_key(headers.get(b"x-session-id"), payload, endpoint) if settings.affinity_entries else None

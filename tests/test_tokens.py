@@ -15,7 +15,14 @@ from proxy.engines import ENGINES, BadReading
 from proxy.inflight import InflightTracker
 from proxy.policy import Role
 from proxy.servers import Server
-from proxy.tokens import CHARS_PER_TOKEN, MAX_RATIO, TEMPLATE_TOKENS_PER_MESSAGE, TokenRatio, prompt_estimate
+from proxy.tokens import (
+    CHARS_PER_TOKEN,
+    MAX_RATIO,
+    OWN_AFTER,
+    TEMPLATE_TOKENS_PER_MESSAGE,
+    TokenRatio,
+    prompt_estimate,
+)
 
 from .helpers import wait_until
 from .inprocess import Gateway, StartGateway
@@ -29,7 +36,12 @@ LONG = {"prompt": "p" * 400, "max_tokens": 120_000, "stream": True}
 
 def test_prompt_estimates_count_the_text_of_each_api() -> None:
     per = TEMPLATE_TOKENS_PER_MESSAGE
-    chat = {"messages": [{"role": "system", "content": "s" * 40}, {"role": "user", "content": [{"text": "u" * 80}]}]}
+    chat = {
+        "messages": [
+            {"role": "system", "content": "s" * 40},
+            {"role": "user", "content": [{"type": "text", "text": "u" * 80}]},
+        ]
+    }
     assert prompt_estimate(chat, "chat") == 2 * per + 120 / CHARS_PER_TOKEN
     assert prompt_estimate({"prompt": "p" * 41}, "completions") == 11  # rounded up
     assert prompt_estimate({"prompt": [1, 2, 3, 4, 5]}, "completions") == 5  # token ids are tokens
@@ -71,6 +83,55 @@ def test_the_ratio_learns_what_servers_report_within_bounds() -> None:
     ratio.learn(0, 5)
     ratio.learn(5, 0)
     assert ratio.value == before
+
+
+def test_only_what_a_chat_template_renders_is_counted() -> None:
+    per = TEMPLATE_TOKENS_PER_MESSAGE
+    plain = {"messages": [{"role": "user", "content": "u" * 40}]}
+    # Fields a template leaves out, however large, and parts that are not text: nothing.
+    padded = {"messages": [{"role": "user", "content": "u" * 40, "output": "o" * 9000, "arguments": "a" * 9000,
+                            "extra": {"text": "e" * 9000}}]}  # fmt: skip
+    assert prompt_estimate(padded, "chat") == prompt_estimate(plain, "chat") == per + 10
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "text": "i" * 9000}]}]}
+    assert prompt_estimate(image, "chat") == per
+    # An assistant's tool calls are rendered: their names and arguments count.
+    call = {"type": "function", "function": {"name": "n" * 20, "arguments": "a" * 60}}
+    assert prompt_estimate({"messages": [{"role": "assistant", "tool_calls": [call]}]}, "chat") == per + 20
+    # A Responses input by item type: a call's name and arguments, its output, a message's text.
+    items = [
+        {"type": "function_call", "name": "n" * 20, "arguments": "a" * 60, "output": "x" * 9000},
+        {"type": "function_call_output", "output": "o" * 40, "arguments": "x" * 9000},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "t" * 40}]},
+        {"type": "reasoning", "output": "x" * 9000},
+    ]
+    assert prompt_estimate({"input": items}, "responses") == 4 * per + 40
+
+
+def test_one_clients_requests_scale_its_own_estimates_and_barely_the_fleets() -> None:
+    ratio = TokenRatio()
+    for _ in range(20):
+        for honest in ("a", "b", "c"):
+            ratio.learn(100, 102, honest)
+    assert ratio.value == pytest.approx(1.02)
+    for _ in range(150):
+        ratio.learn(100, 25, "x")  # text made so that its estimate is four times the truth
+    assert ratio.of("x") == pytest.approx(0.25)
+    assert all(ratio.of(k) == pytest.approx(1.02) for k in ("a", "b", "c"))
+    assert ratio.value == pytest.approx(1.02)  # a new client's starting point did not move
+    assert ratio.scaled(100, "new") == 102
+    # A client's own ratio scales it once it has a few requests of its own.
+    ratio.learn(100, 200, "d")
+    assert ratio.scaled(100, "d") == 102
+    for _ in range(OWN_AFTER):
+        ratio.learn(100, 200, "d")
+    assert ratio.scaled(100, "d") == 200
+
+
+def test_the_clients_kept_are_bounded() -> None:
+    ratio = TokenRatio(max_clients=64)
+    for i in range(5000):
+        ratio.learn(100, 100, f"k{i}")
+    assert len(ratio) == 64
 
 
 def test_a_lease_holds_its_tokens_until_released_once() -> None:
@@ -228,6 +289,20 @@ async def test_the_estimate_is_scaled_by_what_the_servers_report(gateway: StartG
     async with gw.client.stream("POST", "/v1/completions", json={**LONG, "prompt": "\u00e9" * 400}) as r:
         await anext(r.aiter_lines())
         assert (await _tokens(gw))["speculative"] >= round(100 * ratio)
+
+
+@pytest.mark.anyio
+async def test_one_clients_text_does_not_move_another_clients_estimates(gateway: StartGateway) -> None:
+    gw = await gateway(sim={"time_scale": 1})
+    honest, other = {"authorization": "Bearer honest"}, {"authorization": "Bearer other"}
+    for _ in range(5):
+        await gw.client.post("/v1/completions", json={"prompt": "p" * 400, "max_tokens": 1}, headers=honest)
+    # Two bytes a character: the simulator counts twice the tokens this client's characters suggest.
+    for _ in range(40):
+        await gw.client.post("/v1/completions", json={"prompt": "\u00e9" * 400, "max_tokens": 1}, headers=other)
+    async with gw.client.stream("POST", "/v1/completions", json=LONG, headers=honest) as r:
+        await anext(r.aiter_lines())
+        assert 100 <= (await _tokens(gw))["speculative"] < 110  # its own ratio: about 1
 
 
 @pytest.mark.anyio
