@@ -391,7 +391,8 @@ class StepModel:
         return {
             "form": MODEL_FORM,
             "fit": {role: coef(self.fit.of(role)) for role in ROLES},
-            "prompt_tokens_measured": list(self.fit.prompt_tokens),
+            # A summary: the calibration's list may be long, and /routing shows it in every group.
+            "prompt_tokens_measured": _summary(self.fit.prompt_tokens),
             "accept_length_calibrated": self.fit.accept_length,
             "correction": {
                 role: {"k": round(c.k, 4), "observations": c.observations} for role, c in self.corrections.items()
@@ -405,3 +406,7 @@ class StepModel:
             "predictions": {role: {k: p.describe() for k, p in by.items()} for role, by in self.predictions.items()},
             "why": self.why,
         }
+
+
+def _summary(values: tuple[int, ...]) -> dict[str, int]:
+    return {"count": len(values), "min": min(values, default=0), "max": max(values, default=0)}

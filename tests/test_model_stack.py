@@ -65,3 +65,15 @@ async def test_without_a_fit_the_model_policy_is_adaptive(gateway: StartGateway,
     assert r["policy"] == "model" and "model" not in r
     # The adaptive policy's watermarks from the calibration's curves, as adaptive shows them.
     assert r["watermarks"] == {"high": 20, "low": 15} and r["adaptive"]["calibrated"]
+
+
+async def test_a_long_list_of_calibrated_prompt_sizes_is_shown_as_a_summary(
+    gateway: StartGateway, tmp_path: Path
+) -> None:
+    sizes = [7] * 399_999 + [9]  # as many as a calibration file's size cap (1 MiB) lets in
+    cal = calibration_file(tmp_path, {**MODEL, "prompt_tokens": sizes})
+    gw = await gateway(sim=SIM, calibration=cal, **FAST)
+    r = await gw.client.get("/routing")
+    shown = r.json()["model"]["prompt_tokens_measured"]
+    assert shown == {"count": 400_000, "min": 7, "max": 9}
+    assert len(r.content) < 100_000  # the list is in no group's section either
