@@ -147,8 +147,10 @@ def describe(gate: Gate) -> dict[str, Any]:
         "engine_setting": s.engine,
         "load": sum(g["load"] for g in groups),
         "inflight": tracker.total,
-        # Prompt tokens the servers reported over those estimated from request bodies (tokens.py).
+        # Prompt tokens the servers reported over those estimated from request bodies (tokens.py):
+        # the fleet's, which scales clients without a ratio of their own, and how many have one.
         "prompt_token_ratio": round(gate.token_ratio.value, 3),
+        "prompt_token_ratio_clients": len(gate.token_ratio),
         # Conversations whose server is remembered (cache affinity), the slack of its rule, and
         # how the first group weighs a stay among a role's servers (every group's under "groups").
         "affinity": {

@@ -230,7 +230,8 @@ class Metrics:
             ["server"],
             registry=r,
         )
-        # Per traffic class: labels only of the tracked classes (SPECGATE_MAX_CLASSES) and `other`;
+        # Per traffic class: labels only of the tracked classes (SPECGATE_MAX_CLASSES, and those the
+        # calibration file names) and `other`;
         # a forgotten class's series go with it.
         self.class_requests = Counter(
             "specgate_class_requests",

@@ -17,7 +17,7 @@ import orjson
 from .engines import MAX_KV_TOKENS, USAGE_FIELDS, reported_steps
 from .errors import sse_error
 from .kinds import Endpoint
-from .sseframe import data_of, last_end, split_events
+from .sseframe import data_of, has_data, last_end, split_events
 
 # The most tokens a usage may count of either kind: no request holds more than a KV pool.
 MAX_USAGE_TOKENS = MAX_KV_TOKENS
@@ -152,6 +152,11 @@ class EventCuts:
 
     def cut(self, chunk: bytes) -> bytes:
         """The whole events this piece completes (a partial one held back, or passed past the limit)."""
+        if not self._partial and chunk.endswith(b"\n\n"):
+            # The usual read: whole events (an LF ends a line whatever came before, and a second one
+            # ends the event).
+            self.open = False
+            return chunk
         data = self._partial + chunk if self._partial else chunk
         end = last_end(data)
         if end == len(data):
@@ -313,7 +318,7 @@ class ResponseEvents:
 
     def _count(self, complete: bytes) -> None:
         for event in split_events(complete):
-            if data_of(event) is not None:
+            if has_data(event):
                 self.events += 1
                 if any(mark in event for mark in _TERMINAL):
                     self._final = event

@@ -68,6 +68,15 @@ def data_of(event: bytes) -> bytes | None:
     return None if found is None else b"\n".join(found)
 
 
+def has_data(event: bytes) -> bool:
+    """Whether an event has a data field (data_of is not None), without reading it."""
+    if event.startswith(b"data"):
+        return data_of(event) is not None
+    if b"\ndata" not in event and b"\rdata" not in event:
+        return False
+    return b"\ndata:" in event or b"\rdata:" in event or data_of(event) is not None
+
+
 def ends_with_done(chunk: bytes) -> bool:
     """Whether `chunk` ends with an OpenAI stream's last event, `data: [DONE]`, framed any way."""
     if chunk.endswith(b"data: [DONE]\n\n"):

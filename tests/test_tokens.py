@@ -303,6 +303,7 @@ async def test_one_clients_text_does_not_move_another_clients_estimates(gateway:
     async with gw.client.stream("POST", "/v1/completions", json=LONG, headers=honest) as r:
         await anext(r.aiter_lines())
         assert 100 <= (await _tokens(gw))["speculative"] < 110  # its own ratio: about 1
+    assert (await gw.routing())["prompt_token_ratio_clients"] == 2
 
 
 @pytest.mark.anyio
