@@ -37,6 +37,9 @@ class ProxyCall:
     # its server (that guess scaled by what servers reported of earlier ones).
     prompt_estimate: int = 0
     prompt_tokens: int = 0
+    # Whose ratio scales that guess (tokens.TokenRatio): the client, by a key specgate checked,
+    # else by its address.
+    ratio_client: str = ""
     # x-specgate-priority: batch (the default is interactive).
     batch: bool = False
     # The key its conversation is remembered by (affinity.conversation_key); None: none.

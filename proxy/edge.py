@@ -34,7 +34,8 @@ Per request this costs a clock read: one timer per connection is moved on only w
 from __future__ import annotations
 
 import asyncio
-import functools
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -101,6 +102,18 @@ class Limits:
                 "upgrade_not_supported",
             ),
         )
+
+
+def _aborter(ref: weakref.ReferenceType[RequestResponseCycle]) -> Callable[[], None]:
+    def abort() -> None:
+        """Cut the connection under a response that cannot be completed. The cycle counts as
+        disconnected: later writes go nowhere, and uvicorn logs nothing of it (the app has)."""
+        cycle = ref()
+        if cycle is not None:
+            cycle.disconnected = True
+            cycle.transport.close()
+
+    return abort
 
 
 def edge_protocol(header_timeout_s: float, max_connections: int) -> type[HttpToolsProtocol]:
@@ -194,8 +207,10 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None:
-            # Bound to this request's cycle: a pipelined request may have the protocol's next.
-            abort: Any = functools.partial(self._abort, cycle)
+            # Bound to this request's cycle (a pipelined request may have the protocol's next), by a
+            # weak reference: held in the cycle's own scope, a strong one would be a reference loop
+            # that only the garbage collector frees, for every request.
+            abort: Any = _aborter(weakref.ref(cycle))
             cycle.scope["extensions"] = {ABORT: abort}
 
     def on_body(self, body: bytes) -> None:
@@ -205,12 +220,6 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         if not self._answered:
             super().on_message_complete()
-
-    def _abort(self, cycle: RequestResponseCycle) -> None:
-        """Cut the connection under a response that cannot be completed. The cycle counts as
-        disconnected: later writes go nowhere, and uvicorn logs nothing of it (the app has)."""
-        cycle.disconnected = True
-        self.transport.close()
 
     # uvicorn's upgrade handling, turned off (see the module's docstring)
     def _should_upgrade(self) -> bool:

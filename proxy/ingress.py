@@ -100,24 +100,7 @@ async def _accept(
         shown = ", ".join(sorted(h.decode("latin-1") for h in twice))
         raise ApiError(400, f"Send each of specgate's headers once; repeated: {shown}.", code="repeated_header")
     body = await read_body(receive, headers.get(b"content-length"), settings)
-    ctype = headers.get(b"content-type", b"")
-    if ctype and ctype.split(b";", 1)[0].strip().lower() not in _JSON_TYPES:
-        shown = ctype[:100].decode("latin-1")
-        raise ApiError(415, f"Content-Type must be application/json, got {shown!r}.", code="unsupported_media_type")
-    encoding = headers.get(b"content-encoding", b"").strip().lower()
-    if encoding and encoding != b"identity":
-        # specgate reads the body (JSON) and the server would decode it again: an encoded body
-        # fails here, and a plain one labelled encoded fails there. Neither is forwarded.
-        shown = encoding[:50].decode("latin-1")
-        raise ApiError(
-            415, f"Request bodies must not be encoded (Content-Encoding: {shown!r}).", code="unsupported_media_type"
-        )
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"The body is not valid JSON: {exc.msg}.", code="invalid_json") from None
-    if not isinstance(payload, dict):
-        raise ApiError(400, "The body must be a JSON object.", code="invalid_json")
+    payload = _json_object(body, headers)
     if trace is not None:
         trace.model(payload.get("model"))
     # Fields specgate need not understand go on as sent, for the server to judge: a `stream` that is
@@ -134,9 +117,13 @@ async def _accept(
     sent = scope["headers"]
     if repeated is not None and b"traceparent" in repeated:
         sent = [(k, v) for k, v in sent if k.lower() not in _TRACE_CONTEXT]
-    up_headers = gate.upstream.request_headers(sent, request_id, client[0] if client else None, scope["scheme"])
-    # Who sent it: the key its prompt estimates' ratio and its acceptance evidence are kept under.
-    client_id = client_key(headers.get(b"authorization", b""), client[0] if client else None)
+    peer = client[0] if client else None
+    up_headers = gate.upstream.request_headers(sent, request_id, peer, scope["scheme"])
+    # Who sent it: the key its acceptance evidence is pooled under, and its prompt ratio's. The
+    # ratio's votes count clients, so a bearer token counts only where specgate checked it: else
+    # one client could be as many as the tokens it makes up.
+    client_id = client_key(headers.get(b"authorization", b""), peer)
+    ratio_client = client_id if settings.api_keys else client_key(b"", peer)
     previous: str | None = None
     stores = False
     if endpoint == "responses":
@@ -159,7 +146,8 @@ async def _accept(
         stores,
         trace,
         prompt_estimate=estimate,
-        prompt_tokens=gate.token_ratio.scaled(estimate, client_id),
+        prompt_tokens=gate.token_ratio.scaled(estimate, ratio_client),
+        ratio_client=ratio_client,
         batch=_batch(headers.get(b"x-specgate-priority")),
         affinity=(
             conversation_key(headers.get(b"x-session-id"), payload, endpoint) if settings.affinity_entries else None
@@ -170,6 +158,29 @@ async def _accept(
             else None
         ),
     )
+
+
+def _json_object(body: bytes, headers: dict[bytes, bytes]) -> dict[str, Any]:
+    """The request body as a JSON object, or the error that says why it is not one."""
+    ctype = headers.get(b"content-type", b"")
+    if ctype and ctype.split(b";", 1)[0].strip().lower() not in _JSON_TYPES:
+        shown = ctype[:100].decode("latin-1")
+        raise ApiError(415, f"Content-Type must be application/json, got {shown!r}.", code="unsupported_media_type")
+    encoding = headers.get(b"content-encoding", b"").strip().lower()
+    if encoding and encoding != b"identity":
+        # specgate reads the body (JSON) and the server would decode it again: an encoded body
+        # fails here, and a plain one labelled encoded fails there. Neither is forwarded.
+        shown = encoding[:50].decode("latin-1")
+        raise ApiError(
+            415, f"Request bodies must not be encoded (Content-Encoding: {shown!r}).", code="unsupported_media_type"
+        )
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"The body is not valid JSON: {exc.msg}.", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise ApiError(400, "The body must be a JSON object.", code="invalid_json")
+    return payload
 
 
 def _batch(priority: bytes | None) -> bool:

@@ -1,4 +1,5 @@
-"""Relaying one request: route, send upstream, pass the response through byte for byte, release.
+"""Relaying one request: route, send upstream, pass the response through (its bytes unchanged, an
+event stream in whole events), release.
 
 The relay is a raw ASGI response so that every exit path is in one place: the lease is taken and
 released inside `RelayResponse.__call__`, and a watcher on `receive()` cancels the relay the moment
@@ -292,7 +293,7 @@ class _Relay:
         if usage is not None and call.previous is None:
             # A continuation's estimate is of its new input alone, its usage of the whole stored
             # conversation: it would teach every estimate the conversation's length.
-            gate.token_ratio.learn(call.prompt_estimate, usage[0], call.client)
+            gate.token_ratio.learn(call.prompt_estimate, usage[0], call.ratio_client)
         if call.stores and up.status == 200 and (made := reader.response_id()) is not None:
             gate.stored.remember(made, lease.server)
         await self._last(out + tail if tail else out)

@@ -17,7 +17,7 @@ import orjson
 from .engines import MAX_KV_TOKENS, USAGE_FIELDS, reported_steps
 from .errors import sse_error
 from .kinds import Endpoint
-from .sseframe import data_of, has_data, last_end, split_events
+from .sseframe import data_of, first_end, has_data, last_end, split_events
 
 # The most tokens a usage may count of either kind: no request holds more than a KV pool.
 MAX_USAGE_TOKENS = MAX_KV_TOKENS
@@ -140,52 +140,87 @@ class EventCuts:
     a partial trailing event waits for its end, and a stream that breaks drops it rather than
     leave half an event for the client's decoder to read as one (the error event after it would
     be lost with it). An event longer than `limit` goes on as it is: a stream with no blank line
-    for that long is not SSE as servers write it, and holding it would hold the stream."""
+    for that long is not SSE as servers write it, and holding it would hold the stream. A held
+    event's pieces are kept apart and only each new piece is searched, so a large event costs
+    its size once, not once a read."""
 
-    __slots__ = ("_limit", "_partial", "open")
+    __slots__ = ("_limit", "_parts", "_size", "_tail", "continued", "open", "unended")
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
-        self._partial = b""
-        # The client holds an event passed on unended (past `limit`).
+        self._parts: list[bytes] = []
+        self._size = 0
+        # The client holds an event passed on unended (past `limit`), which ended with `_tail`.
         self.open = False
+        self._tail = b""
+        # Of what `cut` returned last: the bytes at its start that end an event passed on unended
+        # before, and those at its end of an event now passed on unended (a reader counting events
+        # counts each once).
+        self.continued = 0
+        self.unended = 0
 
     def cut(self, chunk: bytes) -> bytes:
         """The whole events this piece completes (a partial one held back, or passed past the limit)."""
-        if not self._partial and chunk.endswith(b"\n\n"):
-            # The usual read: whole events (an LF ends a line whatever came before, and a second one
-            # ends the event).
-            self.open = False
+        self.continued = self.unended = 0
+        if self._parts:
+            # A blank line is at most 4 bytes: 3 held ones and the new piece tell whether it ended.
+            look = b"".join(self._parts[-3:])[-3:]
+            found = last_end(look + chunk)
+            if not found:
+                self._hold(chunk)
+                return self._overflow(b"")
+            data, end = b"".join(self._parts) + chunk, self._size - len(look) + found
+            self._parts, self._size = [], 0
+        elif self.open:
+            found = last_end(self._tail + chunk)
+            if not found:
+                # More of the event passed on unended: holding it helps no one.
+                self._tail = (self._tail + chunk)[-3:]
+                self.continued = len(chunk)
+                return chunk
+            data, end = chunk, found - len(self._tail)
+            self.continued = max(first_end(self._tail + chunk) - len(self._tail), 0)
+            self.open, self._tail = False, b""
+        elif chunk.endswith((b"\n\n", b"\n\r\n")):
+            # The usual read: whole events (an LF ends a line whatever came before, and a line end
+            # after it ends the event).
             return chunk
-        data = self._partial + chunk if self._partial else chunk
-        end = last_end(data)
+        else:
+            data, end = chunk, last_end(chunk)
         if end == len(data):
-            self._partial = b""
-            if data:
-                self.open = False
             return data
-        if end == 0 and self.open:
-            return data  # more of the event passed on unended: holding it helps no one
-        complete, rest = data[:end], data[end:]
-        if complete:
-            self.open = False
-        if len(rest) > self._limit:
-            self._partial = b""
-            self.open = True
-            return complete + rest
-        self._partial = rest
-        return complete
+        complete, rest = data[: max(end, 0)], data[max(end, 0) :]
+        self._hold(rest)
+        return self._overflow(complete)
+
+    def _hold(self, part: bytes) -> None:
+        self._parts.append(part)
+        self._size += len(part)
+
+    def _overflow(self, complete: bytes) -> bytes:
+        """`complete`, and the held event too once it passed the limit."""
+        if self._size <= self._limit:
+            return complete
+        rest = b"".join(self._parts)
+        self._parts, self._size = [], 0
+        self.open, self._tail = True, rest[-3:]
+        self.unended = len(rest)
+        return complete + rest
 
     def rest(self) -> bytes:
         """What is held at the body's end: a last event without its blank line, passed on."""
-        out, self._partial = self._partial, b""
+        out = b"".join(self._parts)
+        self._parts, self._size = [], 0
         return out
 
     def cut_short(self) -> bytes:
         """What ends the client's copy before an error event when the stream broke: the held
         partial event is dropped, and an event passed on unended is closed."""
-        self._partial = b""
-        return b"\n\n" if self.open else b""
+        self._parts, self._size = [], 0
+        if not self.open:
+            return b""
+        self.open = False
+        return b"\n\n"
 
 
 class SseRelay:
@@ -311,13 +346,20 @@ class ResponseEvents:
         self.events = 0
 
     def feed(self, chunk: bytes) -> bytes:
-        complete = self._cuts.cut(chunk)
-        if complete and not self._cuts.open:
-            self._count(complete)
-        return complete
+        cuts = self._cuts
+        out = cuts.cut(chunk)
+        if out:
+            # An event passed on unended counts as one as it goes on (none but a server's output is
+            # that long; its data line may not have come yet), and not again as it ends.
+            start, end = cuts.continued, len(out) - cuts.unended
+            if end > start:
+                self._count(split_events(out[start:end]))
+            if cuts.unended:
+                self.events += 1
+        return out
 
-    def _count(self, complete: bytes) -> None:
-        for event in split_events(complete):
+    def _count(self, events: list[bytes]) -> None:
+        for event in events:
             if has_data(event):
                 self.events += 1
                 if any(mark in event for mark in _TERMINAL):
@@ -326,7 +368,7 @@ class ResponseEvents:
     def flush(self) -> bytes:
         rest = self._cuts.rest()
         if rest:
-            self._count(rest)  # a last event without its blank line
+            self._count([rest])  # a last event without its blank line
         return rest
 
     def _response(self) -> Any:

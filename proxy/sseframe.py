@@ -1,7 +1,7 @@
 """Server-sent events' framing: where an event ends and what its data is, whichever line ends the
 server writes. The SSE standard allows CRLF, CR and LF, and servers use each (sse-starlette writes
-CRLF by default); an event ends at a blank line. Pure functions over bytes, shared by every reader
-of an event stream (sse.py, the shadow prober, the load tester).
+CRLF by default); an event ends at a blank line. Pure functions over bytes, shared by specgate's
+readers of an event stream (sse.py, and through it the shadow prober).
 
 Most engines write LF alone: each function takes the plain `bytes` path unless a CR is present, a
 single memchr, so the relay's hot path pays nothing for the other framings.
@@ -28,6 +28,15 @@ def last_end(data: bytes) -> int:
     for m in _BLANK_LINE.finditer(data):
         end = m.end()
     return end
+
+
+def first_end(data: bytes) -> int:
+    """Where the first complete event in `data` ends, or 0 if none does."""
+    if b"\r" not in data:
+        at = data.find(_LF_BLANK)
+        return at + 2 if at >= 0 else 0
+    m = _BLANK_LINE.search(data)
+    return m.end() if m is not None else 0
 
 
 def split_events(data: bytes) -> list[bytes]:
@@ -81,4 +90,4 @@ def ends_with_done(chunk: bytes) -> bool:
     """Whether `chunk` ends with an OpenAI stream's last event, `data: [DONE]`, framed any way."""
     if chunk.endswith(b"data: [DONE]\n\n"):
         return True
-    return chunk.endswith((b"\r\n\r\n", b"\r\r")) and chunk.rstrip(b"\r\n").endswith(b"data: [DONE]")
+    return chunk.endswith((b"\r\n\r\n", b"\r\r")) and chunk[-32:].rstrip(b"\r\n").endswith(b"data: [DONE]")

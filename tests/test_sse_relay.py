@@ -222,9 +222,39 @@ def test_framing_splits_any_bytes_back_into_themselves(parts: list[bytes]) -> No
     # never leaves the client inside an event: past its last blank line, line ends at most.
     ends = [0, *itertools.accumulate(len(e) for e in split_events(data[: last_end(data)]))]
     for at in range(len(data) + 1):
-        cuts = EventCuts(1 << 20)
-        first = cuts.cut(data[:at])
-        both = first + cuts.cut(data[at:])
-        assert both + cuts.rest() == data
-        for sent in (first, both):
-            assert not sent[max(e for e in ends if e <= len(sent)) :].strip(b"\r\n"), sent
+        for then in range(at, len(data) + 1, 3):
+            cuts = EventCuts(1 << 20)
+            sent = [cuts.cut(data[:at])]
+            sent.append(sent[-1] + cuts.cut(data[at:then]))
+            sent.append(sent[-1] + cuts.cut(data[then:]))
+            assert sent[-1] + cuts.rest() == data
+            for out in sent:
+                assert not out[max(e for e in ends if e <= len(out)) :].strip(b"\r\n"), out
+
+
+def test_events_past_the_hold_limit_are_still_counted_once() -> None:
+    reader = ResponseEvents()
+    reader._cuts = EventCuts(50)
+    big = b"event: response.output_text.delta\ndata: " + b"x" * 120 + b"\n\n"
+    body = CREATED + big + DELTA + COMPLETED
+    out = b"".join(reader.feed(c) for c in splits(body, 40)) + reader.flush()
+    assert out == body and reader.events == 4
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 90), st.sampled_from([b"\n", b"\r\n", b"\r"]), st.booleans()), max_size=8),
+    st.integers(1, 40),
+    st.integers(8, 64),
+)
+def test_responses_events_are_counted_once_whatever_the_reads_and_the_hold_limit(
+    events: list[tuple[int, bytes, bool]], size: int, limit: int
+) -> None:
+    body = b"".join(
+        (b"event: e\ndata: " + b"x" * n + b"\n\n" if data else b": p\n\n").replace(b"\n", end)
+        for n, end, data in events
+    )
+    reader = ResponseEvents()
+    reader._cuts = EventCuts(limit)
+    out = b"".join(reader.feed(c) for c in splits(body, size)) + reader.flush()
+    assert out == body
+    assert reader.events == sum(data for _, _, data in events)

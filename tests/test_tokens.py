@@ -293,7 +293,7 @@ async def test_the_estimate_is_scaled_by_what_the_servers_report(gateway: StartG
 
 @pytest.mark.anyio
 async def test_one_clients_text_does_not_move_another_clients_estimates(gateway: StartGateway) -> None:
-    gw = await gateway(sim={"time_scale": 1})
+    gw = await gateway(sim={"time_scale": 1}, api_keys=("honest", "other"))
     honest, other = {"authorization": "Bearer honest"}, {"authorization": "Bearer other"}
     for _ in range(5):
         await gw.client.post("/v1/completions", json={"prompt": "p" * 400, "max_tokens": 1}, headers=honest)
@@ -304,6 +304,15 @@ async def test_one_clients_text_does_not_move_another_clients_estimates(gateway:
         await anext(r.aiter_lines())
         assert 100 <= (await _tokens(gw))["speculative"] < 110  # its own ratio: about 1
     assert (await gw.routing())["prompt_token_ratio_clients"] == 2
+
+
+@pytest.mark.anyio
+async def test_keys_nobody_checks_do_not_make_one_client_many(gateway: StartGateway) -> None:
+    gw = await gateway(sim={"time_scale": 1})
+    for i in range(8):
+        headers = {"authorization": f"Bearer made-up-{i}"}
+        await gw.client.post("/v1/completions", json={"prompt": "p" * 40, "max_tokens": 1}, headers=headers)
+    assert (await gw.routing())["prompt_token_ratio_clients"] == 1  # one address, one vote
 
 
 @pytest.mark.anyio
