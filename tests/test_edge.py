@@ -4,19 +4,25 @@ open, and who may read /routing and /metrics. Raw sockets: these are about frami
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import select
 import socket
 import time
+from typing import Any
 
 import httpx
 import orjson
+import uvicorn
 import uvloop
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from loadtest.procs import http_status
 from loadtest.slowloris import format_report, run_slowloris
+from proxy.edge import edge_protocol
 
 from .conftest import StartStack
-from .helpers import scrape, wait_for
+from .helpers import scrape, wait_for, wait_until
 
 
 def _port(url: str) -> int:
@@ -152,3 +158,36 @@ def test_slowloris_scenario_runs() -> None:
     assert report.rejections["header_timeout"] >= 110
     assert quiet.errors == attack.errors == recovery.errors == 0
     assert "under attack" in format_report(report)
+
+
+def test_a_finished_request_is_freed_without_the_garbage_collector() -> None:
+    """The protocol hands each request an abort (edge.ABORT) in its scope: held there, it must not
+    make the request a reference loop that only the collector frees, on every request."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def serve() -> int:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, http=edge_protocol(10, 100), lifespan="off")
+        server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve())
+        await wait_until(lambda: server.started)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(50):
+                writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                await reader.readuntil(b"ok")
+            live = sum(isinstance(o, RequestResponseCycle) for o in gc.get_objects())
+        finally:
+            gc.enable()
+            writer.close()
+            server.should_exit = True
+            await task
+        return live
+
+    assert asyncio.run(serve()) <= 1  # the connection's current request, at most
