@@ -325,10 +325,6 @@ def _blank_line(event: bytes) -> bytes:
     return event[len(event.rstrip(b"\r\n")) :] or b"\n\n"
 
 
-# A Responses stream's last event: its whole response, with usage (whichever way it ended).
-_TERMINAL = (b"response.completed", b"response.incomplete", b"response.failed")
-
-
 class ResponseEvents:
     """A Responses API stream (`event: <type>` / `data: {...}` pairs, numbered by `sequence_number`,
     no `[DONE]`), passed through whole event by whole event (EventCuts). Its events are told apart as
@@ -360,9 +356,10 @@ class ResponseEvents:
 
     def _count(self, events: list[bytes]) -> None:
         for event in events:
-            if has_data(event):
+            if b"\ndata:" in event or has_data(event):
                 self.events += 1
-                if any(mark in event for mark in _TERMINAL):
+                # The last event, its whole response with usage (whichever way it ended).
+                if b"response.completed" in event or b"response.incomplete" in event or b"response.failed" in event:
                     self._final = event
 
     def flush(self) -> bytes:
