@@ -144,12 +144,14 @@ class EventCuts:
     event's pieces are kept apart and only each new piece is searched, so a large event costs
     its size once, not once a read."""
 
-    __slots__ = ("_limit", "_parts", "_size", "_tail", "continued", "open", "unended")
+    __slots__ = ("_limit", "_look", "_parts", "_size", "_tail", "continued", "open", "unended")
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._parts: list[bytes] = []
         self._size = 0
+        # The held bytes' last 3 (a blank line is at most 4 bytes: these and the next piece tell).
+        self._look = b""
         # The client holds an event passed on unended (past `limit`), which ended with `_tail`.
         self.open = False
         self._tail = b""
@@ -163,14 +165,13 @@ class EventCuts:
         """The whole events this piece completes (a partial one held back, or passed past the limit)."""
         self.continued = self.unended = 0
         if self._parts:
-            # A blank line is at most 4 bytes: 3 held ones and the new piece tell whether it ended.
-            look = b"".join(self._parts[-3:])[-3:]
+            look = self._look
             found = last_end(look + chunk)
             if not found:
                 self._hold(chunk)
                 return self._overflow(b"")
             data, end = b"".join(self._parts) + chunk, self._size - len(look) + found
-            self._parts, self._size = [], 0
+            self._parts, self._size, self._look = [], 0, b""
         elif self.open:
             found = last_end(self._tail + chunk)
             if not found:
@@ -196,13 +197,14 @@ class EventCuts:
     def _hold(self, part: bytes) -> None:
         self._parts.append(part)
         self._size += len(part)
+        self._look = (self._look + part)[-3:]
 
     def _overflow(self, complete: bytes) -> bytes:
         """`complete`, and the held event too once it passed the limit."""
         if self._size <= self._limit:
             return complete
         rest = b"".join(self._parts)
-        self._parts, self._size = [], 0
+        self._parts, self._size, self._look = [], 0, b""
         self.open, self._tail = True, rest[-3:]
         self.unended = len(rest)
         return complete + rest
@@ -210,13 +212,13 @@ class EventCuts:
     def rest(self) -> bytes:
         """What is held at the body's end: a last event without its blank line, passed on."""
         out = b"".join(self._parts)
-        self._parts, self._size = [], 0
+        self._parts, self._size, self._look = [], 0, b""
         return out
 
     def cut_short(self) -> bytes:
         """What ends the client's copy before an error event when the stream broke: the held
         partial event is dropped, and an event passed on unended is closed."""
-        self._parts, self._size = [], 0
+        self._parts, self._size, self._look = [], 0, b""
         if not self.open:
             return b""
         self.open = False
@@ -256,6 +258,8 @@ class SseRelay:
 
     def flush(self) -> bytes:
         rest, self._held = self._held + self._cuts.rest(), b""
+        if _USAGE_MARK in rest:  # a usage chunk last, without its blank line (or [DONE] after it)
+            rest = self._scan(rest)
         return rest
 
     def _scan(self, complete: bytes) -> bytes:
@@ -279,16 +283,20 @@ class SseRelay:
         extra = {k: v for k, v in obj.items() if k not in _ENVELOPE and v is not None}
         if not extra:
             return
-        for i in range(len(kept) - 1, -1, -1):
-            if kept[i].startswith(b"data:") and _FINISH_MARK in kept[i]:
-                prev = _json(data_of(kept[i]))
-                if isinstance(prev, dict):
-                    prev.update({k: v for k, v in extra.items() if k not in prev})
-                    kept[i] = b"data: " + orjson.dumps(prev) + _blank_line(kept[i])
-                    return
-                break
-        # The finish event is gone already: the rest of the chunk goes on without the usage.
-        kept.append(b"data: " + orjson.dumps({k: v for k, v in obj.items() if k != "usage"}) + _blank_line(event))
+        try:
+            for i in range(len(kept) - 1, -1, -1):
+                if kept[i].startswith(b"data:") and _FINISH_MARK in kept[i]:
+                    prev = _json(data_of(kept[i]))
+                    if isinstance(prev, dict):
+                        prev.update({k: v for k, v in extra.items() if k not in prev})
+                        kept[i] = b"data: " + orjson.dumps(prev) + _blank_line(kept[i])
+                        return
+                    break
+            # The finish event is gone already: the rest of the chunk goes on without the usage.
+            rest = orjson.dumps({k: v for k, v in obj.items() if k != "usage"})
+            kept.append(b"data: " + rest + _blank_line(event))
+        except orjson.JSONEncodeError:
+            pass  # nested past what orjson writes (it reads deeper): the chunk is dropped whole
 
     def usage(self) -> tuple[int, int] | None:
         return usage_of(self._usage_obj())

@@ -258,3 +258,23 @@ def test_responses_events_are_counted_once_whatever_the_reads_and_the_hold_limit
     out = b"".join(reader.feed(c) for c in splits(body, size)) + reader.flush()
     assert out == body
     assert reader.events == sum(data for _, _, data in events)
+
+
+def test_a_usage_chunk_specgate_cannot_rewrite_is_dropped_whole() -> None:
+    deep = b"[" * 300 + b"]" * 300  # orjson reads 1,024 levels, writes 254
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2},"x":%s}\n\n' % deep
+    for before in (b"", LL_FINISH):
+        relay = SseRelay(strip_usage=True)
+        out = relay.feed(ROLE + before + usage + DONE) + relay.flush()
+        assert out == ROLE + before + DONE and relay.usage() == (1, 2)
+
+
+def test_a_usage_chunk_last_without_its_end_is_read_and_dropped() -> None:
+    relay = SseRelay(strip_usage=True)
+    out = relay.feed(ROLE + FINISH + USAGE.rstrip(b"\n")) + relay.flush()
+    assert out == ROLE + FINISH and relay.usage() == (7, 3)
+
+
+def test_empty_reads_do_not_hide_an_events_end() -> None:
+    cuts = EventCuts(1 << 20)
+    assert [cuts.cut(c) for c in (b"data: x\n", b"", b"", b"", b"\n")] == [b"", b"", b"", b"", b"data: x\n\n"]
