@@ -1,7 +1,7 @@
 """Pure per-class summaries of request results: latency percentiles, throughput, goodput under SLOs,
 prefix-cache hit rate and prompt length, one `ClassSummary` per traffic class (workload.py).
 
-Windows as in stats.py: latencies and shares of the requests that started inside [t0, t1],
+Windows as in stats.py (measures.py): latencies and shares of the requests that started inside [t0, t1],
 throughput (tokens, goodput) of what happened inside it.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .client import RequestResult
-from .stats import mean, percentile, ratio, tokens_in_window
+from .measures import mean, percentile, ratio, tokens_in_window
 
 
 @dataclass(frozen=True)

@@ -54,10 +54,10 @@ import orjson
 import uvloop
 
 from . import decisions
+from .measures import percentile
 from .procs import Proc, free_port, http_status, start
 from .rawclient import Exchange, RawClient, post
 from .report import write_json
-from .stats import percentile
 
 MODEL = "sim"
 # LiteLLM's proxy refuses to start without a master key; clients then send it.

@@ -41,9 +41,9 @@ import uvloop
 from proxy import promtext
 
 from .kit.settings import specgate_env
+from .measures import percentile
 from .procs import Proc, free_port, simulator_args, start
 from .rawclient import RawClient, post
-from .stats import percentile
 
 PHASES = ("quiet", "attack", "recovery")
 # The attacker's counters, in its shared array.

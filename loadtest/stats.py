@@ -12,33 +12,10 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from .classes import ClassSummary
 from .client import RequestResult
-
-if TYPE_CHECKING:  # classes.py builds on this module's helpers
-    from .classes import ClassSummary
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]; NaN when empty."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def ratio(a: float, b: float) -> float:
-    """a / b; NaN where b is not positive or a unknown."""
-    return a / b if b > 0 and not math.isnan(a) else math.nan
-
-
-def mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
-
+from .measures import mean, percentile, tokens_in_window
 
 # Good requests a level needs, unless --min-requests says otherwise.
 DEFAULT_MIN_REQUESTS = 10
@@ -59,14 +36,6 @@ def min_ok_requests(concurrency: int, min_requests: int = DEFAULT_MIN_REQUESTS) 
     if min_requests <= 0:
         return 0
     return max(min_requests, math.ceil(concurrency / 2))
-
-
-def tokens_in_window(r: RequestResult, t0: float, t1: float) -> float:
-    """The request's output tokens produced inside [t0, t1], spread evenly over its text chunks."""
-    if not r.ok or not r.chunk_times:
-        return 0.0
-    inside = sum(1 for t in r.chunk_times if t0 <= t <= t1)
-    return r.output_tokens * inside / len(r.chunk_times)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from loadtest.client import RequestResult
-from loadtest.stats import DEFAULT_MIN_REQUESTS, min_ok_requests, percentile, summarize, tokens_in_window
+from loadtest.measures import percentile, tokens_in_window
+from loadtest.stats import DEFAULT_MIN_REQUESTS, min_ok_requests, summarize
 
 
 def result(started: float, chunk_times: list[float], tokens: int, backend: str = "speculative",

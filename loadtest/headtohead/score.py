@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from ..classes import ClassSummary
 from ..kit.sampling import CpuUse
-from ..stats import LevelStats, ratio
+from ..measures import ratio
+from ..stats import LevelStats
 
 # Two targets' goodput within this share of each other: a tie, neither wins.
 TIE = 0.05

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..stats import percentile
+from ..measures import percentile
 from .measures import group_loads, nearest
 from .plan import Server
 from .run import GateSample, ServerSample

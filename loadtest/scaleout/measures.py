@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-from ..stats import ratio
+from ..measures import ratio
 from .plan import BUSY_MIN, Server
 from .run import GateSample, ServerSample
 

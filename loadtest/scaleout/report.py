@@ -6,8 +6,8 @@ import math
 from collections.abc import Mapping, Sequence
 
 from ..kit.sampling import CpuUse
+from ..measures import ratio
 from ..report import fmt, target_verdict
-from ..stats import ratio
 from .drift import Drift
 from .plan import (
     CONFIGS,

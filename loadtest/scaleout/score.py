@@ -6,7 +6,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..stats import LevelStats, ratio, summarize
+from ..measures import ratio
+from ..stats import LevelStats, summarize
 from .drift import Drift, drift_of, replica_rounds
 from .measures import (
     aligned_inflight,

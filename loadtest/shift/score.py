@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from ..client import RequestResult
 from ..kit.sampling import CpuUse
-from ..stats import LevelStats, ratio, summarize
+from ..measures import ratio
+from ..stats import LevelStats, summarize
 from .plan import RATIO_TARGET, SPECGATES, TIE, ShiftPlan
 from .run import Capture, RoutingSample
 
