@@ -170,7 +170,7 @@ class ClassBook:
         else `other` unless its traffic earns it a place now."""
         s = self.stats.get(name)
         if s is None:
-            if name != OTHER and name not in self.priors and self._placed() >= self.max_classes:
+            if name != OTHER and name not in self.priors and len(self._placed()) >= self.max_classes:
                 s = self._admitted(name, now)
                 if s is None:
                     name = OTHER
@@ -189,9 +189,9 @@ class ClassBook:
         self.stats[name] = s
         return s
 
-    def _placed(self) -> int:
+    def _placed(self) -> list[str]:
         """The tracked classes that hold one of SPECGATE_MAX_CLASSES' places."""
-        return sum(1 for n in self.stats if n != OTHER and n not in self.priors)
+        return [n for n in self.stats if n != OTHER and n not in self.priors]
 
     def _admitted(self, name: str, now: float) -> ClassStats | None:
         """A request of `name`, not tracked, with every place taken: counted among the candidates,
@@ -213,8 +213,7 @@ class ClassBook:
         c.own += 1.0
         for s in self.stats.values():
             s.decay(now, hl)
-        placed = (n for n in self.stats if n != OTHER and n not in self.priors)
-        gone = min(placed, key=lambda n: self.stats[n].traffic)
+        gone = min(self._placed(), key=lambda n: self.stats[n].traffic)
         if c.own <= DISPLACE_RATIO * self.stats[gone].traffic:
             return None
         del self.stats[gone], self.candidates[name]

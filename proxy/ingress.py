@@ -25,6 +25,7 @@ from .errors import ApiError
 from .gate import Gate
 from .kinds import CLASSED, Endpoint
 from .metrics import code_class
+from .policy import LEARNING
 from .relay import RelayResponse
 from .tokens import prompt_estimate
 from .tracing import RequestTrace
@@ -119,10 +120,12 @@ async def _accept(
         sent = [(k, v) for k, v in sent if k.lower() not in _TRACE_CONTEXT]
     peer = client[0] if client else None
     up_headers = gate.upstream.request_headers(sent, request_id, peer, scope["scheme"])
-    # Who sent it: the key its acceptance evidence is pooled under, and its prompt ratio's. The
-    # ratio's votes count clients, so a bearer token counts only where specgate checked it: else
-    # one client could be as many as the tokens it makes up.
-    client_id = client_key(headers.get(b"authorization", b""), peer)
+    # Who sent it: the key its acceptance evidence is pooled under (only the adaptive policies pool
+    # it: no hash on every request otherwise), and its prompt ratio's. The ratio's votes count
+    # clients, so a bearer token counts only where specgate checked it: else one client could be
+    # as many as the tokens it makes up.
+    keyed = settings.api_keys or settings.policy in LEARNING
+    client_id = client_key(headers.get(b"authorization", b""), peer) if keyed else ""
     ratio_client = client_id if settings.api_keys else client_key(b"", peer)
     previous: str | None = None
     stores = False

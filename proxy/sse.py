@@ -364,7 +364,7 @@ class ResponseEvents:
 
     def _count(self, events: list[bytes]) -> None:
         for event in events:
-            if b"\ndata:" in event or has_data(event):
+            if has_data(event):
                 self.events += 1
                 # The last event, its whole response with usage (whichever way it ended).
                 if b"response.completed" in event or b"response.incomplete" in event or b"response.failed" in event:

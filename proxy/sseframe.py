@@ -79,11 +79,9 @@ def data_of(event: bytes) -> bytes | None:
 
 def has_data(event: bytes) -> bool:
     """Whether an event has a data field (data_of is not None), without reading it."""
-    if event.startswith(b"data"):
-        return data_of(event) is not None
-    if b"\ndata" not in event and b"\rdata" not in event:
-        return False
-    return b"\ndata:" in event or b"\rdata:" in event or data_of(event) is not None
+    if b"\ndata:" in event or event.startswith(b"data:"):  # how every server writes it
+        return True
+    return b"data" in event and data_of(event) is not None
 
 
 def ends_with_done(chunk: bytes) -> bool:
