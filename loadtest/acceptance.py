@@ -1,6 +1,6 @@
 """The speculative server's acceptance length during a sweep, read from its `/metrics`.
 
-The engine is told by its metric names (proxy/engines.py, the adapters specgate itself uses):
+The engine is told by its metric names (proxy/fleet/engines.py, the adapters specgate itself uses):
 
 - SGLang exports a gauge, refreshed every 40 decode steps and frozen while idle: it is read every
   `poll_s` inside the level's measurement window and at the window's end, and the level's value is
@@ -22,8 +22,8 @@ from collections.abc import Mapping
 
 import aiohttp
 
-from proxy import promtext
-from proxy.engines import Engine, detect
+from proxy.fleet import promtext
+from proxy.fleet.engines import Engine, detect
 
 POLL_S = 1.0
 SCRAPE_TIMEOUT_S = 5.0

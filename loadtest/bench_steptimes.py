@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import aiohttp
 
-from proxy.promtext import totals
+from proxy.fleet.promtext import totals
 
 from .procs import pinned_simulator
 from .simulator.steptimes import StepTimes, load_steptimes

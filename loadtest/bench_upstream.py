@@ -5,7 +5,7 @@
 The proxy's cost is mostly its upstream client (shared/design.md), so the choice is made here by
 measurement: the same requests, from one process on uvloop, against the zero-delay simulator, by
 
-- `specgate`: proxy/upstream.py itself, the httptools connection pool specgate uses;
+- `specgate`: proxy/transport/upstream.py itself, the httptools connection pool specgate uses;
 - `aiohttp`: aiohttp.ClientSession set up as specgate had it (no cookie jar, no decompression,
   pool sized to the concurrency), reading with `content.readany()`;
 - `httpx`: httpx.AsyncClient on its own transport (httpcore), pool sized to the concurrency;
@@ -38,8 +38,8 @@ import uvloop
 from httpx_aiohttp import AiohttpTransport
 
 from proxy.config import Settings
-from proxy.engines import POOL_KEEPALIVE_S
-from proxy.upstream import Upstream
+from proxy.fleet.engines import POOL_KEEPALIVE_S
+from proxy.transport.upstream import Upstream
 
 from .procs import free_port, simulator_args, start
 from .rawclient import RawClient, post

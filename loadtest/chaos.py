@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy import promtext
+from proxy.fleet import promtext
 
 from .kit.settings import specgate_env
 from .procs import Proc, free_port, simulator_args, start

@@ -24,15 +24,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.affinity import AffinityTable, conversation_key
-from proxy.calibration import Calibration, Curve, ModelFit, StepFit
-from proxy.classes import ClassBook, class_of
 from proxy.config import Settings
-from proxy.metrics import Metrics
-from proxy.policy import Role
-from proxy.routing import Fleet
-from proxy.servers import servers_of
-from proxy.tokens import TokenRatio, prompt_estimate
+from proxy.fleet.servers import servers_of
+from proxy.observability.metrics import Metrics
+from proxy.policy.base import Role
+from proxy.policy.calibration import Calibration, Curve, ModelFit, StepFit
+from proxy.routing.affinity import AffinityTable, conversation_key
+from proxy.routing.classes import ClassBook, class_of
+from proxy.routing.router import Fleet
+from proxy.routing.tokens import TokenRatio, prompt_estimate
 
 from .simulator.profile import load_profile
 

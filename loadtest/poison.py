@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy import promtext
+from proxy.fleet import promtext
 
 from .kit.processes import calibrate_fresh_pair, calibrate_options
 from .kit.settings import specgate_env

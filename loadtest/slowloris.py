@@ -38,7 +38,7 @@ from typing import Any
 import orjson
 import uvloop
 
-from proxy import promtext
+from proxy.fleet import promtext
 
 from .kit.settings import specgate_env
 from .measures import percentile

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 
 from .app import create_app
 from .config import Settings, describe_error
-from .edge import edge_protocol
-from .logs import configure
+from .edge.protocol import edge_protocol
+from .observability.logs import configure
 
 
 def main() -> int:
@@ -44,7 +44,7 @@ def main() -> int:
         log_config=None,
         server_header=False,
         # The peer address is the client's; X-Forwarded-For is judged by SPECGATE_TRUSTED_PROXIES
-        # when the request goes upstream (proxy/upstream.py), not by uvicorn.
+        # when the request goes upstream (proxy/transport/upstream.py), not by uvicorn.
         proxy_headers=False,
         timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
         backlog=4096,

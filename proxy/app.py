@@ -16,24 +16,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import access, admin, ingress
-from .affinity import AffinityTable
-from .classes import ClassBook
 from .config import Settings, redact_url
-from .edge import METRICS_KEY
-from .engines import POOL_KEEPALIVE_S
+from .edge import access, ingress
+from .edge.paths import Routes, Verdict, path_problem
+from .edge.protocol import METRICS_KEY
 from .errors import ApiError
+from .fleet.engines import POOL_KEEPALIVE_S
+from .fleet.servers import servers_of
 from .gate import Gate
-from .health import HealthMonitor
-from .metrics import Metrics, code_class
-from .paths import Routes, Verdict, path_problem
-from .policy import LEARNING, Role
-from .probe import Prober
-from .routing import Fleet
-from .servers import servers_of
-from .stored import StoredResponses
-from .tracing import Tracing
-from .upstream import Upstream
+from .observability import admin
+from .observability.metrics import Metrics, code_class
+from .observability.tracing import Tracing
+from .policy.base import LEARNING, Role
+from .relay.shadow import Prober
+from .relay.stored import StoredResponses
+from .routing.affinity import AffinityTable
+from .routing.classes import ClassBook
+from .routing.router import Fleet
+from .transport.health import HealthMonitor
+from .transport.upstream import Upstream
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -45,7 +46,7 @@ log = logging.getLogger("specgate")
 async def running(settings: Settings, tracer_provider: TracerProvider | None = None) -> AsyncIterator[Gate]:
     """Every resource of a running gateway, built once, in dependency order, each part given what it
     needs (no callbacks patched on later), and closed on exit. Traces go to `tracer_provider` when
-    one is handed in (tests), else where the `OTEL_*` variables say (proxy/tracing.py), if anywhere."""
+    one is handed in (tests), else where the `OTEL_*` variables say (proxy/observability/tracing.py), if anywhere."""
     topology = settings.routing_topology()
     servers = servers_of(topology)
     metrics = Metrics(topology.names(), [g.name for g in topology.groups])

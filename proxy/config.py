@@ -10,16 +10,16 @@ from urllib.parse import urlsplit
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .adaptive import AdaptiveConfig
-from .calibration import MAX_WATERMARK, Calibration, CalibrationError
-from .calibration import load as load_calibration
-from .classes import ClassKey
-from .engines import EngineSetting
-from .policy import LEARNING, AffinityRule, LoadSignal, PolicyConfig, PolicyName
-from .topology import Topology, TopologyName, entries
-from .topology import build as build_topology
+from .fleet.engines import EngineSetting
+from .fleet.topology import Topology, TopologyName, entries
+from .fleet.topology import build as build_topology
+from .policy.base import LEARNING, AffinityRule, LoadSignal, PolicyConfig, PolicyName
+from .policy.beliefs import AdaptiveConfig
+from .policy.calibration import MAX_WATERMARK, Calibration, CalibrationError
+from .policy.calibration import load as load_calibration
+from .routing.classes import ClassKey
 
-# The inference routes a client may reach on a server (proxy/paths.py): each engine's admin routes
+# The inference routes a client may reach on a server (proxy/edge/paths.py): each engine's admin routes
 # (SGLang's /update_weights_from_disk, /flush_cache; vLLM's /v1/load_lora_adapter) are not among them.
 DEFAULT_ALLOWED_PATHS = (
     "/v1/chat/completions",
@@ -55,7 +55,7 @@ class Settings(BaseSettings):
 
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=1, le=65535)
-    # A base URL, or a comma list of them, each optionally `NAME=URL` (proxy/topology.py).
+    # A base URL, or a comma list of them, each optionally `NAME=URL` (proxy/fleet/topology.py).
     speculative_url: str = "http://127.0.0.1:30001"
     baseline_url: str = "http://127.0.0.1:30002"
     # paired: the i-th servers of both lists share GPUs (a group each); pooled: two pools on
@@ -65,7 +65,7 @@ class Settings(BaseSettings):
     policy: PolicyName = "threshold"
     # threshold: switch to the baseline when the load reaches `high`, back when it falls to `low`.
     # 0 sends everything to the baseline (what `loadtest calibrate` says when speculation never pays).
-    # At most MAX_WATERMARK streams (proxy/calibration.py), as a calibration file's watermarks.
+    # At most MAX_WATERMARK streams (proxy/policy/calibration.py), as a calibration file's watermarks.
     high_watermark: int = Field(16, ge=0, le=MAX_WATERMARK)
     low_watermark: int = Field(8, ge=0, le=MAX_WATERMARK)
     # threshold and adaptive: the load must stay at or below the low watermark this long before
@@ -120,7 +120,7 @@ class Settings(BaseSettings):
     allowed_paths: Annotated[tuple[str, ...], NoDecode] = DEFAULT_ALLOWED_PATHS
     # Peers (addresses or networks) whose X-Forwarded-For/-Proto are kept; others' are replaced.
     trusted_proxies: Annotated[tuple[str, ...], NoDecode] = ()
-    # The client side (proxy/edge.py): the whole request head within header_timeout_s, an idle
+    # The client side (proxy/edge/protocol.py): the whole request head within header_timeout_s, an idle
     # kept-alive connection closed after keepalive_timeout_s, new connections past the cap refused.
     header_timeout_s: float = Field(10.0, gt=0)
     keepalive_timeout_s: int = Field(5, ge=1)
@@ -134,10 +134,10 @@ class Settings(BaseSettings):
     read_timeout_s: float = Field(120.0, gt=0)
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     # The Responses API stores a response on the server that made it, and a request naming it in
-    # `previous_response_id` fails anywhere else: where each was made is remembered (proxy/stored.py),
+    # `previous_response_id` fails anywhere else: where each was made is remembered (proxy/relay/stored.py),
     # for this many of the newest; 0 remembers none.
     responses_entries: int = Field(100_000, ge=0, le=10_000_000)
-    # Cache affinity (proxy/affinity.py): conversations whose server is remembered (0: none), and the
+    # Cache affinity (proxy/routing/affinity.py): conversations whose server is remembered (0: none), and the
     # requests of load a turn's server may have beyond the best, per thousand tokens it has cached.
     affinity_entries: int = Field(100_000, ge=0, le=10_000_000)
     affinity_slack: float = Field(1.0, ge=0, le=1_000_000)
@@ -149,7 +149,7 @@ class Settings(BaseSettings):
     # 0: never); unset, the room is the smaller of KV_SPILL_ROOM and the mark.
     kv_spill_at: float = Field(0.9, ge=0, le=1)
     kv_spill_room: float | None = Field(None, gt=0, le=1)
-    # Traffic classes (proxy/classes.py): what names a request's class, and how many are tracked.
+    # Traffic classes (proxy/routing/classes.py): what names a request's class, and how many are tracked.
     class_key: ClassKey = "header"
     max_classes: int = Field(32, ge=1, le=1000)
     max_connections_per_backend: int = Field(1024, ge=1)

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .affinity import AffinityTable
-from .classes import ClassBook
 from .config import Settings
-from .health import HealthMonitor
-from .metrics import Metrics
-from .probe import Prober
-from .routing import Fleet
-from .stored import StoredResponses
-from .tokens import TokenRatio
-from .tracing import Tracing
-from .upstream import Upstream
+from .observability.metrics import Metrics
+from .observability.tracing import Tracing
+from .relay.shadow import Prober
+from .relay.stored import StoredResponses
+from .routing.affinity import AffinityTable
+from .routing.classes import ClassBook
+from .routing.router import Fleet
+from .routing.tokens import TokenRatio
+from .transport.health import HealthMonitor
+from .transport.upstream import Upstream
 
 
 @dataclass
@@ -32,11 +32,11 @@ class Gate:
     prober: Prober | None = None
     # Which server holds each stored Responses API response (previous_response_id goes there).
     stored: StoredResponses = field(default_factory=lambda: StoredResponses(0))
-    # OpenTelemetry traces (proxy/tracing.py); None when off, the hot path's one test.
+    # OpenTelemetry traces (proxy/observability/tracing.py); None when off, the hot path's one test.
     tracing: Tracing | None = None
-    # Prompt tokens the servers report over those estimated from bodies (proxy/tokens.py).
+    # Prompt tokens the servers report over those estimated from bodies (proxy/routing/tokens.py).
     token_ratio: TokenRatio = field(default_factory=TokenRatio)
-    # Where each conversation's last turn went (proxy/affinity.py).
+    # Where each conversation's last turn went (proxy/routing/affinity.py).
     affinity: AffinityTable = field(default_factory=lambda: AffinityTable(0))
-    # What is known of each traffic class (proxy/classes.py).
+    # What is known of each traffic class (proxy/routing/classes.py).
     classes: ClassBook = field(default_factory=lambda: ClassBook(1))

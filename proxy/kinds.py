@@ -16,9 +16,9 @@ GENERATIONS: tuple[Endpoint, ...] = ("chat", "completions", "responses")
 # The endpoints whose requests have a traffic class: SGLang's native one too, whose responses say
 # their decode steps (engines.reported_steps).
 CLASSED: tuple[Endpoint, ...] = (*GENERATIONS, "generate")
-# How talking to a server failed (proxy/upstream.py).
+# How talking to a server failed (proxy/transport/upstream.py).
 ErrorKind = Literal["connect", "timeout", "disconnect", "protocol"]
 ERROR_KINDS: tuple[ErrorKind, ...] = ("connect", "timeout", "disconnect", "protocol")
-# Why a client connection was refused or closed before its request (proxy/edge.py).
+# Why a client connection was refused or closed before its request (proxy/edge/protocol.py).
 Rejection = Literal["limit", "header_timeout", "head_too_large", "upgrade"]
 REJECTIONS: tuple[Rejection, ...] = ("limit", "header_timeout", "head_too_large", "upgrade")

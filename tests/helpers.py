@@ -16,13 +16,13 @@ import httpx
 import orjson
 
 from loadtest.procs import Proc, on_free_port, start
-from proxy import promtext
-from proxy.adaptive import AdaptiveConfig
 from proxy.config import Settings
-from proxy.metrics import Metrics
-from proxy.policy import PolicyConfig, PolicyName
-from proxy.servers import Health, Server, servers_of
-from proxy.topology import Topology
+from proxy.fleet import promtext
+from proxy.fleet.servers import Health, Server, servers_of
+from proxy.fleet.topology import Topology
+from proxy.observability.metrics import Metrics
+from proxy.policy.base import PolicyConfig, PolicyName
+from proxy.policy.beliefs import AdaptiveConfig
 
 
 def scrape(url: str) -> dict[str, float]:

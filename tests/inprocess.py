@@ -1,6 +1,6 @@
 """The in-process tier's rig: the ASGI app from `create_app`, its lifespan run, driven by httpx in
 the test's own event loop, in front of simulated SGLang servers listening on 127.0.0.1 in that same
-loop. No child process, no uvicorn: what needs the client-side protocol (proxy/edge.py) or a real
+loop. No child process, no uvicorn: what needs the client-side protocol (proxy/edge/protocol.py) or a real
 process stays in the loopback tier.
 
 httpx's own ASGITransport runs the app to its end before it returns a response, so a stream could
@@ -27,9 +27,9 @@ from starlette.types import ASGIApp, Message
 from loadtest.procs import free_port
 from loadtest.simulator.profile import load_profile
 from loadtest.simulator.server import ServerConfig, SimServer
-from proxy import promtext
 from proxy.app import create_app
 from proxy.config import Settings
+from proxy.fleet import promtext
 
 ASGI = {"version": "3.0", "spec_version": "2.4"}
 
@@ -272,7 +272,7 @@ StartGateway = Callable[..., Awaitable[Gateway]]
 async def gateways() -> AsyncIterator[StartGateway]:
     """`await start(sim={"time_scale": 1}, spec={...}, base={...}, high_watermark=4)` builds a
     gateway: `sim` holds both simulators' settings, `spec` and `base` one's, `tracer_provider` takes
-    the app's traces (proxy/tracing.py), the rest are the app's Settings (a `speculative_url` there
+    the app's traces (proxy/observability/tracing.py), the rest are the app's Settings (a `speculative_url` there
     puts another server in the simulator's place). Everything started is stopped when the block ends."""
     async with contextlib.AsyncExitStack() as stack:
 

@@ -10,7 +10,10 @@ import orjson
 import pytest
 
 from loadtest.calibrate import find_crossover, recommend
-from proxy.adaptive import (
+from proxy.fleet.servers import Health
+from proxy.observability.metrics import Metrics
+from proxy.policy.base import Curves, LoadSnapshot, PolicyState, Role, decide, dwell_mode, hysteresis_low, settle
+from proxy.policy.beliefs import (
     MAX_CORRECTION,
     PRIOR_WEIGHT,
     Prior,
@@ -23,14 +26,11 @@ from proxy.adaptive import (
     stream_accept,
     watermarks,
 )
-from proxy.affinity import Held
-from proxy.calibration import Calibration, Curve
-from proxy.metrics import Metrics
-from proxy.policy import Curves, LoadSnapshot, PolicyState, Role, decide, dwell_mode, hysteresis_low, settle
-from proxy.probe import shadow_body
-from proxy.routing import Fleet, Router
-from proxy.servers import Health
-from proxy.sse import completion_tokens, content_events
+from proxy.policy.calibration import Calibration, Curve
+from proxy.relay.shadow import shadow_body
+from proxy.relay.sse import completion_tokens, content_events
+from proxy.routing.affinity import Held
+from proxy.routing.router import Fleet, Router
 
 from .helpers import Clock, adaptive_cfg, policy_cfg, rig
 

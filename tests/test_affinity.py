@@ -1,5 +1,5 @@
 """Cache affinity: a conversation's next turn goes where its prefix is cached, unless that server's
-predicted cost exceeds the alternative's by more than the re-prefill saved (proxy/affinity.py), and
+predicted cost exceeds the alternative's by more than the re-prefill saved (proxy/routing/affinity.py), and
 the engines' prefix cache hit rate per server."""
 
 from __future__ import annotations
@@ -14,13 +14,22 @@ from typing import Any
 
 import pytest
 
-from proxy.affinity import MAX_ID_BYTES, AffinityTable, Held, conversation_key, keep, moved_cost, stays, turn_cost
-from proxy.calibration import ModelFit, StepFit
-from proxy.engines import ENGINES
-from proxy.policy import Decision, PolicyName, PolicyState, Role, affinity_choice
-from proxy.readings import read
-from proxy.routing import Fleet
-from proxy.servers import Health
+from proxy.fleet.engines import ENGINES
+from proxy.fleet.readings import read
+from proxy.fleet.servers import Health
+from proxy.policy.base import Decision, PolicyName, PolicyState, Role, affinity_choice
+from proxy.policy.calibration import ModelFit, StepFit
+from proxy.routing.affinity import (
+    MAX_ID_BYTES,
+    AffinityTable,
+    Held,
+    conversation_key,
+    keep,
+    moved_cost,
+    stays,
+    turn_cost,
+)
+from proxy.routing.router import Fleet
 
 from .helpers import Clock, adaptive_cfg, policy_cfg, rig, wait_until
 from .inprocess import Gateway, StartGateway, start_sim

@@ -9,7 +9,7 @@ import pytest
 from loadtest.calibrate import Crossover, calibrate, calibration_file, find_crossover, inconclusive_levels, recommend
 from loadtest.report import calibration_text
 from loadtest.stats import LevelStats
-from proxy.policy import hysteresis_low
+from proxy.policy.base import hysteresis_low
 
 LEVELS = [1, 2, 5, 10, 30, 70]
 nan = math.nan

@@ -21,8 +21,8 @@ from loadtest.calibrate import Recommendation, calibration_file, class_acceptanc
 from loadtest.classes import ClassSummary
 from loadtest.procs import free_port
 from loadtest.stats import LevelStats
-from proxy.calibration import MAX_CLASSES, CalibrationError, load, parse, to_json
-from proxy.engines import LLAMACPP, SGLANG, VLLM
+from proxy.fleet.engines import LLAMACPP, SGLANG, VLLM
+from proxy.policy.calibration import MAX_CLASSES, CalibrationError, load, parse, to_json
 
 from .conftest import StartSim
 

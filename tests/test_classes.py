@@ -1,5 +1,5 @@
 """Traffic classes: acceptance learnt per class from its speculative responses, and where speculation
-has room for only part of the traffic, the classes that gain most from it get it (proxy/classes.py,
+has room for only part of the traffic, the classes that gain most from it get it (proxy/routing/classes.py,
 policy.class_choice)."""
 
 from __future__ import annotations
@@ -16,11 +16,19 @@ import pytest
 from aiohttp import web
 
 from loadtest.procs import free_port
-from proxy.adaptive import UPDATE_EVERY_S
-from proxy.calibration import ModelFit, StepFit
-from proxy.classes import CLASS_HALF_LIFE_S, MIN_STEPS, NAME_CHARS, OTHER, RANK_EVERY_S, ClassBook, class_of
-from proxy.policy import ClassView, Decision, PolicyState, PoolGains, Role, class_choice, marginal_gain
-from proxy.routing import Fleet, Router
+from proxy.policy.base import ClassView, Decision, PolicyState, PoolGains, Role, class_choice, marginal_gain
+from proxy.policy.beliefs import UPDATE_EVERY_S
+from proxy.policy.calibration import ModelFit, StepFit
+from proxy.routing.classes import (
+    CLASS_HALF_LIFE_S,
+    MIN_STEPS,
+    NAME_CHARS,
+    OTHER,
+    RANK_EVERY_S,
+    ClassBook,
+    class_of,
+)
+from proxy.routing.router import Fleet, Router
 
 from .helpers import Clock, adaptive_cfg, policy_cfg, rig, wait_until
 from .inprocess import Gateway, StartGateway

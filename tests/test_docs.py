@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 MODULE_MAP = DOCS / "architecture.md"
 PACKAGES = ("proxy", "loadtest")
-# A row of the module map: "| `proxy/relay.py` | its job |".
+# A row of the module map: "| `proxy/relay/relay.py` | its job |".
 MAP_ROW = re.compile(r"^\| `((?:proxy|loadtest)/[\w/]+\.py)` \|")
 # A module's path anywhere in the prose (not `deploy/...`, nor an engine's own `.../engines.py`).
 MODULE_PATH = re.compile(r"(?<![\w/.-])((?:proxy|loadtest)/[\w/]+\.py)\b")

@@ -1,4 +1,4 @@
-"""The client side of specgate's sockets (proxy/edge.py) and its operator endpoints: how long a
+"""The client side of specgate's sockets (proxy/edge/protocol.py) and its operator endpoints: how long a
 connection may stay without a request, how large a head may grow, how many connections may be
 open, and who may read /routing and /metrics. Raw sockets: these are about framing and timing."""
 
@@ -19,7 +19,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from loadtest.procs import http_status
 from loadtest.slowloris import format_report, run_slowloris
-from proxy.edge import edge_protocol
+from proxy.edge.protocol import edge_protocol
 
 from .conftest import StartStack
 from .helpers import scrape, wait_for, wait_until

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.engines import (
+from proxy.fleet.engines import (
     ENGINES,
     LLAMACPP,
     SGLANG,
@@ -17,8 +17,8 @@ from proxy.engines import (
     parse_metrics,
     reported_steps,
 )
-from proxy.readings import read
-from proxy.servers import Health
+from proxy.fleet.readings import read
+from proxy.fleet.servers import Health
 
 # As SGLang writes it (--enable-metrics --enable-metrics-for-all-schedulers): labelled per rank,
 # two tensor-parallel ranks here, each writing the same scheduler's gauges: rank 0's are read.

@@ -8,10 +8,10 @@ import asyncio
 import orjson
 import pytest
 
-from proxy.access import client_key
-from proxy.evidence import KEY_TOKENS, MAX_KEYS, AcceptanceEvidence
-from proxy.policy import Role
-from proxy.probe import MIN_SHADOW_TOKENS, shadow_body
+from proxy.edge.access import client_key
+from proxy.policy.base import Role
+from proxy.policy.evidence import KEY_TOKENS, MAX_KEYS, AcceptanceEvidence
+from proxy.relay.shadow import MIN_SHADOW_TOKENS, shadow_body
 
 from .helpers import Clock
 from .test_adaptive import calibration, router
@@ -221,9 +221,9 @@ class _Router:
 
 
 def test_a_probe_that_raises_is_logged_once_and_probes_go_on(caplog: pytest.LogCaptureFixture) -> None:
-    from proxy.call import ProxyCall
-    from proxy.metrics import Metrics
-    from proxy.probe import Prober
+    from proxy.edge.call import ProxyCall
+    from proxy.observability.metrics import Metrics
+    from proxy.relay.shadow import Prober
 
     body = b'{"messages": [], "max_tokens": 64}'
     call = ProxyCall(b"/v1/chat/completions", "chat", body, b"x-request-id: rid\r\n", "rid", False, False, 0.0,
@@ -253,7 +253,7 @@ def test_a_probe_that_raises_is_logged_once_and_probes_go_on(caplog: pytest.LogC
 def test_a_shadow_that_could_not_be_sent_is_not_counted_and_the_count_is_bounded() -> None:
     import dataclasses
 
-    from proxy.policy import MAX_PROBE_DOUBLINGS, PolicyState, Role, decide
+    from proxy.policy.base import MAX_PROBE_DOUBLINGS, PolicyState, Role, decide
 
     from .test_adaptive import SHADOW, snap
 

@@ -1,4 +1,4 @@
-"""The footprint's trend (proxy/forecast.py): its slope, the scatter it discounts, its bounds."""
+"""The footprint's trend (proxy/policy/forecast.py): its slope, the scatter it discounts, its bounds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from proxy.forecast import MAX_SAMPLES, MIN_SAMPLES, Trend, Z, slope
+from proxy.policy.forecast import MAX_SAMPLES, MIN_SAMPLES, Trend, Z, slope
 
 
 def test_the_slope_of_a_straight_line_is_exact_with_no_error() -> None:

@@ -28,7 +28,7 @@ from loadtest.headtohead.score import TargetCell
 from loadtest.kit.processes import NotReady, fresh_start
 from loadtest.production import WorkloadRun
 from proxy.config import Settings
-from proxy.policy import Role
+from proxy.policy.base import Role
 
 
 def test_the_targets_differ_only_in_the_affinity_rule() -> None:

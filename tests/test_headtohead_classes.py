@@ -53,9 +53,9 @@ from loadtest.kit.settings import DURATIONS, specgate_env
 from loadtest.prompts import repetitiveness
 from loadtest.textbank import TextBank
 from loadtest.workload import TrafficClass, Workload, WorkloadSpec
-from proxy.calibration import Calibration, Curve, ModelFit, StepFit, load, to_json
 from proxy.config import ENGINE_SCRAPE_INTERVAL_S, Settings
-from proxy.policy import LoadSnapshot, PolicyState, Role, decide
+from proxy.policy.base import LoadSnapshot, PolicyState, Role, decide
+from proxy.policy.calibration import Calibration, Curve, ModelFit, StepFit, load, to_json
 
 from .test_headtohead import tc
 

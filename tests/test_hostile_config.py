@@ -15,9 +15,11 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
-from proxy import calibration as calib
-from proxy.adaptive import Adaptive, Prior, SpeedModel, estimate, high_for
-from proxy.calibration import (
+from proxy.config import Settings, describe_error, redact_url
+from proxy.policy import calibration as calib
+from proxy.policy.base import ROLES, Role
+from proxy.policy.beliefs import Adaptive, Prior, SpeedModel, estimate, high_for
+from proxy.policy.calibration import (
     MAX_ACCEPT,
     MAX_FILE_BYTES,
     MAX_LEVEL,
@@ -31,8 +33,6 @@ from proxy.calibration import (
     load,
     parse,
 )
-from proxy.config import Settings, describe_error, redact_url
-from proxy.policy import ROLES, Role
 
 from .helpers import adaptive_cfg
 from .test_config import CALIBRATION

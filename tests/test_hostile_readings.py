@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from proxy import engines
 from proxy.config import Settings
-from proxy.engines import POOL_KEEPALIVE_S
-from proxy.health import HealthMonitor
-from proxy.metrics import Metrics
-from proxy.servers import servers_of
-from proxy.upstream import Upstream
+from proxy.fleet import engines
+from proxy.fleet.engines import POOL_KEEPALIVE_S
+from proxy.fleet.servers import servers_of
+from proxy.observability.metrics import Metrics
+from proxy.transport.health import HealthMonitor
+from proxy.transport.upstream import Upstream
 
 from .helpers import wait_until
 from .inprocess import Gateway, StartGateway

@@ -14,7 +14,7 @@ import pytest
 from openai._streaming import SSEDecoder
 
 from loadtest.procs import free_port
-from proxy import promtext
+from proxy.fleet import promtext
 
 from .helpers import wait_until
 from .hostile_server import RESPONSES_CRLF, serving

@@ -26,7 +26,7 @@ import yaml
 from pydantic import ValidationError
 
 from proxy.config import Settings
-from proxy.tracing import flush_timeout_s
+from proxy.observability.tracing import flush_timeout_s
 
 from .conftest import StartStack
 from .helpers import wait_for

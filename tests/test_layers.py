@@ -1,7 +1,6 @@
-"""The dependencies point one way: no import circle among proxy's modules nor the load tester's, and
-the policy modules (the rule, the adaptive estimate, the evidence, what servers are and what a
-reading says) import nothing that does network or async I/O, directly or through another proxy
-module."""
+"""The dependencies point one way: no import circle among proxy's modules nor the load tester's,
+and the pure packages (the policies and what they believe, what the servers are and what their
+engines say) import nothing that does network or async I/O, directly or through another module."""
 
 from __future__ import annotations
 
@@ -10,65 +9,15 @@ from pathlib import Path
 
 PROXY = Path(__file__).resolve().parent.parent / "proxy"
 # Pure: what routing decides with. Nothing here may reach a socket, the event loop or a framework.
-POLICY = (
-    "policy", "adaptive", "speedmodel", "evidence", "forecast", "servers", "readings", "topology", "calibration",
-    "engines", "promtext",
-)  # fmt: skip
+PURE = ("proxy.policy", "proxy.fleet")
 IO = ("asyncio", "socket", "ssl", "httptools", "uvicorn", "uvloop", "fastapi", "starlette", "aiohttp", "httpx")
 
 
-def imports() -> dict[str, tuple[set[str], set[str]]]:
-    """For each proxy module: the proxy modules and the other top-level packages it imports."""
-    out: dict[str, tuple[set[str], set[str]]] = {}
-    names = {p.stem for p in PROXY.glob("*.py")}
-    for path in PROXY.glob("*.py"):
-        ours: set[str] = set()
-        theirs: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                if node.module:
-                    ours.add(node.module.split(".")[0])
-                else:
-                    ours.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                theirs.add(node.module.split(".")[0])
-            elif isinstance(node, ast.Import):
-                theirs.update(a.name.split(".")[0] for a in node.names)
-        out[path.stem] = (ours & names, theirs)
-    return out
-
-
-def reach(graph: dict[str, tuple[set[str], set[str]]], start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        m = todo.pop()
-        for n in graph[m][0]:
-            if n not in seen:
-                seen.add(n)
-                todo.append(n)
-    return seen
-
-
-def test_no_import_circle() -> None:
-    graph = imports()
-    circles = sorted(m for m in graph if m in reach(graph, m))
-    assert not circles, f"modules in an import circle: {circles}"
-
-
-def test_the_policy_modules_do_no_io() -> None:
-    graph = imports()
-    for m in POLICY:
-        below = reach(graph, m)
-        assert below <= set(POLICY), f"{m} imports {sorted(below - set(POLICY))}, which are not pure"
-        for n in {m} | below:
-            io = graph[n][1] & set(IO)
-            assert not io, f"{m} reaches {n}, which imports {sorted(io)}"
-
-
-def package_graph(root: Path) -> dict[str, set[str]]:
+def package_graph(root: Path, outside: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
     """For each module of the package at `root` (its subpackages too, dotted from it): the modules of
     the package it imports, relative or absolute, those under TYPE_CHECKING included (a circle
-    only types need is still one the reader must hold in mind)."""
+    only types need is still one the reader must hold in mind); into `outside`, where given, the
+    other top-level packages each imports."""
     top = root.name
     modules: dict[str, Path] = {}
     for path in root.rglob("*.py"):
@@ -88,22 +37,60 @@ def package_graph(root: Path) -> dict[str, set[str]]:
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             found.update(t for t in targets if t in modules and t != name and t.startswith(top))
+            if outside is not None:
+                outside.setdefault(name, set()).update(t.split(".")[0] for t in targets if t and not t.startswith(top))
         graph[name] = found
     return graph
 
 
+def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for n in graph[todo.pop()] - seen:
+            seen.add(n)
+            todo.append(n)
+    return seen
+
+
+def test_no_import_circle_in_the_gateway() -> None:
+    graph = package_graph(PROXY)
+    assert graph.get("proxy.routing.router")  # the walk reads the subpackages
+    circles = sorted(m for m in graph if m in reaches(graph, m))
+    assert not circles, f"gateway modules in an import circle: {circles}"
+
+
 def test_no_import_circle_in_the_load_tester() -> None:
     graph = package_graph(PROXY.parent / "loadtest")
-    assert graph.get("loadtest.stats")  # the walk reads the package
-
-    def reaches(start: str) -> set[str]:
-        seen: set[str] = set()
-        todo = [start]
-        while todo:
-            for n in graph[todo.pop()] - seen:
-                seen.add(n)
-                todo.append(n)
-        return seen
-
-    circles = sorted(m for m in graph if m in reaches(m))
+    assert graph.get("loadtest.stats")
+    circles = sorted(m for m in graph if m in reaches(graph, m))
     assert not circles, f"load tester modules in an import circle: {circles}"
+
+
+def test_the_pure_packages_do_no_io() -> None:
+    """A pure package's modules reach only pure modules, and none of them an I/O library."""
+    outside: dict[str, set[str]] = {}
+    graph = package_graph(PROXY, outside)
+    pure = [m for m in graph if m.startswith(PURE)]
+    assert len(pure) > 10
+    for m in pure:
+        below = reaches(graph, m)
+        impure = sorted(n for n in below if not n.startswith(PURE) and n != "proxy")
+        assert not impure, f"{m} imports {impure}, which are not pure"
+        for n in {m} | below:
+            io = outside.get(n, set()) & set(IO)
+            assert not io, f"{m} reaches {n}, which imports {sorted(io)}"
+
+
+def test_the_walk_sees_io_and_circles(tmp_path: Path) -> None:
+    """The checks above can fail: a made-up package with a circle and an I/O import is caught."""
+    pkg = tmp_path / "proxy"
+    (pkg / "policy").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "policy" / "__init__.py").write_text("")
+    (pkg / "policy" / "a.py").write_text("import asyncio\nfrom .b import x\n")
+    (pkg / "policy" / "b.py").write_text("from ..policy.a import y\nx = 1\n")
+    outside: dict[str, set[str]] = {}
+    graph = package_graph(pkg, outside)
+    assert "proxy.policy.a" in reaches(graph, "proxy.policy.a")
+    assert "asyncio" in outside["proxy.policy.a"]

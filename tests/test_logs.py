@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from proxy.config import Settings
-from proxy.logs import configure
+from proxy.observability.logs import configure
 
 
 @pytest.fixture

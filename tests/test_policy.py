@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from proxy.policy import (
+from proxy.policy.base import (
     Decision,
     LoadSignal,
     LoadSnapshot,

@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from proxy.policy import LoadSnapshot, PolicyState, Role, decide_batch
+from proxy.policy.base import LoadSnapshot, PolicyState, Role, decide_batch
 
 from .helpers import policy_cfg, wait_until
 from .inprocess import Gateway, StartGateway

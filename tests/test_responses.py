@@ -13,9 +13,9 @@ import orjson
 import pytest
 
 from loadtest.simulator.wire import token_text
-from proxy.probe import shadow_body
-from proxy.sse import ResponseEvents, response_deltas, usage_of
-from proxy.stored import MAX_ID_CHARS, StoredResponses
+from proxy.relay.shadow import shadow_body
+from proxy.relay.sse import ResponseEvents, response_deltas, usage_of
+from proxy.relay.stored import MAX_ID_CHARS, StoredResponses
 
 from .conftest import StartStack
 from .helpers import scrape, wait_for, wait_until

@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from loadtest.procs import http_status
 from loadtest.simulator.wire import EOS_TOKEN_ID, token_text
-from proxy import engines
+from proxy.fleet import engines
 
 from .conftest import StartSim, StartStack
 from .helpers import scrape, sse_events, sse_json, wait_for

@@ -1,4 +1,4 @@
-"""The speed model (proxy/speedmodel.py): the fit, its predictions, the crossover it solves, the
+"""The speed model (proxy/policy/speedmodel.py): the fit, its predictions, the crossover it solves, the
 watermarks with their band, and the live correction. Pure: no servers."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 import pytest
 
 from loadtest.simulator.steptimes import load_steptimes
-from proxy.calibration import ModelFit, StepFit
-from proxy.policy import Role
-from proxy.speedmodel import MAX_CORRECTION, MAX_SOLVED, ModelLimits, Point, StepModel, crossover, fit_step
+from proxy.policy.base import Role
+from proxy.policy.calibration import ModelFit, StepFit
+from proxy.policy.speedmodel import MAX_CORRECTION, MAX_SOLVED, ModelLimits, Point, StepModel, crossover, fit_step
 
 SPEC = StepFit(0.014, 5.6e-4, 1.6e-7)
 BASE = StepFit(0.006, 2e-5, 2e-8)
@@ -173,7 +173,7 @@ MODEL = {
 
 
 def test_an_old_file_is_still_read_without_a_model() -> None:
-    from proxy.calibration import parse, to_json
+    from proxy.policy.calibration import parse, to_json
 
     cal = parse(FILE_V1)
     assert cal.model is None and cal.high_watermark == 9
@@ -183,7 +183,7 @@ def test_an_old_file_is_still_read_without_a_model() -> None:
 
 
 def test_the_model_round_trips_and_is_checked() -> None:
-    from proxy.calibration import CalibrationError, parse, to_json
+    from proxy.policy.calibration import CalibrationError, parse, to_json
 
     cal = parse({**FILE_V1, "format": "specgate-calibration/2", "model": MODEL})
     assert cal.model is not None

@@ -11,9 +11,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy import sse
-from proxy.sse import PARTIAL_EVENT_LIMIT, EventCuts, JsonUsage, ResponseEvents, SseRelay, reader_for, usage_of
-from proxy.sseframe import data_of, last_end, split_events
+from proxy.relay import sse
+from proxy.relay.sse import (
+    PARTIAL_EVENT_LIMIT,
+    EventCuts,
+    JsonUsage,
+    ResponseEvents,
+    SseRelay,
+    reader_for,
+    usage_of,
+)
+from proxy.relay.sseframe import data_of, last_end, split_events
 
 ROLE = b'data: {"id":"1","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
 TOKEN = b'data: {"id":"1","choices":[{"index":0,"delta":{"content":" hi"}}]}\n\n'

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from proxy.metrics import Metrics, Tally
+from proxy.observability.metrics import Metrics, Tally
 
 
 def _lines(registry: CollectorRegistry, name: str) -> list[str]:

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from proxy.engines import ENGINES, BadReading
-from proxy.inflight import InflightTracker
-from proxy.policy import Role
-from proxy.servers import Server
-from proxy.tokens import (
+from proxy.fleet.engines import ENGINES, BadReading
+from proxy.fleet.servers import Server
+from proxy.policy.base import Role
+from proxy.routing.leases import InflightTracker
+from proxy.routing.tokens import (
     CHARS_PER_TOKEN,
     MAX_RATIO,
     OWN_AFTER,

@@ -12,10 +12,10 @@ import pytest
 from pydantic import ValidationError
 
 from proxy.config import Settings
-from proxy.policy import ROLES, Role, least_loaded, near_ties
-from proxy.routing import Fleet
-from proxy.servers import Health
-from proxy.topology import build
+from proxy.fleet.servers import Health
+from proxy.fleet.topology import build
+from proxy.policy.base import ROLES, Role, least_loaded, near_ties
+from proxy.routing.router import Fleet
 
 from .helpers import Clock, policy_cfg, rig
 

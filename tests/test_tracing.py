@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (proxy/tracing.py): a span per proxied request with the routing decision on
+"""OpenTelemetry traces (proxy/observability/tracing.py): a span per proxied request with the routing decision on
 it, child spans per upstream attempt, the client's trace context continued and the server's request
 made a child of specgate's. In-process, the SDK's in-memory exporter is handed to the app; once over
 OTLP/HTTP, specgate runs as a process and exports to `loadtest.otlpsink` on loopback."""
@@ -27,8 +27,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from loadtest.overhead import Scenario, format_results, run_overhead
 from loadtest.procs import Proc, free_port, start
-from proxy.topology import build
-from proxy.tracing import FLUSH_TIMEOUT_S, Tracing, flush_timeout_s, provider_from_env
+from proxy.fleet.topology import build
+from proxy.observability.tracing import FLUSH_TIMEOUT_S, Tracing, flush_timeout_s, provider_from_env
 
 from .conftest import StartStack
 from .helpers import sse_json, wait_for, wait_until

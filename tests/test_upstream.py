@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from proxy.config import Settings
-from proxy.engines import POOL_KEEPALIVE_S
-from proxy.forwarding import Forwarding
-from proxy.upstream import Upstream, UpstreamError
+from proxy.fleet.engines import POOL_KEEPALIVE_S
+from proxy.transport.forwarding import Forwarding
+from proxy.transport.upstream import Upstream, UpstreamError
 
 from .helpers import wait_until
 

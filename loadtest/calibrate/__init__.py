@@ -19,9 +19,9 @@ The recommendation speculates only where speculation pays on both counts (throug
 below the earlier of the two crossovers. It is made only when that earlier crossover's watermark is
 known whatever the unknown levels hold; otherwise there is none (`Recommendation.made` is False),
 and `calibrate` prints no watermarks and writes no file. `calibration_file` makes what
-`calibrate --save` writes (format: proxy/calibration.py).
+`calibrate --save` writes (format: proxy/policy/calibration.py).
 
-The speed model (`model_fit`, proxy/speedmodel.py). Each conclusive level of each sweep (the main
+The speed model (`model_fit`, proxy/policy/speedmodel.py). Each conclusive level of each sweep (the main
 one and one per --prompt-tokens length) is a point per server: c streams, each holding its mean
 prompt P plus half of max_tokens M on average while it decodes, so T = c * (P + M/2) tokens; its
 step time is the per-stream TPOT times the tokens a step gives (1 for the baseline, the acceptance
@@ -36,10 +36,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.adaptive import crossing
-from proxy.calibration import MAX_ACCEPT, Calibration, Curve, ModelFit
-from proxy.policy import hysteresis_low
-from proxy.speedmodel import Point, fit_step
+from proxy.policy.base import hysteresis_low
+from proxy.policy.beliefs import crossing
+from proxy.policy.calibration import MAX_ACCEPT, Calibration, Curve, ModelFit
+from proxy.policy.speedmodel import Point, fit_step
 
 from ..stats import LevelStats
 
@@ -327,7 +327,7 @@ def calibration_file(
 
 def class_acceptance(speculative: Sequence[LevelStats], one_event_a_step: bool) -> dict[str, float]:
     """Each traffic class's acceptance on the speculative server, measured as specgate measures it
-    live (proxy/observe.py's ClassLearning): its good requests' output tokens over their content
+    live (proxy/relay/observe.py's ClassLearning): its good requests' output tokens over their content
     events at the conclusive levels, each request's first event and token set aside,
 
         accept_c = decode_tokens_c / decode_events_c

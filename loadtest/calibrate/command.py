@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from proxy.calibration import ModelFit, parse, to_json
+from proxy.policy.calibration import ModelFit, parse, to_json
 
 from ..acceptance import AcceptanceMeter, redact
 from ..kit.sweeps import add_load_options, default_prompts, max_duration, settings_of, sweep_targets

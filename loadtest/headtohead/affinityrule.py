@@ -49,7 +49,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.promtext import by_label, totals
+from proxy.fleet.promtext import by_label, totals
 
 from ..args import count, level_tuple, names, positive
 from ..classes import summarise_class

@@ -52,8 +52,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from proxy.calibration import CalibrationError
-from proxy.calibration import load as load_calibration
+from proxy.policy.calibration import CalibrationError
+from proxy.policy.calibration import load as load_calibration
 
 from ..args import count, level_tuple, non_negative, positive
 from ..kit.command import add_run_options, check_max_tokens, say

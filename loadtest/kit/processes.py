@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from proxy.calibration import Calibration, Curve, ModelFit, StepFit, load, to_json
+from proxy.policy.calibration import Calibration, Curve, ModelFit, StepFit, load, to_json
 
 from ..calibrate import EXIT_NO_RECOMMENDATION
 from ..procs import Proc, free_port, http_status, start

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy import promtext
+from proxy.fleet import promtext
 
 from ..procs import Proc
 from ..report import fmt

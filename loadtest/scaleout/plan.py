@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from proxy.calibration import CalibrationError
-from proxy.calibration import load as load_calibration
+from proxy.policy.calibration import CalibrationError
+from proxy.policy.calibration import load as load_calibration
 
 from ..kit.settings import MIN_SCRAPE_INTERVAL_S, specgate_env
 from ..procs import pair_args

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy import promtext
+from proxy.fleet import promtext
 
 from ..client import RequestResult, Target
 from ..kit.command import say

@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from proxy.policy import interpolate
+from proxy.policy.base import interpolate
 
 # The adaptive role exists on step-time profiles only (a curve has no draft depth to adapt).
 Role = Literal["speculative", "baseline", "adaptive"]

@@ -1,0 +1,1 @@
+"""What specgate says of itself: metrics, traces, logs and its own routes."""

@@ -1,0 +1,1 @@
+"""Relaying a response: its bytes passed through in whole events, watched, stored, and shadowed."""

@@ -1,0 +1,1 @@
+"""Where a request goes: the router, the decision's steps, leases, tokens, classes and affinity."""
