@@ -31,7 +31,7 @@ from proxy.policy.base import Role
 from proxy.policy.calibration import Calibration, Curve, ModelFit, StepFit
 from proxy.routing.affinity import AffinityTable, conversation_key
 from proxy.routing.classes import ClassBook, class_of
-from proxy.routing.router import Fleet
+from proxy.routing.fleet import Fleet
 from proxy.routing.tokens import TokenRatio, prompt_estimate
 
 from .simulator.profile import load_profile

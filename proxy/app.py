@@ -32,7 +32,7 @@ from .relay.shadow import Prober
 from .relay.stored import StoredResponses
 from .routing.affinity import AffinityTable
 from .routing.classes import ClassBook
-from .routing.router import Fleet
+from .routing.fleet import Fleet
 from .transport.health import HealthMonitor
 from .transport.upstream import Upstream
 

@@ -15,7 +15,7 @@ from .relay.shadow import Prober
 from .relay.stored import StoredResponses
 from .routing.affinity import AffinityTable
 from .routing.classes import ClassBook
-from .routing.router import Fleet
+from .routing.fleet import Fleet
 from .routing.tokens import TokenRatio
 from .transport.health import HealthMonitor
 from .transport.upstream import Upstream

@@ -66,6 +66,7 @@ MODULE_TIERS = {
     "test_logs": "inprocess",
     "test_model_stack": "inprocess",
     "test_overhead": "loopback",
+    "test_pipeline": "inprocess",
     "test_policy": "inprocess",
     "test_profile": "inprocess",
     "test_priority": "inprocess",

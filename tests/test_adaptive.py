@@ -12,7 +12,8 @@ import pytest
 from loadtest.calibrate import find_crossover, recommend
 from proxy.fleet.servers import Health
 from proxy.observability.metrics import Metrics
-from proxy.policy.base import Curves, LoadSnapshot, PolicyState, Role, decide, dwell_mode, hysteresis_low, settle
+from proxy.policy.adaptive import dwell_mode
+from proxy.policy.base import Curves, LoadSnapshot, PolicyConfig, PolicyState, Role, hysteresis_low
 from proxy.policy.beliefs import (
     MAX_CORRECTION,
     PRIOR_WEIGHT,
@@ -27,10 +28,13 @@ from proxy.policy.beliefs import (
     watermarks,
 )
 from proxy.policy.calibration import Calibration, Curve
+from proxy.policy.factory import policy_for
 from proxy.relay.shadow import shadow_body
 from proxy.relay.sse import completion_tokens, content_events
 from proxy.routing.affinity import Held
-from proxy.routing.router import Fleet, Router
+from proxy.routing.fleet import Fleet
+from proxy.routing.router import Router
+from proxy.routing.steps.pipeline import decide
 
 from .helpers import Clock, adaptive_cfg, policy_cfg, rig
 
@@ -39,6 +43,13 @@ LEVELS = (1, 2, 5, 10, 20, 30, 50, 70)
 SPEC = (180.0, 330.0, 700.0, 1100.0, 1500.0, 1650.0, 1750.0, 1800.0)
 BASE = (100.0, 195.0, 470.0, 880.0, 1500.0, 1950.0, 2500.0, 2800.0)
 NAN8 = (math.nan,) * 8
+
+
+def settle(
+    load: int, spec_load: int, state: PolicyState, cfg: PolicyConfig, now: float, fresh: bool, margin: float = 0.0
+) -> PolicyState:
+    """The mode after the load changed, with no request to place (the router's refresh)."""
+    return policy_for(cfg.policy).settle(load, spec_load, state, cfg, now, fresh, margin)[0]
 
 
 def calibration(accept: float | None = 3.0, tpot: bool = False) -> Calibration:
@@ -628,17 +639,17 @@ def test_router_reads_acceptance_from_probe_streams_while_fresh() -> None:
     r, health, _ = router(calibration(), clock)
     spec = health["speculative"]
     spec.engine = "sglang"
-    assert r.accept_live(clock.t) == (3.0, "live")
+    assert r.learning.accept_live(clock.t) == (3.0, "live")
     r.note_shadow(61, 17)  # (61 - 1) / (17 - 1) tokens a step
-    assert r.accept_live(clock.t) == (3.75, "from probe streams")
+    assert r.learning.accept_live(clock.t) == (3.75, "from probe streams")
     assert r.adaptive is not None and r.adaptive.estimate.accept_live == 3.75
     assert "3.75 from probe streams" in r.adaptive.estimate.why
     clock.t += r.cfg.accept_fresh_s + 0.1  # then the engine's own reading again
-    assert r.accept_live(clock.t) == (3.0, "live")
+    assert r.learning.accept_live(clock.t) == (3.0, "live")
     # llama-server sends an event per token: its streams say nothing of acceptance.
     spec.engine = "llamacpp"
     r.note_shadow(61, 17)
-    assert r.accept_live(clock.t) == (3.0, "live")
+    assert r.learning.accept_live(clock.t) == (3.0, "live")
 
 
 def test_router_pools_a_request_probe_sessions_streams() -> None:
@@ -650,10 +661,10 @@ def test_router_pools_a_request_probe_sessions_streams() -> None:
     clock.t += 6
     assert r.decide().reason == "probe"
     r.note_output(Role.SPECULATIVE, 64, 64)  # a diverse prompt: 1 token a step
-    assert r.accept_live(clock.t)[0] == 1.0
+    assert r.learning.accept_live(clock.t)[0] == 1.0
     r.note_output(Role.SPECULATIVE, 64, 17)  # a repetitive one: ~4 a step; pooled by steps
     pooled = 128 / (64 + 64 / (63 / 16))
-    assert r.accept_live(clock.t)[0] == pytest.approx(pooled)
+    assert r.learning.accept_live(clock.t)[0] == pytest.approx(pooled)
     # A model list or embeddings says nothing of acceptance: never a probe.
     r.state = dataclasses.replace(r.state, probing=False)
     clock.t += 60
@@ -673,7 +684,7 @@ def test_a_routers_watermarks_are_capped_to_what_the_speculative_kv_pool_holds()
         clock.t += 1  # the capacity is re-read at most every UPDATE_EVERY_S
         leases.append(router.admit(Role.SPECULATIVE, tokens=1000))
     # 10,000 tokens of pool over 1,000 a stream: 10 streams, the low watermark a quarter below.
-    assert router.kv_streams == 10
+    assert router.kv.kv_streams == 10
     cfg = router.policy_cfg()
     assert (cfg.high_watermark, cfg.low_watermark, cfg.capacity) == (10, 7, 10)
     assert router.cfg.high_watermark == 16  # the configured ones stand
@@ -697,7 +708,7 @@ def test_a_routers_watermarks_are_capped_to_what_the_speculative_kv_pool_holds()
     leases = leases[3:]
     clock.t += 1
     router.refresh()
-    assert router.kv_streams == 10 and router.role_count(Role.SPECULATIVE) == 7
+    assert router.kv.kv_streams == 10 and router.loads.role_count(Role.SPECULATIVE) == 7
     d = router.decide(held=Role.SPECULATIVE)
     assert (d.backend, d.reason, d.state.mode) == (Role.BASELINE, "heavy_load", Role.BASELINE)
     assert router.decide().backend == router.decide(held=Role.BASELINE).backend == Role.BASELINE
@@ -705,10 +716,10 @@ def test_a_routers_watermarks_are_capped_to_what_the_speculative_kv_pool_holds()
     for lease in leases:
         clock.t += 1
         lease.release()
-    assert router.capacity() is None and router.policy_cfg() is router.cfg
+    assert router.kv.capacity() is None and router.policy_cfg() is router.cfg
     # threshold routes by its watermarks as configured.
     (plain,) = Fleet(r.topology, r.servers, policy_cfg("threshold", 16, 8), r.metrics, clock=clock).routers
-    plain.kv_streams = 10
+    plain.kv.kv_streams = 10
     assert plain.policy_cfg() is plain.cfg
 
 
@@ -746,26 +757,26 @@ def test_a_paired_groups_cap_is_read_where_the_footprints_growth_takes_it(
         leases.append(router.admit(Role.SPECULATIVE, tokens=5000))
     if forecast:
         # 100,000 tokens over (20,000 + 100,000) for 4 streams: 3, under the 4 in flight.
-        assert router.kv_streams == 3
+        assert router.kv.kv_streams == 3
         d = router.decide()
         assert (d.backend, d.reason) == (Role.BASELINE, "heavy_load")
-        assert router.footprint is not None and router.footprint.rate() == pytest.approx(10_000)
+        assert router.kv.footprint is not None and router.kv.footprint.rate() == pytest.approx(10_000)
     else:
-        assert router.footprint is None
-        assert router.kv_streams == 20  # 100,000 over 5,000 a stream
+        assert router.kv.footprint is None
+        assert router.kv.kv_streams == 20  # 100,000 over 5,000 a stream
         assert router.decide().backend == Role.SPECULATIVE
     # The climb over, the footprint level for a span: read as it is.
     for _ in range(50):
         clock.t += 0.25
         router.refresh()
-    assert router.kv_streams == 20
+    assert router.kv.kv_streams == 20
     # Past half the pool, a climb is read as it is: a switch there would save at most half the
     # re-prefill, and a climb that stops short of the cap would cost a switch and a return.
     for _ in range(8):
         clock.t += 0.5
         leases.append(router.admit(Role.SPECULATIVE, tokens=5000))
     # 60,000 tokens in 12 streams: read ahead, (60,000 + 100,000) would give 7.
-    assert router.kv_streams == 20
+    assert router.kv.kv_streams == 20
     assert router.decide().backend == Role.SPECULATIVE
     for lease in leases:
         lease.release()
@@ -782,26 +793,26 @@ def test_the_pools_capacity_leaves_room_for_each_conversations_next_turn() -> No
     for _ in range(4):
         clock.t += 1
         leases.append(router.admit(Role.SPECULATIVE, tokens=1000))
-    assert router.kv_streams == 60 and router.turn_growth == 0  # no conversation came back yet
+    assert router.kv.kv_streams == 60 and router.kv.turn_growth == 0  # no conversation came back yet
     # Turns of known conversations: each resends its last turn's 1,000 tokens and adds 2,000, then
     # 4,000 (the mean, 3,000); one cut short counts as adding nothing.
     fleet.decide(held=Held("speculative", 1000), prompt_tokens=3000)
     fleet.decide(held=Held("speculative", 1000), prompt_tokens=5000)
-    assert router.turn_growth == 3000
+    assert router.kv.turn_growth == 3000
     fleet.decide(held=Held("speculative", 5000), prompt_tokens=2000)
-    assert router.turn_growth == 2000
+    assert router.kv.turn_growth == 2000
     fleet.decide(held=None, prompt_tokens=9000)  # a new conversation: no growth to read
     fleet.decide(held=Held("speculative", 1000))  # no prompt estimate
-    assert router.turn_growth == 2000
+    assert router.kv.turn_growth == 2000
     clock.t += 1
     router.refresh()
     # 60,000 tokens of pool over 1,000 a stream and 2,000 to come: 20 streams, not 60.
-    assert router.kv_streams == 20 and router.capacity() == 20
+    assert router.kv.kv_streams == 20 and router.kv.capacity() == 20
     assert router.policy_cfg().high_watermark == 20
     # The mean stays bounded to the last GROWTH_TURNS turns.
     for _ in range(500):
         fleet.decide(held=Held("speculative", 1000), prompt_tokens=1500)
-    assert router.turn_growth == pytest.approx(500, abs=1)
+    assert router.kv.turn_growth == pytest.approx(500, abs=1)
     for lease in leases:
         lease.release()
 

@@ -17,7 +17,7 @@ import pytest
 from proxy.fleet.engines import ENGINES
 from proxy.fleet.readings import read
 from proxy.fleet.servers import Health
-from proxy.policy.base import Decision, PolicyName, PolicyState, Role, affinity_choice
+from proxy.policy.base import Decision, PolicyName, PolicyState, Role
 from proxy.policy.calibration import ModelFit, StepFit
 from proxy.routing.affinity import (
     MAX_ID_BYTES,
@@ -29,7 +29,8 @@ from proxy.routing.affinity import (
     stays,
     turn_cost,
 )
-from proxy.routing.router import Fleet
+from proxy.routing.fleet import Fleet
+from proxy.routing.steps.affinity import affinity_choice
 
 from .helpers import Clock, adaptive_cfg, policy_cfg, rig, wait_until
 from .inprocess import Gateway, StartGateway, start_sim
@@ -127,7 +128,7 @@ def test_a_turn_leaves_a_server_whose_tokens_cost_more_than_its_cache_saves() ->
     ):
         fleet = _priced_pool(slack)
         (router,) = fleet.routers
-        assert router.priced()
+        assert router.turns.priced()
         leases = [router.admit(Role.BASELINE, "b0", 8000) for _ in range(4)]
         leases += [router.admit(Role.BASELINE, "b1", 500) for _ in range(4)]
         placed = fleet.decide(held=Held("b0", cached), prompt_tokens=8500)
@@ -140,8 +141,8 @@ def test_a_turn_leaves_a_server_whose_tokens_cost_more_than_its_cache_saves() ->
         new = 8500 - cached
         b0 = turn_cost(256, 4, 0.0096, 0.01055, new, 20_000)
         b1 = turn_cost(256, 4, 0.0066, 0.00755, new, 20_000)
-        assert router.turn_cost("b0", 8500, new) == pytest.approx((b0, 4.0))
-        assert router.turn_cost("b1", 8500, new) == pytest.approx((b1, 4.0))
+        assert router.turns.turn_cost("b0", 8500, new) == pytest.approx((b0, 4.0))
+        assert router.turns.turn_cost("b1", 8500, new) == pytest.approx((b1, 4.0))
         assert (b0 - b1) / (5 * 8000 / 20_000) == pytest.approx(slack_line, abs=5e-4)
         # A turn held on the server with no more streams or tokens than any other stays, even with
         # nothing cached.
@@ -151,10 +152,10 @@ def test_a_turn_leaves_a_server_whose_tokens_cost_more_than_its_cache_saves() ->
     # Without a fitted step model, requests in flight stand for the cost: 4 and 4, the turn stays.
     # Not the adaptive policy's curves, whose slope carries each stream's later prefills too.
     (curves,) = _priced_pool(1.0, "adaptive").routers
-    assert curves.adaptive is not None and curves.adaptive.model.prior is not None and not curves.priced()
+    assert curves.adaptive is not None and curves.adaptive.model.prior is not None and not curves.turns.priced()
     fleet = _priced_pool(0.0, "threshold", high=0)
     (router,) = fleet.routers
-    assert not router.priced()
+    assert not router.turns.priced()
     leases = [router.admit(Role.BASELINE, "b0", 8000) for _ in range(4)]
     leases += [router.admit(Role.BASELINE, "b1", 500) for _ in range(4)]
     placed = fleet.decide(held=Held("b0", 1000), prompt_tokens=8500)
@@ -172,7 +173,7 @@ def test_under_both_rules_a_turn_moves_only_where_each_would_move_it() -> None:
     for rule, where in (("priced", "b1"), ("both", "b0"), ("in_flight", "b0")):
         fleet = _priced_pool(1.0, rule=rule)
         (router,) = fleet.routers
-        assert router.affinity_rule() == rule and router.priced() == (rule != "in_flight")
+        assert router.turns.rule() == rule and router.turns.priced() == (rule != "in_flight")
         leases = [router.admit(Role.BASELINE, "b0", 8000) for _ in range(4)]
         leases += [router.admit(Role.BASELINE, "b1", 500) for _ in range(4)]
         assert fleet.decide(held=Held("b0", 1000), prompt_tokens=8500).server == where, rule
@@ -197,7 +198,7 @@ def test_under_both_rules_a_turn_moves_only_where_each_would_move_it() -> None:
             lease.release()
     # Without a fit there is nothing to price: by requests in flight, whatever the setting.
     (plain,) = _priced_pool(1.0, "threshold", high=0, rule="both").routers
-    assert (plain.priced(), plain.affinity_rule()) == (False, "in_flight")
+    assert (plain.turns.priced(), plain.turns.rule()) == (False, "in_flight")
 
 
 def test_a_turn_moves_where_it_costs_least_with_its_re_prefill() -> None:
@@ -212,13 +213,13 @@ def test_a_turn_moves_where_it_costs_least_with_its_re_prefill() -> None:
         leases += [router.admit(Role.BASELINE, "b2", 16000) for _ in range(2)]
         if fit_error:
             # b2 would save the turn 1.3% of its cost on b0: within the fit's 5% error, it stays.
-            costs = {s: router.turn_cost(s, 8500, 500) for s in ("b0", "b2")}
+            costs = {s: router.turns.turn_cost(s, 8500, 500) for s in ("b0", "b2")}
             gain = costs["b0"][0] - moved_cost(*costs["b2"], 8000, 20_000, slack)
             assert 0 < gain < 0.05 * costs["b0"][0]
             placed = fleet.decide(held=Held("b0", 8000), prompt_tokens=8500)
             assert (placed.server, placed.affinity) == ("b0", "hit")
         elif slack == 0.45:
-            costs = {s: router.turn_cost(s, 8500, 500) for s in ("b0", "b1", "b2")}
+            costs = {s: router.turns.turn_cost(s, 8500, 500) for s in ("b0", "b1", "b2")}
             assert costs["b1"][0] < costs["b2"][0] < costs["b0"][0]
             moved = {s: moved_cost(cost, batch, 8000, 20_000, slack) for s, (cost, batch) in costs.items()}
             assert moved["b2"] < costs["b0"][0] < moved["b1"]
@@ -245,8 +246,8 @@ def test_under_an_engine_signal_a_turn_is_priced_with_the_other_gateways_streams
         router.tracker.scraped(server, streams)
     router.refresh()
     assert router.speed is not None and router.speed.context > 5000
-    assert router.placement_load("b0") == router.placement_load("b1") == 4
-    b0, b1 = router.turn_cost("b0", 1000, 500)[0], router.turn_cost("b1", 1000, 500)[0]
+    assert router.loads.placement_load("b0") == router.loads.placement_load("b1") == 4
+    b0, b1 = router.turns.turn_cost("b0", 1000, 500)[0], router.turns.turn_cost("b1", 1000, 500)[0]
     assert b0 - b1 > 5 * 500 / 20_000  # more than the re-prefill moving saves
     placed = fleet.decide(held=Held("b0", 500), prompt_tokens=1000)
     assert (placed.server, placed.affinity) == ("b1", "break_load")

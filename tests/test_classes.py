@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from loadtest.procs import free_port
-from proxy.policy.base import ClassView, Decision, PolicyState, PoolGains, Role, class_choice, marginal_gain
+from proxy.policy.base import ClassView, Decision, PolicyState, PoolGains, Role, marginal_gain
 from proxy.policy.beliefs import UPDATE_EVERY_S
 from proxy.policy.calibration import ModelFit, StepFit
 from proxy.routing.classes import (
@@ -28,7 +28,9 @@ from proxy.routing.classes import (
     ClassBook,
     class_of,
 )
-from proxy.routing.router import Fleet, Router
+from proxy.routing.fleet import Fleet
+from proxy.routing.router import Router
+from proxy.routing.steps.classes import class_choice
 
 from .helpers import Clock, adaptive_cfg, policy_cfg, rig, wait_until
 from .inprocess import Gateway, StartGateway
@@ -311,7 +313,7 @@ def test_a_pools_classes_are_placed_by_the_calibrations_curves_and_the_load_on_e
     policy = policy_cfg("adaptive", 16, 8, probe_s=0.0)
     adaptive = adaptive_cfg(margin=0.0, min_watermark=0, max_watermark=60)
     (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, calibration(), clock=Clock()).routers
-    weak, strong = router.class_view(False, 1.2), router.class_view(True, 3.0)
+    weak, strong = router.class_pricing.view(False, 1.2), router.class_pricing.view(True, 3.0)
     assert strong.low is not None and strong.low >= 5  # its own watermarks keep it on speculation at 5
     # Both idle: per the curves a stream of 1.2 makes 1.2 * 60 tokens/s on speculation and 100 on
     # the baseline, one of 3.0 makes 180.
@@ -353,8 +355,8 @@ def test_under_the_model_policy_a_pools_gains_are_the_fitted_step_times_not_corr
     v10, v11, base = 1 / 0.013, 1 / 0.0131, 1 / 0.0061
     expected = PoolGains(3.0 * v11 - 10 * 3.0 * (v10 - v11), base, 3.0 * v11, base)
     assert router.pool_gains(3.0) == pytest.approx(expected)
-    assert router.decide(klass=router.class_view(True, 3.0))[:2] == (Role.SPECULATIVE, "class")
-    assert router.decide(klass=router.class_view(False, 1.3))[:2] == (Role.BASELINE, "class")
+    assert router.decide(klass=router.class_pricing.view(True, 3.0))[:2] == (Role.SPECULATIVE, "class")
+    assert router.decide(klass=router.class_pricing.view(False, 1.3))[:2] == (Role.BASELINE, "class")
     # Streams read at half the speculative server's fitted speed correct its watermarks, not the
     # gains: the baseline's speed, never read while speculation runs, would be compared uncorrected.
     for _ in range(40):
@@ -395,11 +397,11 @@ def test_under_the_model_policy_what_a_class_is_told_follows_the_context_and_the
     adaptive = adaptive_cfg(min_watermark=0, max_watermark=200)
     (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, cal, clock=Clock()).routers
     assert router.speed is not None
-    short = (router.pool_gains(3.0, (4, 4)), router.class_view(True, 3.0))
+    short = (router.pool_gains(3.0, (4, 4)), router.class_pricing.view(True, 3.0))
     # Four streams of 20,000 tokens: each step reads 2 ms more KV a stream; both are told anew.
     leases = [router.admit(Role.SPECULATIVE, tokens=20_000) for _ in range(4)]
     assert router.speed.context == pytest.approx(20_000)
-    long = (router.pool_gains(3.0, (4, 4)), router.class_view(True, 3.0))
+    long = (router.pool_gains(3.0, (4, 4)), router.class_pricing.view(True, 3.0))
     t = 20_000.0
     assert long[0] is not None and long[0].speed_baseline == pytest.approx(1 / fit.baseline.step_s(5, 5 * t))
     assert short[0] is not None and long[0].speed_baseline < short[0].speed_baseline
@@ -408,7 +410,7 @@ def test_under_the_model_policy_what_a_class_is_told_follows_the_context_and_the
     # watermarks are solved again at it (the gains are not, pool_gains' rule).
     for _ in range(40):
         router.observe(Role.SPECULATIVE, 4, 0.5 * 3.0 / fit.speculative.step_s(4, 4 * t), 4 * t, 3.0)
-    corrected = router.class_view(True, 3.0)
+    corrected = router.class_pricing.view(True, 3.0)
     assert corrected.high is not None and long[1].high is not None and corrected.high < long[1].high
     for lease in leases:
         lease.release()
@@ -428,7 +430,7 @@ def test_the_model_policy_spreads_a_roles_load_over_its_servers_that_are_up() ->
     fleet = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, cal, clock=Clock())
     (router,) = fleet.routers
     assert router.speed is not None and router.speed.servers[Role.BASELINE] == 2
-    both = (router.speed.crossover, router.cfg.high_watermark, router.class_view(True, 3.0))
+    both = (router.speed.crossover, router.cfg.high_watermark, router.class_pricing.view(True, 3.0))
     gains = router.pool_gains(3.0, (1, 4))
     # One baseline server down (health's on_change refreshes the fleet): the same load on the one
     # left is a batch twice the size, slower a stream, so speculation pays to more streams, the
@@ -441,7 +443,7 @@ def test_the_model_policy_spreads_a_roles_load_over_its_servers_that_are_up() ->
     crossover = math.inf if router.speed.crossover is None else router.speed.crossover  # None: every load
     assert both[0] is not None and crossover > both[0]
     assert router.cfg.high_watermark > both[1]
-    one = router.class_view(True, 3.0)
+    one = router.class_pricing.view(True, 3.0)
     assert one.high is not None and both[2].high is not None and one.high > both[2].high
     # A class's gains too (kept between asks, forgotten when health changes): the baseline's four
     # streams on one server, not two each, step slower.
@@ -454,7 +456,7 @@ def test_the_model_policy_spreads_a_roles_load_over_its_servers_that_are_up() ->
     assert router.speed.servers[Role.BASELINE] == 2
     r.health["b0"].healthy = r.health["b1"].healthy = True
     fleet.refresh()
-    assert (router.speed.crossover, router.cfg.high_watermark, router.class_view(True, 3.0)) == both
+    assert (router.speed.crossover, router.cfg.high_watermark, router.class_pricing.view(True, 3.0)) == both
     assert router.pool_gains(3.0, (1, 4)) == gains
 
 
@@ -466,13 +468,13 @@ def test_a_classs_watermarks_are_the_groups_curves_at_its_acceptance() -> None:
     adaptive = adaptive_cfg(margin=0.0, min_watermark=0, max_watermark=60)
     (router,) = Fleet(r.topology, r.servers, policy, r.metrics, adaptive, calibration(), clock=clock).routers
     assert (router.cfg.high_watermark, router.cfg.low_watermark) == (20, 15)  # at the live 3.0
-    assert router.class_view(True, 3.0) == ClassView(True, 20, 15, 3.0)
-    assert router.class_view(False, 1.2) == ClassView(False, 0, 0, 1.2)  # never pays at 1.2
-    strong = router.class_view(True, 6.0)
+    assert router.class_pricing.view(True, 3.0) == ClassView(True, 20, 15, 3.0)
+    assert router.class_pricing.view(False, 1.2) == ClassView(False, 0, 0, 1.2)  # never pays at 1.2
+    strong = router.class_pricing.view(True, 6.0)
     assert strong.high == 60 and strong.low is not None and strong.low < 60  # pays to the top level, clamped
-    assert router.class_view(None, None) == ClassView(None)  # acceptance not known yet
+    assert router.class_pricing.view(None, None) == ClassView(None)  # acceptance not known yet
     leases = [router.admit(Role.SPECULATIVE) for _ in range(17)]
-    weak = router.decide(klass=router.class_view(False, 1.2))
+    weak = router.decide(klass=router.class_pricing.view(False, 1.2))
     assert (weak.backend, weak.reason) == (Role.BASELINE, "class")
     assert router.decide(klass=strong).backend == Role.SPECULATIVE
     leases += [router.admit(Role.BASELINE) for _ in range(8)]  # 25: past the group's high watermark
@@ -484,13 +486,13 @@ def test_a_classs_watermarks_are_the_groups_curves_at_its_acceptance() -> None:
     for _ in range(40):
         router.observe(Role.SPECULATIVE, 20, 5.0)
         clock.t += 0.3
-    lower = router.class_view(True, 6.0)
+    lower = router.class_pricing.view(True, 6.0)
     assert lower.high is not None and lower.high < 60
     for lease in leases:
         lease.release()
     # Under the threshold policy there is no model of speed: the ranked rule.
     (plain,) = Fleet(r.topology, r.servers, policy_cfg(high=16, low=8), r.metrics).routers
-    assert plain.class_view(True, 3.0) == ClassView(True, accept=3.0)
+    assert plain.class_pricing.view(True, 3.0) == ClassView(True, accept=3.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -817,11 +819,11 @@ def test_a_group_reads_its_traffics_acceptance_from_its_classes_not_from_what_it
     book = ClassBook(4, priors={"code": 3.0, "chat": 1.25})
     router = _paired_router(clock, 1.25, book)
     stale = _paired_router(clock, 1.25, None)
-    assert router.accept_live(clock()) == (1.25, "live")  # no class seen yet: the engine's reading
+    assert router.learning.accept_live(clock()) == (1.25, "live")  # no class seen yet: the engine's reading
     book.tracked("code", clock())
     book.tracked("chat", clock())
     clock.t += RANK_EVERY_S  # the mix is reckoned anew at most this often
-    accept, source = router.accept_live(clock())
+    accept, source = router.learning.accept_live(clock())
     assert accept == pytest.approx(2.125) and source == "from traffic classes"
     clock.t += 5.0
     router.refresh()
@@ -834,7 +836,7 @@ def test_a_group_reads_its_traffics_acceptance_from_its_classes_not_from_what_it
     book.unclassed(clock())
     book.unclassed(clock())
     clock.t += RANK_EVERY_S
-    accept, source = router.accept_live(clock())
+    accept, source = router.learning.accept_live(clock())
     assert accept == pytest.approx(0.5 * 2.125 + 0.5 * 1.25, rel=1e-2) and source == "from traffic classes and live"
 
 

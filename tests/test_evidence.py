@@ -105,13 +105,13 @@ def test_the_router_weighs_each_clients_reading_by_its_traffic() -> None:
     for _ in range(20):
         r.note_output(Role.BASELINE, 16, client="key:attacker")
         r.note_shadow(61, 17, "key:attacker")
-    assert r.accept_live(clock.t)[0] == pytest.approx(3.75)
+    assert r.learning.accept_live(clock.t)[0] == pytest.approx(3.75)
     assert r.wants_shadow_of("key:attacker")
     # Others are served far more, and measured once: the attacker is not copied again.
     r.note_output(Role.BASELINE, 20 * 16 * 9, client="addr:10.0.0.2")
     assert not r.wants_shadow_of("key:attacker") and r.wants_shadow_of("addr:10.0.0.2")
     r.note_shadow(64, 64, "addr:10.0.0.2")  # varied prompts: one token a step
-    value, source = r.accept_live(clock.t)
+    value, source = r.learning.accept_live(clock.t)
     assert value == pytest.approx((1 * 3.75 + 9 * 1.0) / 10) and source == "from probe streams"
 
 
@@ -253,7 +253,9 @@ def test_a_probe_that_raises_is_logged_once_and_probes_go_on(caplog: pytest.LogC
 def test_a_shadow_that_could_not_be_sent_is_not_counted_and_the_count_is_bounded() -> None:
     import dataclasses
 
-    from proxy.policy.base import MAX_PROBE_DOUBLINGS, PolicyState, Role, decide
+    from proxy.policy.base import PolicyState, Role
+    from proxy.routing.steps.pipeline import decide
+    from proxy.routing.steps.probe import MAX_PROBE_DOUBLINGS
 
     from .test_adaptive import SHADOW, snap
 

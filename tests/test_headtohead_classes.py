@@ -54,8 +54,9 @@ from loadtest.prompts import repetitiveness
 from loadtest.textbank import TextBank
 from loadtest.workload import TrafficClass, Workload, WorkloadSpec
 from proxy.config import ENGINE_SCRAPE_INTERVAL_S, Settings
-from proxy.policy.base import LoadSnapshot, PolicyState, Role, decide
+from proxy.policy.base import LoadSnapshot, PolicyState, Role
 from proxy.policy.calibration import Calibration, Curve, ModelFit, StepFit, load, to_json
+from proxy.routing.steps.pipeline import decide
 
 from .test_headtohead import tc
 

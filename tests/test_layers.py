@@ -8,8 +8,9 @@ import ast
 from pathlib import Path
 
 PROXY = Path(__file__).resolve().parent.parent / "proxy"
-# Pure: what routing decides with. Nothing here may reach a socket, the event loop or a framework.
-PURE = ("proxy.policy", "proxy.fleet")
+# Pure: what routing decides with (the policies, the steps of the decision, what servers are).
+# Nothing here may reach a socket, the event loop or a framework.
+PURE = ("proxy.policy", "proxy.fleet", "proxy.routing.steps")
 IO = ("asyncio", "socket", "ssl", "httptools", "uvicorn", "uvloop", "fastapi", "starlette", "aiohttp", "httpx")
 
 

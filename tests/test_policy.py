@@ -14,11 +14,10 @@ from proxy.policy.base import (
     PolicyState,
     Role,
     backend_load,
-    decide,
-    kv_spill,
-    next_mode,
-    spills,
 )
+from proxy.policy.threshold import next_mode
+from proxy.routing.steps.pipeline import decide
+from proxy.routing.steps.spill import kv_spill, spills
 
 from .helpers import policy_cfg
 

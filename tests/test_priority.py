@@ -7,13 +7,19 @@ import contextlib
 
 import pytest
 
-from proxy.policy.base import LoadSnapshot, PolicyState, Role, decide_batch
+from proxy.policy.base import Decision, LoadSnapshot, PolicyConfig, PolicyState, Role
+from proxy.routing.steps.base import Ask
+from proxy.routing.steps.pipeline import decide
 
 from .helpers import policy_cfg, wait_until
 from .inprocess import Gateway, StartGateway
 
 LONG = {"prompt": "p", "max_tokens": 120_000, "stream": True}
 BATCH = {"x-specgate-priority": "batch"}
+
+
+def batch_decision(snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:
+    return decide(snapshot, state, cfg, Ask(batch=True))
 
 
 def _snapshot(spec: bool = True, base: bool = True) -> LoadSnapshot:
@@ -25,11 +31,11 @@ def _snapshot(spec: bool = True, base: bool = True) -> LoadSnapshot:
 def test_a_batch_request_goes_to_the_baseline_and_leaves_the_mode_alone() -> None:
     cfg = policy_cfg(high=2, low=1)
     state = PolicyState(Role.SPECULATIVE)
-    d = decide_batch(_snapshot(), state, cfg)
+    d = batch_decision(_snapshot(), state, cfg)
     assert (d.backend, d.reason, d.state, d.shadow) == (Role.BASELINE, "batch", state, False)
-    assert decide_batch(_snapshot(base=False), state, cfg).backend == Role.SPECULATIVE  # only_healthy
-    assert decide_batch(_snapshot(base=False), state, cfg).reason == "only_healthy"
-    assert decide_batch(_snapshot(False, False), state, cfg).backend is None
+    assert batch_decision(_snapshot(base=False), state, cfg).backend == Role.SPECULATIVE  # only_healthy
+    assert batch_decision(_snapshot(base=False), state, cfg).reason == "only_healthy"
+    assert batch_decision(_snapshot(False, False), state, cfg).backend is None
 
 
 async def _routing_load(gw: Gateway) -> tuple[int, int, int]:

@@ -15,7 +15,7 @@ from proxy.config import Settings
 from proxy.fleet.servers import Health
 from proxy.fleet.topology import build
 from proxy.policy.base import ROLES, Role, least_loaded, near_ties
-from proxy.routing.router import Fleet
+from proxy.routing.fleet import Fleet
 
 from .helpers import Clock, policy_cfg, rig
 
@@ -84,7 +84,7 @@ def test_a_request_goes_to_the_least_loaded_group_then_to_its_server_for_the_mod
         p = f.decide()
         assert p.router is g1 and p.decision.backend == "speculative"
         held.append(p.router.admit(p.decision.backend))
-    assert g1.role_count(Role.SPECULATIVE) == 2
+    assert g1.loads.role_count(Role.SPECULATIVE) == 2
     # Each group has its own mode: group-1 reaches its high watermark and turns to its baseline.
     held += [g1.admit(Role.SPECULATIVE) for _ in range(3)]
     assert g1.state.mode == "baseline" and g0.state.mode == "speculative"
@@ -118,25 +118,25 @@ def test_a_servers_engine_load_is_the_others_as_last_read_plus_ours_now() -> Non
         health[name].engine_load = 5
         t.scraping(name)
         t.scraped(name, 5)
-    assert r.server_load("speculative-0") == 5 and t.others("speculative-0") == 5
+    assert r.loads.server_load("speculative-0") == 5 and t.others("speculative-0") == 5
     # Three of ours go to speculative-0: they count at once, before any scrape sees them.
     held = [t.acquire("speculative-0") for _ in range(3)]
-    assert r.server_load("speculative-0") == 8
+    assert r.loads.server_load("speculative-0") == 8
     # The scrape sees them (5 others + 3 ours): nothing counts twice.
     t.scraping("speculative-0")
     t.scraped("speculative-0", 8)
-    assert t.others("speculative-0") == 5 and r.server_load("speculative-0") == 8
+    assert t.others("speculative-0") == 5 and r.loads.server_load("speculative-0") == 8
     # One of ours ends: gone at once, though the engine reading still holds it.
     held[0].release()
-    assert r.server_load("speculative-0") == 7
+    assert r.loads.server_load("speculative-0") == 7
     # Under `local` only ours count; `max` is the engine's figure, which includes ours.
-    assert r.engine_loads() == {"speculative": 7 + 5, "baseline": 5}
+    assert r.loads.engine_loads() == {"speculative": 7 + 5, "baseline": 5}
     # A server whose engine load turns unreadable keeps the others as they last stood (ours alone
     # would be a fraction of the load with several replicas); one never read is counted by ours.
     health["speculative-1"].engine_load = None
-    assert r.server_load("speculative-1") == 5 and r.engine_loads()[Role.SPECULATIVE] == 7 + 5
+    assert r.loads.server_load("speculative-1") == 5 and r.loads.engine_loads()[Role.SPECULATIVE] == 7 + 5
     f2, _ = fleet(S0, B0, signal="engine")
-    assert f2.routers[0].engine_loads() == {"speculative": None, "baseline": None}
+    assert f2.routers[0].loads.engine_loads() == {"speculative": None, "baseline": None}
 
 
 def test_the_others_are_smoothed_slowly_for_placement_and_over_a_second_for_the_mode() -> None:
@@ -153,21 +153,21 @@ def test_the_others_are_smoothed_slowly_for_placement_and_over_a_second_for_the_
     t.scraping("speculative-0")
     t.scraped("speculative-0", 10)
     assert t.others("speculative-0") == 10
-    assert r.placement_load("speculative-0") == pytest.approx(10 * (1 - math.exp(-0.2 / 5)))
+    assert r.loads.placement_load("speculative-0") == pytest.approx(10 * (1 - math.exp(-0.2 / 5)))
     # The mode counts a rise at once (the larger of the reading and its one-second average).
-    assert r.server_load("speculative-0") == 10
+    assert r.loads.server_load("speculative-0") == 10
     # As it stands over several seconds of scrapes, placement follows it too.
     for _ in range(150):
         clock.t += 0.2
         t.scraping("speculative-0")
         t.scraped("speculative-0", 10)
-    assert r.placement_load("speculative-0") == pytest.approx(10, abs=0.5)
+    assert r.loads.placement_load("speculative-0") == pytest.approx(10, abs=0.5)
     assert {r.admit(Role.SPECULATIVE).server for _ in range(5)} == {"speculative-1"}
     # A fall counts for the mode only as it lasts: one reading of 0 leaves most of the 10.
     clock.t += 0.2
     t.scraping("speculative-0")
     t.scraped("speculative-0", 0)
-    assert r.server_load("speculative-0") == 8
+    assert r.loads.server_load("speculative-0") == 8
     # At the 2 s default interval one gateway's mode hardly smooths: 86% of the way in one scrape.
     mode_before, place_before = t.others_smooth("speculative-0"), t.others_balance("speculative-0")
     clock.t += 2.0

@@ -17,8 +17,10 @@ from ..config import redact_url
 from ..edge import access
 from ..errors import ApiError
 from ..gate import Gate
-from ..policy.base import ROLES, Role, spill_on
+from ..policy.base import ROLES, Role
 from ..routing.router import Router
+from ..routing.steps.pipeline import describe as describe_steps
+from ..routing.steps.spill import spill_on
 
 router = APIRouter()
 
@@ -83,7 +85,7 @@ def describe(gate: Gate) -> dict[str, Any]:
             "others": tracker.others(name),
             "others_smoothed": round(tracker.others_smooth(name), 2),
             "others_balance": round(tracker.others_balance(name), 2),
-            "load": fleet.router_of(name).server_load(name),
+            "load": fleet.router_of(name).loads.server_load(name),
             "engine": h.engine,
             "engine_load": h.engine_load,
             "engine_signal_up": bool(h.engine_signal_up),
@@ -114,17 +116,17 @@ def describe(gate: Gate) -> dict[str, Any]:
             "watermarks": {"high": g.cfg.high_watermark, "low": g.cfg.low_watermark},
             # Streams the speculative role holds before its KV pool is full (None: unknown), and
             # the watermarks in effect, capped to it.
-            "kv_capacity_streams": g.kv_streams,
+            "kv_capacity_streams": g.kv.kv_streams,
             # Tokens a conversation's next turn adds (counted in the capacity: room for it).
-            "turn_growth_tokens": round(g.turn_growth),
+            "turn_growth_tokens": round(g.kv.turn_growth),
             # How a turn's stay on the server holding its cache is weighed (affinity.py): priced
             # (each server's cost in stream-seconds, at `turn_out_tokens` a turn) or in_flight.
-            "affinity_rule": g.affinity_rule(),
-            "turn_out_tokens": round(g.out_tokens),
+            "affinity_rule": g.turns.rule(),
+            "turn_out_tokens": round(g.turns.out_tokens),
             # A paired group's footprint growth (tokens a second past its scatter, forecast.py), which
             # the capacity is read ahead at while the footprint is under half the pool; None: no
             # forecast, the footprint as it is.
-            "kv_forecast_growth_tok_s": None if g.footprint is None else round(max(0.0, g.footprint.rate())),
+            "kv_forecast_growth_tok_s": None if g.kv.footprint is None else round(max(0.0, g.kv.footprint.rate())),
             "watermarks_in_effect": {"high": g.policy_cfg().high_watermark, "low": g.policy_cfg().low_watermark},
             "kv_spill": _spill(g),
             "servers": {role: list(g.group.of(role)) for role in ROLES},
@@ -138,6 +140,8 @@ def describe(gate: Gate) -> dict[str, Any]:
     return {
         "policy": s.policy,
         "topology": fleet.topology.kind,
+        # The steps a new request's placement goes through, in order (routing/steps/pipeline.py).
+        "pipeline": describe_steps(first.steps),
         # The first group's mode, watermarks and beliefs (with one group, the gateway's); every
         # group's are under "groups".
         "mode": first.state.mode,
@@ -156,7 +160,7 @@ def describe(gate: Gate) -> dict[str, Any]:
         "affinity": {
             "entries": len(gate.affinity),
             "slack": s.affinity_slack,
-            "rule": first.affinity_rule(),
+            "rule": first.turns.rule(),
         },
         # Traffic classes: what names them, and what is known of each tracked one.
         "classes": {
@@ -231,7 +235,7 @@ def _classes(tracked: dict[str, dict[str, Any]], router: Router) -> dict[str, di
     a pair, without a speed model or a known acceptance)."""
     for info in tracked.values():
         accept = info["accept_length"]
-        view = router.class_view(None, accept)
+        view = router.class_pricing.view(None, accept)
         known = view.high is not None and view.low is not None
         info["watermarks"] = {"high": view.high, "low": view.low} if known else None
         gains = None if accept is None else router.pool_gains(accept)

@@ -226,7 +226,7 @@ class Learning(StreamObserver):
         self._size = 0
         self._learn = timed and router.adaptive is not None and router.backend_load(other(backend)) == 0
         self._start_load = router.backend_load(backend) if self._learn else 0
-        self._start_tokens = router.role_tokens(backend) if self._learn else 0
+        self._start_tokens = router.loads.role_tokens(backend) if self._learn else 0
         self._first_at = 0.0
 
     def first(self, data: bytes, at: float) -> None:
@@ -256,5 +256,5 @@ class Learning(StreamObserver):
         if self._learn and tokens >= MIN_LEARN_TOKENS and elapsed > 0 and not router.backend_load(other(backend)):
             load = (self._start_load + router.backend_load(backend)) / 2
             # The context its server held, as the load: the mean of its start and its end.
-            held = (self._start_tokens + router.role_tokens(backend)) / 2
+            held = (self._start_tokens + router.loads.role_tokens(backend)) / 2
             router.observe(backend, load, (tokens - 1) / elapsed, held, self._accept)

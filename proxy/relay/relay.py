@@ -209,7 +209,7 @@ class _Relay:
                     gate.health.mark_down(server, str(err))
                 self._drop_upstream()
                 alt = other(backend)
-                up = self.router.healthy_map()
+                up = self.router.loads.healthy_map()
                 if attempt == 0 and err.retryable and up[alt]:
                     log.warning("request %s: %s; retrying on %s", call.request_id, err, alt)
                     self.lease = self.router.failover(self.lease, alt)
@@ -312,11 +312,11 @@ class _Relay:
         out.append(TokenCounts(gate.metrics, backend))
         cls = self.traffic_class
         if up.status == 200:
-            per_event = (self.router.server_accept(lease.server) if backend == Role.SPECULATIVE else None) or 1.0
+            per_event = (self.router.engine_accept_of(lease.server) if backend == Role.SPECULATIVE else None) or 1.0
             mark = generated_mark(call.endpoint)
             if cls is not None and backend == Role.SPECULATIVE:
                 # A stream of one event a decode step shows its steps; else the body may report them.
-                in_stream = call.stream and self.router.counts_steps()
+                in_stream = call.stream and self.router.learning.counts_steps()
                 learn = ClassLearning(
                     lease,
                     mark,

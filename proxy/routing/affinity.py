@@ -23,7 +23,7 @@ stream-seconds:
     stay  iff  (1 - e) * cost(held) <= min over s of  cost(s) + slack * (B_s + 1) * c / P
                                                                      (SPECGATE_AFFINITY_SLACK)
 
-with B a server's streams (routing.Router.placement_load), step_s(B) its fitted step time holding
+with B a server's streams (GroupLoads.placement_load), step_s(B) its fitted step time holding
 them and their tokens (each server's own tokens in flight, the others' at the group's context), n
 the turn's decode steps (the group's mean output tokens per response, over the role's acceptance
 where it drafts), t its prompt's tokens and c those the held server has cached: a prefill holds up
@@ -57,18 +57,22 @@ sessions, affinity moved 20 turns a run against 12 and had 0.86x the goodput of 
 requests in flight (loadtest headtohead-affinity, docs/headtohead-affinity.md).
 
 Which role serves a turn is the policy's: only between the watermarks, where either role pays, and
-only where the roles do not share a GPU, does the held server's role win (policy.affinity_choice).
+only where the roles do not share a GPU, does the held server's role win (proxy/routing/steps/affinity.py).
 Pure but for the table.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from ..kinds import Endpoint
 from ..lru import Lru
+from ..policy.base import SPECULATIVE, PolicyConfig, Role, least_loaded
+from ..policy.beliefs import Adaptive
+from ..policy.speedmodel import StepModel
 
 # The most of a priced turn's cost taken as the fit's error (stays): a worse fit adds no more margin.
 MAX_FIT_ERROR = 0.5
@@ -77,6 +81,12 @@ MAX_FIT_ERROR = 0.5
 CHARS = 4096
 # A session id or user longer than this is hashed like a prompt: the table never holds megabytes.
 MAX_ID_BYTES = 256
+
+# A response's output tokens until responses say (ServerChoice.out_tokens): chat turns run a few
+# hundred, and the rule only weighs one server's cost against another's with it.
+DEFAULT_OUT_TOKENS = 256.0
+# The weight of one response in ServerChoice.out_tokens' moving average.
+OUT_ALPHA = 0.05
 
 # How a turn with a remembered server went: to it, or not, and why not.
 Outcome = Literal["hit", "miss", "break_load", "break_mode", "break_down"]
@@ -196,3 +206,119 @@ class AffinityTable(Lru[bytes, Held]):
 
     def remember(self, key: bytes, server: str, tokens: int) -> None:
         self.put(key, Held(server, tokens))
+
+
+class Turns(Protocol):
+    """What the rule among a role's servers reads of its group."""
+
+    @property
+    def adaptive(self) -> Adaptive | None: ...
+    @property
+    def speed(self) -> StepModel | None: ...
+    @property
+    def cfg(self) -> PolicyConfig: ...
+    def role_of(self, server: str) -> Role: ...
+    def placement_load(self, server: str) -> float: ...
+    def ours(self, server: str) -> tuple[int, int]: ...
+    def engine_accept(self) -> float | None: ...
+    def random(self) -> float: ...
+
+
+class ServerChoice:
+    """The module's rule among a role's servers, for one group: whether a turn moves off the server
+    holding its cache, and where to."""
+
+    __slots__ = ("_group", "out_tokens")
+
+    def __init__(self, group: Turns) -> None:
+        self._group = group
+        # The group's output tokens per response, a moving average (note_output): a turn's decode
+        # steps as the rule prices them (turn_cost).
+        self.out_tokens = DEFAULT_OUT_TOKENS
+
+    def note_output(self, tokens: int) -> None:
+        if tokens > 0:
+            self.out_tokens += OUT_ALPHA * (tokens - self.out_tokens)
+
+    def priced(self) -> bool:
+        """Whether the rule prices a turn's cost: the group has the model policy's fitted step
+        times and a prefill rate, and the rule is not the one by requests in flight alone."""
+        g = self._group
+        a = g.adaptive
+        return a is not None and a.cfg.prefill_tok_s > 0 and g.speed is not None and g.cfg.affinity_rule != "in_flight"
+
+    def rule(self) -> str:
+        """The rule in effect (SPECGATE_AFFINITY_RULE where the group can price, else `in_flight`)."""
+        return self._group.cfg.affinity_rule if self.priced() else "in_flight"
+
+    def turn_cost(
+        self, server: str, prompt_tokens: int, new_tokens: int, batch: float | None = None
+    ) -> tuple[float, float]:
+        """(the stream-seconds a turn of `prompt_tokens`, `new_tokens` of them not cached, adds on
+        `server`, the streams the server holds now): the module's cost(s) at the fitted step times,
+        at the server's own tokens (ours, and the others' at the group's context); the group must be
+        priced(); `batch`: its placement_load, where the caller has read it."""
+        g = self._group
+        a, speed = g.adaptive, g.speed
+        assert a is not None and speed is not None
+        role = g.role_of(server)
+        if batch is None:
+            batch = g.placement_load(server)
+        fit = speed.step(role)
+        held = self._tokens_on(server, batch)
+        now, more = fit.step_s(max(batch, 1.0), held), fit.step_s(batch + 1.0, held + prompt_tokens)
+        per_step = 1.0
+        if role == SPECULATIVE:
+            per_step = g.engine_accept() or a.estimate.accept_live or speed.accept or 1.0
+        steps = self.out_tokens / per_step
+        return turn_cost(steps, batch, now, more, new_tokens, a.cfg.prefill_tok_s), batch
+
+    def _tokens_on(self, server: str, batch: float) -> float:
+        """The tokens `server` holds with `batch` streams (placement_load): ours, and the others'
+        streams at the group's context where the model policy knows it (turn_cost)."""
+        count, ours = self._group.ours(server)
+        others = batch - count
+        speed = self._group.speed
+        if speed is None or others <= 0:  # the local signal's always: its load is ours
+            return ours
+        return ours + others * speed.context
+
+    def move(
+        self, held: str, peers: Sequence[str], cached_tokens: int, prompt_tokens: int, slack: float
+    ) -> tuple[bool, str | None]:
+        """Whether a turn whose cache `held` holds moves off it to one of its role's other healthy
+        servers `peers` (priced where the group is, else by requests in flight), and where to (None
+        where it stays)."""
+        g = self._group
+        held_load = g.placement_load(held)
+        held_tokens = self._tokens_on(held, held_load)
+        loads = [(s, g.placement_load(s)) for s in peers]
+        if all(held_load <= load and held_tokens <= self._tokens_on(s, load) for s, load in loads):
+            # No peer holds fewer streams or tokens (as turn_cost counts them): none costs less,
+            # cost(s) rising with both, under either rule. Most turns end here, without pricing.
+            return False, None
+        if self.priced():
+            a, speed = g.adaptive, g.speed
+            assert a is not None and speed is not None
+            if g.cfg.affinity_rule == "both":
+                # Only servers the rule by requests in flight would leave the held one for: fewer
+                # requests than it by more than its cache is worth.
+                loads = [(s, load) for s, load in loads if not keep(held_load, load, cached_tokens, slack)]
+                if not loads:
+                    return False, None
+            new = max(prompt_tokens - cached_tokens, 0)
+            prefill = a.cfg.prefill_tok_s
+            held_cost, _ = self.turn_cost(held, prompt_tokens, new, held_load)
+            # Where it would cost least elsewhere, its re-prefill there counted.
+            moved, best = min(
+                (moved_cost(*self.turn_cost(s, prompt_tokens, new, load), cached_tokens, prefill, slack), s)
+                for s, load in loads
+            )
+            if stays(held_cost, moved, speed.step(g.role_of(held)).rms_rel):
+                return False, None
+            return True, best
+        least = min(load for _, load in loads)
+        if keep(held_load, least, cached_tokens, slack):
+            return False, None
+        # The least loaded of the others: a turn that breaks off its server never draws it again.
+        return True, least_loaded(loads, g.random())
