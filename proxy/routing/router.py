@@ -94,7 +94,7 @@ class Router:
         self.state = PolicyState()  # no dwell before the first switch
         self.tracker = tracker
         self.policy = policy_for(cfg.policy)
-        self.steps = steps_for(self.policy)
+        self.steps = steps_for(self.policy, cfg, pooled)
         self.loads = GroupLoads(group, servers, tracker, cfg.load_signal)
         self._spec_idle_since: float | None = clock()
         self.learning = Learning(cfg, self.policy, group, servers, adaptive, calibration, classes, clock)
@@ -195,11 +195,13 @@ class Router:
         if self.speed is not None and not batch:
             self._update(self._clock())
             self._model_watermarks(prompt_tokens, new=True)
-        cfg = self.policy_cfg()
+        cfg = self.cfg if self.kv.kv_streams is None else self.kv.capped(self.cfg)
         if not can_probe and cfg.probe_s > 0:
             cfg = dataclasses.replace(cfg, probe_s=0.0)
+        margin = self.switch_margin() if self._switch_per_token else 0.0
+        snapshot = self.loads.snapshot(self._clock(), self._spec_idle_since, margin)
         ask = Ask(can_probe, batch, held, klass, prompt_tokens, cached_tokens)
-        decision = run(self.steps, ask, Here(self.snapshot(), cfg, self.state, self.pooled, self))
+        decision = run(self.steps, ask, Here(snapshot, cfg, self.state, self.pooled, self))
         self._set_state(decision.state)
         self._metrics.decisions.inc(decision.backend or "none", decision.reason)
         return decision
