@@ -3,6 +3,7 @@ page left out of the navigation), and its module map names exactly the modules t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -12,6 +13,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 MODULE_MAP = DOCS / "architecture.md"
+# Dated reports of what one run measured (docs/benchmarks/YYYY-MM-DD-name.md), each with its data.
+REPORTS = DOCS / "benchmarks"
+REPORT_NAME = re.compile(r"^\d{4}-\d{2}-\d{2}-[a-z0-9-]+$")
+REPORT_MAX_LINES = 200
 PACKAGES = ("proxy", "loadtest")
 # A row of the module map: "| `proxy/relay/relay.py` | its job |".
 MAP_ROW = re.compile(r"^\| `((?:proxy|loadtest)/[\w/]+\.py)` \|")
@@ -50,11 +55,12 @@ def test_site_builds_strict(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}{done.stderr}"
-    for page in DOCS.glob("*.md"):
-        built = site / ("index.html" if page.stem == "index" else f"{page.stem}/index.html")
-        assert built.is_file(), f"{page.name} was not built"
-    for image in DOCS.glob("*.png"):
-        assert (site / image.name).is_file(), f"{image.name} is not in the site"
+    for page in DOCS.rglob("*.md"):
+        path = page.relative_to(DOCS).with_suffix("")
+        built = site / (path.parent if path.name == "index" else path) / "index.html"
+        assert built.is_file(), f"{path} was not built"
+    for asset in [*DOCS.rglob("*.png"), *REPORTS.glob("*.json")]:
+        assert (site / asset.relative_to(DOCS)).is_file(), f"{asset.relative_to(DOCS)} is not in the site"
     assert {folder: tree(folder) for folder in (ROOT, DOCS)} == before, "the build wrote into the work tree"
 
 
@@ -68,6 +74,24 @@ def test_module_map_names_exactly_the_modules() -> None:
     assert not gone, f"docs/architecture.md lists modules that do not exist: {gone}"
 
 
+def test_reports_are_dated_short_and_carry_their_data() -> None:
+    """A report is named by its run's date, stays short, and has its data file beside it, linked."""
+    reports = sorted(page for page in REPORTS.glob("*.md") if page.stem != "index")
+    assert reports, "docs/benchmarks/ holds no report"
+    listed = (REPORTS / "index.md").read_text()
+    for page in reports:
+        text = page.read_text()
+        assert REPORT_NAME.match(page.stem), f"{page.name}: not named YYYY-MM-DD-name"
+        assert len(text.splitlines()) <= REPORT_MAX_LINES, f"{page.name}: over {REPORT_MAX_LINES} lines"
+        assert "## Protocol" in text, f"{page.name}: no protocol at its head"
+        data = page.with_suffix(".json")
+        assert data.is_file(), f"{page.name}: no {data.name} beside it"
+        assert f"]({data.name})" in text, f"{page.name}: does not link {data.name}"
+        assert json.loads(data.read_text())["tables"], f"{data.name}: no table"
+        assert f"]({page.name})" in listed, f"{page.name}: not listed in docs/benchmarks/index.md"
+
+
+# Reports are left out: a dated report names the modules of its day.
 def test_docs_name_only_modules_that_exist() -> None:
     existing = modules()
     stale = {

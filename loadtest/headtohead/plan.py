@@ -138,7 +138,7 @@ class HeadPlan:
     max_tokens: int = 128
     think_time_s: float = 0.5  # simulated seconds
     # Each stream's first session starts this far in at most (0: all at once, as in the results of
-    # docs/headtohead.md).
+    # docs/benchmarks/2026-12-04-headtohead.md).
     stagger_s: float = 0.0  # simulated seconds
     window_s: float = 6.0  # simulated seconds
     max_window_s: float = 60.0  # simulated seconds

@@ -37,7 +37,7 @@ it costs least in all, its re-prefill counted (a server of few streams may cost 
 fewer tokens, or the other way). On 1+3 pools at 8k, with the margin, turns moved a run fell from
 20 to 12 at 72 sessions and from 30 to 21 at 144, beside the rule by requests in flight 0.95x and
 1.70x against 0.86x and 1.44x without it, on the same seeds, the intervals overlapping
-(docs/headtohead-affinity.md). Elsewhere (no fit, P 0) and between groups, requests in flight stand
+(docs/benchmarks/2026-12-06-affinity.md). Elsewhere (no fit, P 0) and between groups, requests in flight stand
 for the cost, a thousand cached tokens for one request:
 
     stay  iff  load(held) - load(best) <= slack * cached_tokens / 1000
@@ -46,7 +46,7 @@ By default (SPECGATE_AFFINITY_RULE=both) a priced group moves a turn only where 
 to the server the priced rule picks among those the rule by requests in flight would leave the held
 one for, and only where the price says the move pays. The price counts stream-seconds, but goodput
 counts SLOs, and a move's re-prefill lands on the moved turn's TTFT and the other server's prefill
-queue. On 1+3 pools at 8k and 72 sessions (docs/headtohead-affinity.md), where the priced rule alone
+queue. On 1+3 pools at 8k and 72 sessions (docs/benchmarks/2026-12-07-affinity.md), where the priced rule alone
 had 0.90x to 1.02x the goodput of the rule by requests in flight over four sets of 48 runs, this
 had 1.04x (and a first version of it, which could move a turn to a busier server, 1.06x on two).
 
@@ -54,7 +54,7 @@ Not the adaptive policy's calibrated curves: measured through a multi-turn sweep
 between levels carries each stream's later prefills too, which the rule counts apart, and at small
 batches it reads a stream more as a tenth slower for all. Priced on them, on 1+3 pools at 8k and 72
 sessions, affinity moved 20 turns a run against 12 and had 0.86x the goodput of the rule by
-requests in flight (loadtest headtohead-affinity, docs/headtohead-affinity.md).
+requests in flight (loadtest headtohead-affinity, docs/benchmarks/2026-12-06-affinity.md).
 
 Which role serves a turn is the policy's: only between the watermarks, where either role pays, and
 only where the roles do not share a GPU, does the held server's role win (proxy/routing/steps/affinity.py).
