@@ -35,7 +35,7 @@ DEFAULT_ALLOWED_PATHS = (
 # servers tie): with the health interval's 2 s, 0.97x the better fixed choice; with 0.5 s, 0.99-1.00x.
 ENGINE_SCRAPE_INTERVAL_S = 0.5
 # The speculative pools' use under which a full baseline spills new conversations there, unless set
-# (policy.kv_spill): room for those spilled to grow to SPECGATE_KV_SPILL_AT.
+# (routing/steps/spill.py): room for those spilled to grow to SPECGATE_KV_SPILL_AT.
 KV_SPILL_ROOM = 0.6
 
 
@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     high_watermark: int = Field(16, ge=0, le=MAX_WATERMARK)
     low_watermark: int = Field(8, ge=0, le=MAX_WATERMARK)
     # threshold and adaptive: the load must stay at or below the low watermark this long before
-    # speculation returns (0: at once). See policy.py for why only that way, and why 2 s.
+    # speculation returns (0: at once). See policy/threshold.py for why only that way, and why 2 s.
     low_watermark_hold_s: float = Field(2.0, ge=0)
     # spillover: the speculative server takes new requests while it has fewer than this in flight.
     spillover_limit: int = Field(8, ge=1)
@@ -98,10 +98,10 @@ class Settings(BaseSettings):
     # Leave speculation where the baseline is ahead by this share, return where speculation is.
     adaptive_margin: float = Field(0.05, ge=0, le=0.5)
     # adaptive, paired groups: prompt tokens a second a server prefills, which prices a switch's
-    # re-prefill of every conversation (policy.py). Lower is more cautious; 20,000 is under what
+    # re-prefill of every conversation (policy/adaptive.py). Lower is more cautious; 20,000 is under what
     # an 8B model does on one H100 or H200. 0: switches are not priced.
     prefill_tok_s: float = Field(20_000.0, ge=0, le=1e9)
-    # adaptive, paired groups: the speculative pool's cap (policy.py) is read at the footprint the
+    # adaptive, paired groups: the speculative pool's cap (routing/capacity.py) is read at the footprint the
     # conversations' growth over the last this many seconds would reach as many seconds ahead, so
     # that the switch its filling forces comes while few conversations are there to re-prefill.
     # 0: the cap is read at the footprint as it is.
@@ -145,7 +145,7 @@ class Settings(BaseSettings):
     # priced rule and the one by requests in flight would move it, by default.
     affinity_rule: AffinityRule = "both"
     # adaptive and model: once every baseline server's KV pool is at least this full, a request for
-    # the baseline goes to the speculative role while its pools are under kv_spill_room (policy.py;
+    # the baseline goes to the speculative role while its pools are under kv_spill_room (routing/steps/spill.py;
     # 0: never); unset, the room is the smaller of KV_SPILL_ROOM and the mark.
     kv_spill_at: float = Field(0.9, ge=0, le=1)
     kv_spill_room: float | None = Field(None, gt=0, le=1)

@@ -64,7 +64,7 @@ class Health:
 @dataclass
 class Load:
     """This gateway's requests on one server and the others' as the engine reported them (written
-    by InflightTracker only; see inflight.py for the smoothing)."""
+    by InflightTracker only; see routing/leases.py for the smoothing)."""
 
     count: int = 0
     # Of those, batch requests (x-specgate-priority: batch), which the mode's load leaves out.

@@ -217,7 +217,7 @@ async def models(request: Request) -> Response:
 
 
 def _spill(g: Router) -> dict[str, object]:
-    """The spill to speculation once the baseline's KV pools are full (policy.kv_spill): whether it
+    """The spill to speculation once the baseline's KV pools are full (routing/steps/spill.py): whether it
     is on, its fractions, and each role's pools as the rule reads them (None: unknown)."""
     base, spec = g.kv_used(Role.BASELINE), g.kv_used(Role.SPECULATIVE)
     return {
@@ -231,7 +231,7 @@ def _spill(g: Router) -> dict[str, object]:
 
 def _classes(tracked: dict[str, dict[str, Any]], router: Router) -> dict[str, dict[str, Any]]:
     """Each tracked class, with the watermarks its acceptance calls for in the first group and what
-    each role of a pool would gain with one more of its streams now (policy.class_choice; null in
+    each role of a pool would gain with one more of its streams now (routing/steps/classes.py; null in
     a pair, without a speed model or a known acceptance)."""
     for info in tracked.values():
         accept = info["accept_length"]

@@ -279,7 +279,7 @@ def near_ties(loads: Sequence[tuple[str, float]]) -> list[str]:
     """The names whose load is within NEAR_TIE of the least: a choice among them is as good as
     any. Choosing at random among them, not the first, is what keeps several gateways from all
     sending the next request to the same server. The band is narrow because the loads it compares
-    are this gateway's own requests now plus a slow average of the others' (inflight.py): each
+    are this gateway's own requests now plus a slow average of the others' (routing/leases.py): each
     choice moves the chooser's own figure at once, so no gateway herds between load readings, and
     a wider band (a tenth of the load, at first) let each of three replicas lean two requests the
     same way at random, which is what the groups' loads then wandered by."""

@@ -459,10 +459,10 @@ class AdaptiveConfig:
     # Leave speculation where the baseline is ahead by this share, come back where speculation
     # is: two servers this close do not pull traffic back and forth.
     margin: float
-    # Prompt tokens a second a server prefills: what a paired group's switch costs (policy.py).
+    # Prompt tokens a second a server prefills: what a paired group's switch costs (adaptive.py).
     prefill_tok_s: float
     # Seconds ahead a paired group's cap on speculation is read, at the footprint's growth over as
-    # many past ones (routing.Router.capacity); 0: the footprint as it is.
+    # many past ones (routing/capacity.py); 0: the footprint as it is.
     kv_forecast_s: float
 
 

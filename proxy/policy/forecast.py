@@ -1,5 +1,5 @@
 """A quantity's recent trend, so that a limit is acted on before it is reached: the tokens a paired
-group's conversations would hold on its speculative pool (routing.Router.capacity), read every few
+group's conversations would hold on its speculative pool (proxy/routing/capacity.py), read every few
 hundred milliseconds, whose growth over the last span_s is extrapolated span_s ahead.
 
     rate  = b - Z * se(b)     b the least-squares slope of the samples of the last span_s,

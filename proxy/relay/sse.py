@@ -2,7 +2,7 @@
 boundaries, the usage chunk specgate asked for and drops again, content events, token counts), the
 Responses API's typed event streams (their usage in `response.completed`, their delta events), and
 the usage of a JSON body. Pure functions and small stateful readers over bytes: no I/O, so the relay
-(relay.py) and the shadow prober (probe.py) both read streams through this module and not through
+(relay.py) and the shadow prober (shadow.py) both read streams through this module and not through
 each other.
 
 Every mark below is matched on compact JSON, as every engine writes it.

@@ -29,7 +29,7 @@ The classes that gain most from speculation are the top half of the traffic, ran
     gains_c  iff  traffic of the classes above c + traffic_c / 2  <=  total traffic / 2
 
 (of two classes with equal traffic, the better; a class of most of the traffic only if it is the
-best). policy.class_choice says where that decides.
+best). steps/classes.py says where that decides.
 
 The traffic's acceptance, for a rule that decides for all of it (a paired group's mode, which no class
 splits; a group's watermarks), is its classes' mix:
@@ -43,7 +43,7 @@ last: once the mode left speculation, its last streams, or one probe's conversat
 class it was (measured on the simulated H200, a pair with classes accepting 1.25 and 3.0: the
 engine's gauge read 1.25 after the switch, and the watermarks fell to 0 for good, though
 speculation was the better choice for the mix). The classes' figures are each read from their own
-streams and are kept while they do not run. Router.accept_live weighs the two by `share`.
+streams and are kept while they do not run. learning.Learning.accept_live weighs the two by `share`.
 Pure but for the book.
 """
 

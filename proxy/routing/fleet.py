@@ -105,7 +105,7 @@ class Fleet:
         """Where a new request goes; `server`: where it must go if that server is up (it holds what
         the request continues); `batch`: a batch request (Router.decide); `held`: where its
         conversation's last turn went (affinity.py's rule, group first, then role, then server);
-        `klass`: its traffic class's rank and acceptance, when it has a class (Router.class_view);
+        `klass`: its traffic class's rank and acceptance, when it has a class (ClassPricing.view);
         `prompt_tokens`: its prompt's (the model policy's context)."""
         if server is not None:
             router = self._router_of.get(server)

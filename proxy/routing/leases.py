@@ -7,7 +7,7 @@ reported minus this gateway's own requests then (the others': other replicas', o
 plus this gateway's own requests now: its own part is always current, and only the others' is as
 old as the last scrape. A stale scrape then does not send a burst to one server, and requests that
 ended since it do not count twice. The others' part is also smoothed: over about a second for
-the mode (which takes the larger of the reading and that: routing.Router.server_load), over several
+the mode (which takes the larger of the reading and that: loads.GroupLoads.server_load), over several
 for placement, because every replica reads the same stale figure at once, and placing requests by
 it moved them all to the same group together, then all away (see BALANCE_TAU_S).
 """

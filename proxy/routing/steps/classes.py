@@ -4,7 +4,7 @@ classes that gain most from it (their acceptance: proxy/routing/classes.py learn
 a request of a traffic class whose acceptance A_c is known (classes.py), in a pooled topology
 (the roles on disjoint GPUs, so that the baseline pool is idle hardware otherwise), whatever the
 policy but spillover. Where the policy knows both roles' speed as measured by the calibration
-(adaptive, model: Router.pool_gains), the request goes where the pool's throughput gains most from
+(adaptive, model: ClassPricing.pool_gains), the request goes where the pool's throughput gains most from
 it. With S and B each role's load per server (before the request), v_r(n) the per-stream steps a
 second of role r at n streams (the calibration's curves; the model policy's fitted step times,
 1 / step_r(n, n*t)), and A_S the mean acceptance of the streams on the speculative role (its
@@ -31,7 +31,7 @@ turns decoded at 14-15 ms a token against 10 ms on the idle baseline, and the ce
 a second of goodput against 5.17 with the curves as measured and 5.25 for the static split).
 Where they are not (adaptive without a calibration file, its curves learnt live), each class has
 watermarks of its own, high_c and low_c: the group's, solved at A_c instead of the traffic's acceptance
-(Router.class_marks), and compared with S, the speculative pool's own load:
+(ClassPricing.marks), and compared with S, the speculative pool's own load:
 
     backend = baseline                        if S >= high_c                          (reason class)
             = speculative                     if S <= low_c                           (reason class)

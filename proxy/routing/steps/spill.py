@@ -13,7 +13,7 @@ request the mode or its class sends to the baseline goes to the speculative role
 u a server's KV pool in use, over the servers that are up: its engine's reading (SGLang
 token_usage, vLLM kv_cache_usage_perc), and for a speculative server the larger of that and this
 gateway's tokens in flight there over the pool's size (the reading is a scrape old, and what was
-spilled since is in the second; routing.Router.kv_used; where its engine says nothing, the
+spilled since is in the second; capacity.Capacity.kv_used; where its engine says nothing, the
 second alone), unknown (no spill) where neither is known; F
 SPECGATE_KV_SPILL_AT (0: off), R SPECGATE_KV_SPILL_ROOM. In a fleet of groups, the group chosen
 (by load) is the one whose pools are read. New conversations spill only while
