@@ -81,4 +81,6 @@ def decide(
 ) -> Decision:
     """A group's decision from its snapshot alone (the steps' rules without the router: tests and
     the decision benchmark)."""
-    return run(steps_for(policy_for(cfg.policy), cfg, pooled), ask or Ask(), Here(snapshot, cfg, state, pooled, _Unread()))
+    return run(
+        steps_for(policy_for(cfg.policy), cfg, pooled), ask or Ask(), Here(snapshot, cfg, state, pooled, _Unread())
+    )
