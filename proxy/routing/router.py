@@ -94,7 +94,7 @@ class Router:
         self.state = PolicyState()  # no dwell before the first switch
         self.tracker = tracker
         self.policy = policy_for(cfg.policy)
-        self.steps = steps_for(self.policy, cfg, pooled)
+        self.steps = steps_for(self.policy, pooled)
         self.loads = GroupLoads(group, servers, tracker, cfg.load_signal)
         self._spec_idle_since: float | None = clock()
         self.learning = Learning(cfg, self.policy, group, servers, adaptive, calibration, classes, clock)

@@ -28,23 +28,15 @@ from .health import Health
 from .mode import Mode
 from .priority import Priority
 from .probe import Probe
-from .spill import KvSpill, spill_on
+from .spill import KvSpill
 
 
-def steps_for(policy: Policy, cfg: PolicyConfig | None = None, pooled: bool = True) -> tuple[Step, ...]:
-    """A group's steps, in order: with `cfg`, only those that can act in the group (a probe under a
-    learning policy that probes, a class and a turn's role only where the roles are on disjoint
-    GPUs, the spill where it is on). The decision runs for every request, and a step that always
-    passes costs each of them its call."""
-    every: list[Step] = [Priority(), Mode(policy), Probe(), Health(), TrafficClass(), Affinity(), KvSpill()]
-    if cfg is None:
-        return tuple(every)
-    acts = {
-        "probe": policy.learns and cfg.probe_s > 0,
-        "class": pooled and cfg.policy != "spillover",
-        "affinity": pooled and cfg.policy != "spillover",
-        "kv_spill": spill_on(cfg),
-    }
+def steps_for(policy: Policy, pooled: bool = True) -> tuple[Step, ...]:
+    """A group's steps, in order: only those that can act in it (a probe and the spill under a
+    learning policy, a class and a turn's role only where the roles are on disjoint GPUs). The
+    decision runs for every request, and a step that always passes costs each of them its call."""
+    acts = {"probe": policy.learns, "kv_spill": policy.learns, "class": pooled, "affinity": pooled}
+    every = (Priority(), Mode(policy), Probe(), Health(), TrafficClass(), Affinity(), KvSpill())
     return tuple(s for s in every if acts.get(s.name, True))
 
 
@@ -81,6 +73,4 @@ def decide(
 ) -> Decision:
     """A group's decision from its snapshot alone (the steps' rules without the router: tests and
     the decision benchmark)."""
-    return run(
-        steps_for(policy_for(cfg.policy), cfg, pooled), ask or Ask(), Here(snapshot, cfg, state, pooled, _Unread())
-    )
+    return run(steps_for(policy_for(cfg.policy), pooled), ask or Ask(), Here(snapshot, cfg, state, pooled, _Unread()))
