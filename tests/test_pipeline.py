@@ -42,6 +42,7 @@ def test_every_policy_comes_from_the_factory_and_names_itself() -> None:
 def test_the_steps_run_in_order_and_give_only_their_own_reasons() -> None:
     steps = steps_for(policy_for("adaptive"))
     assert [s.name for s in steps] == ["priority", "mode", "probe", "health", "class", "affinity", "kv_spill"]
+    assert [s.name for s in steps_for(policy_for("threshold"), pooled=False)] == ["priority", "mode", "health"]
     given = [r for s in steps for r in s.reasons]
     assert set(given) <= set(REASONS)
     # Each reason is one step's, but the pooled class rule's affinity tie-break, which is the class
@@ -84,8 +85,9 @@ def test_health_follows_the_mode_and_nothing_after_it_picks_a_role_that_is_down(
 async def test_routing_shows_the_pipeline_in_order(gateway: StartGateway) -> None:
     gw = await gateway(policy="adaptive")
     page = await gw.routing()
+    # A pair: its classes and turns follow the mode, so neither step runs there.
     assert [s["step"] for s in page["pipeline"]] == [
-        "stored_response", "priority", "mode", "probe", "health", "class", "affinity", "kv_spill",
+        "stored_response", "priority", "mode", "probe", "health", "kv_spill",
     ]  # fmt: skip
     assert page["pipeline"][0]["reasons"] == ["stored_response"]
     assert "light_load" in page["pipeline"][2]["reasons"]

@@ -5,17 +5,23 @@ adaptive estimate and curves (proxy/policy/beliefs.py), the model policy's step-
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
 from collections.abc import Callable, Mapping
 
 from ..fleet.engines import ENGINES
 from ..fleet.servers import ServerView
 from ..fleet.topology import Group
-from ..policy.base import ROLES, SPECULATIVE, Policy, PolicyConfig
-from ..policy.beliefs import ACCEPT_CHANGE, Adaptive, AdaptiveConfig, stream_accept
+from ..policy.base import ROLES, SPECULATIVE, Policy, PolicyConfig, PolicyState, Role
+from ..policy.beliefs import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig, stream_accept
 from ..policy.calibration import Calibration
 from ..policy.evidence import AcceptanceEvidence
 from ..policy.speedmodel import ModelLimits, StepModel
 from .classes import ClassBook
+from .steps.probe import probes_restarted
+
+log = logging.getLogger("specgate.routing")
 
 # Where the traffic's acceptance was read, when its classes' mix stands for part of it.
 _MIXED = {s: f"from traffic classes and {s}" for s in ("from probe streams", "live")}
@@ -26,16 +32,9 @@ class Learning:
     `speed` without a fit in the calibration file)."""
 
     __slots__ = (
-        "_classes",
-        "_servers",
-        "_spec_views",
-        "accept_now",
-        "accept_seen",
-        "adaptive",
-        "evidence",
-        "group",
-        "speed",
-    )
+        "_classes", "_servers", "_spec_views", "accept_now", "accept_seen", "adaptive", "evidence", "forecast_s",
+        "group", "speed", "switch_per_token",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -47,6 +46,7 @@ class Learning:
         calibration: Calibration | None,
         classes: ClassBook | None,
         clock: Callable[[], float],
+        pooled: bool = False,
     ) -> None:
         self.group = group
         self._servers = servers
@@ -63,11 +63,20 @@ class Learning:
         self.accept_now: tuple[float | None, str] = (None, "live")
         self.adaptive: Adaptive | None = None
         self.speed: StepModel | None = None
+        # 1 / (P * H), which prices a switch of a paired group per token it re-prefills
+        # (adaptive.switch_pays; 0: not priced, as in a pool, whose conversations stay where their
+        # cache is between the watermarks); and how far ahead its KV footprint is read (capacity.py).
+        self.switch_per_token = 0.0
+        self.forecast_s = 0.0
         if not policy.learns:
             return
         if adaptive is None:
             raise ValueError("the adaptive policy needs its AdaptiveConfig")
         self.adaptive = Adaptive(adaptive, calibration, (cfg.high_watermark, cfg.low_watermark), clock())
+        if not pooled:
+            self.forecast_s = adaptive.kv_forecast_s
+            if adaptive.prefill_tok_s > 0:
+                self.switch_per_token = 1.0 / (adaptive.prefill_tok_s * adaptive.half_life_s)
         if policy.solves and calibration is not None and calibration.model is not None:
             limits = ModelLimits(
                 min_watermark=adaptive.min_watermark, max_watermark=adaptive.max_watermark, margin=adaptive.margin
@@ -114,3 +123,44 @@ class Learning:
         accept, _ = self.accept_now = self.accept_live(now)
         seen, self.accept_seen = self.accept_seen, accept
         return accept is not None and seen is not None and abs(accept - seen) > ACCEPT_CHANGE * seen
+
+    def configured(self, cfg: PolicyConfig) -> PolicyConfig:
+        """`cfg` with what the policy believes at the start: its watermarks, and its curves where
+        switches are priced."""
+        a = self.adaptive
+        if a is None:
+            return cfg
+        high, low = a.watermarks()
+        cfg = dataclasses.replace(cfg, high_watermark=high, low_watermark=low)
+        return dataclasses.replace(cfg, curves=a.curves()) if self.switch_per_token else cfg
+
+    def update(
+        self, now: float, state: PolicyState, cfg: PolicyConfig, caps: Callable[[], dict[Role, int]]
+    ) -> tuple[PolicyState, PolicyConfig] | None:
+        """The mode's state and configuration once what the policy believes is read again, at most
+        every UPDATE_EVERY_S (None: not due). `caps`: each role's streams a server holds (capacity.py)."""
+        a = self.adaptive
+        if a is None or now - a.updated_at < UPDATE_EVERY_S:
+            return None
+        if self.reread(now):
+            state = probes_restarted(state)
+        accept, source = self.accept_now
+        if a.update(accept, now, source, caps()) and self.speed is None:
+            high, low = a.watermarks()
+            log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
+            cfg = dataclasses.replace(cfg, high_watermark=high, low_watermark=low)
+        if self.switch_per_token:
+            cfg = dataclasses.replace(cfg, curves=a.curves())
+        return state, cfg
+
+    def measured(self, client: str, tokens: int, accept: float, now: float, session: int | None = None) -> None:
+        """A probe's stream measured `accept`: evidence, acted on at the next update."""
+        assert self.adaptive is not None
+        self.evidence.measured(client, tokens, accept, now, session)
+        self.adaptive.updated_at = -math.inf
+
+    def model_marks(self, load: int, streams: int, tokens: int) -> tuple[int, int]:
+        """The model policy's watermarks at `load`, for `streams` interactive streams holding `tokens`."""
+        assert self.speed is not None
+        accept, source = self.accept_now
+        return self.speed.watermarks(load, tokens, streams, accept, source)

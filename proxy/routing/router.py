@@ -50,7 +50,7 @@ from .steps import stored
 from .steps.base import Ask, Here
 from .steps.classes import ClassPricing
 from .steps.pipeline import run, steps_for
-from .steps.probe import probe_returned, probes_restarted, shadow_unsent
+from .steps.probe import probe_returned, shadow_unsent
 
 log = logging.getLogger("specgate.routing")
 
@@ -63,7 +63,7 @@ class Router:
     # shares its keys with its class's only up to 30 of them in CPython 3.11, past which each read
     # is a lookup.
     __slots__ = (
-        "_clock", "_metrics", "_rng", "_servers", "_spec_idle_since", "_switch_per_token", "adaptive", "cfg",
+        "_clock", "_metrics", "_rng", "_servers", "_spec_idle_since", "adaptive", "cfg",
         "class_pricing", "group", "kv", "last_load", "learning", "loads", "policy", "pooled", "speed", "state", "steps",
         "tracker", "turns",
     )  # fmt: skip
@@ -97,23 +97,10 @@ class Router:
         self.steps = steps_for(self.policy, pooled)
         self.loads = GroupLoads(group, servers, tracker, cfg.load_signal)
         self._spec_idle_since: float | None = clock()
-        self.learning = Learning(cfg, self.policy, group, servers, adaptive, calibration, classes, clock)
+        self.learning = Learning(cfg, self.policy, group, servers, adaptive, calibration, classes, clock, pooled)
         self.adaptive, self.speed = self.learning.adaptive, self.learning.speed
-        # 1 / (P * H), which prices a switch of a paired group per token it re-prefills
-        # (adaptive.switch_pays; 0: not priced, as in a pool, whose conversations stay where their
-        # cache is between the watermarks).
-        self._switch_per_token = 0.0
-        forecast_s = 0.0
-        if self.adaptive is not None:
-            assert adaptive is not None
-            high, low = self.adaptive.watermarks()
-            self.cfg = dataclasses.replace(cfg, high_watermark=high, low_watermark=low)
-            if not pooled:
-                forecast_s = adaptive.kv_forecast_s
-            if not pooled and adaptive.prefill_tok_s > 0:
-                self._switch_per_token = 1.0 / (adaptive.prefill_tok_s * adaptive.half_life_s)
-                self.cfg = dataclasses.replace(self.cfg, curves=self.adaptive.curves())
-        self.kv = Capacity(group, servers, tracker, self.loads.interactive, clock, forecast_s)
+        self.cfg = self.learning.configured(cfg)
+        self.kv = Capacity(group, servers, tracker, self.loads.interactive, clock, self.learning.forecast_s)
         self.class_pricing = ClassPricing(self, pooled)
         self.turns = ServerChoice(self)
         if self.speed is not None:
@@ -159,16 +146,15 @@ class Router:
         return self.class_pricing.pool_gains(accept, loads)
 
     def snapshot(self) -> LoadSnapshot:
-        margin = self.switch_margin() if self._switch_per_token else 0.0
+        margin = self.switch_margin()
         return self.loads.snapshot(self._clock(), self._spec_idle_since, margin)
 
     def switch_margin(self) -> float:
         """The gain a switch of the group's mode needs (LoadSnapshot.switch_margin): the tokens its
         requests hold (each one's next turn resends them to the other server), priced; 0 where
         switches are not priced."""
-        if not self._switch_per_token:
-            return 0.0
-        return self.loads.interactive()[1] * self._switch_per_token
+        per_token = self.learning.switch_per_token
+        return self.loads.interactive()[1] * per_token if per_token else 0.0
 
     @property
     def load(self) -> int:
@@ -198,7 +184,7 @@ class Router:
         cfg = self.cfg if self.kv.kv_streams is None else self.kv.capped(self.cfg)
         if not can_probe and cfg.probe_s > 0:
             cfg = dataclasses.replace(cfg, probe_s=0.0)
-        margin = self.switch_margin() if self._switch_per_token else 0.0
+        margin = self.switch_margin()
         snapshot = self.loads.snapshot(self._clock(), self._spec_idle_since, margin)
         ask = Ask(can_probe, batch, held, klass, prompt_tokens, cached_tokens)
         decision = run(self.steps, ask, Here(snapshot, cfg, self.state, self.pooled, self))
@@ -283,16 +269,12 @@ class Router:
         self.state = shadow_unsent(self.state)
 
     def wants_shadow_of(self, client: str) -> bool:
-        """Whether a shadow copy of this client's request would add to the evidence: not while its
-        measurement counts in full and others are served, so that one client's requests do not
-        take every probe. A lone client is always read: its traffic is all there is."""
+        """Whether a shadow copy of this client's request would add to the evidence (evidence.py)."""
         return self.learning.evidence.wants_copy(client, self._clock())
 
     def _add_evidence(self, client: str, tokens: int, accept: float, session: int | None = None) -> None:
-        assert self.adaptive is not None
         now = self._clock()
-        self.learning.evidence.measured(client, tokens, accept, now, session)
-        self.adaptive.updated_at = -math.inf  # act on it now
+        self.learning.measured(client, tokens, accept, now, session)
         self._update(now)
 
     def refresh(self, health: bool = False) -> None:
@@ -323,20 +305,12 @@ class Router:
         self._set_state(state)
 
     def _update(self, now: float) -> None:
-        """Re-read what the learning policies believe, at most every UPDATE_EVERY_S."""
-        a = self.adaptive
-        if a is None or now - a.updated_at < UPDATE_EVERY_S:
+        """Act on what the learning policies believe, read again at most every UPDATE_EVERY_S."""
+        found = self.learning.update(now, self.state, self.cfg, self.kv.server_caps)
+        if found is None:
             return
-        if self.learning.reread(now):
-            self.state = probes_restarted(self.state)
-        accept, source = self.learning.accept_now
+        self.state, self.cfg = found
         self.class_pricing.forget()
-        if a.update(accept, now, source, self.kv.server_caps()) and self.speed is None:
-            high, low = a.watermarks()
-            log.info("adaptive watermarks now high=%d low=%d: %s", high, low, a.estimate.why)
-            self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)
-        if self._switch_per_token:
-            self.cfg = dataclasses.replace(self.cfg, curves=a.curves())
         if self.speed is not None:
             self._model_watermarks()
         self._publish_watermarks()
@@ -345,11 +319,8 @@ class Router:
         """The model policy's watermarks for the group as it is, or with a new request of
         `prompt_tokens` (`new`): its context is the mean over this gateway's interactive streams in
         the group (batch ones take no room of speculation's)."""
-        speed = self.speed
-        assert speed is not None
         streams, tokens = self.loads.interactive()
-        accept, source = self.learning.accept_now
-        high, low = speed.watermarks(self.last_load, tokens + max(0, prompt_tokens), streams + new, accept, source)
+        high, low = self.learning.model_marks(self.last_load, streams + new, tokens + max(0, prompt_tokens))
         if (high, low) != (self.cfg.high_watermark, self.cfg.low_watermark):
             self.cfg = dataclasses.replace(self.cfg, high_watermark=high, low_watermark=low)
             self._publish_watermarks()
