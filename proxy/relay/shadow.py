@@ -28,7 +28,7 @@ import orjson
 
 from ..kinds import GENERATIONS
 from ..policy.base import Role
-from ..policy.beliefs import MIN_STREAM_EVENTS
+from ..policy.evidence import MIN_STREAM_EVENTS
 from ..transport.forwarding import renamed
 from ..transport.upstream import UpstreamError
 from .sse import ResponseEvents, completion_tokens, content_events, response_deltas
