@@ -23,7 +23,8 @@ from collections.abc import Mapping
 import aiohttp
 
 from proxy.fleet import promtext
-from proxy.fleet.engines import Engine, detect
+from proxy.fleet.adapter import Engine
+from proxy.fleet.engines import detect
 
 POLL_S = 1.0
 SCRAPE_TIMEOUT_S = 5.0

@@ -14,21 +14,12 @@ from proxy.fleet.servers import Health
 from proxy.observability.metrics import Metrics
 from proxy.policy.adaptive import dwell_mode
 from proxy.policy.base import Curves, LoadSnapshot, PolicyConfig, PolicyState, Role, hysteresis_low
-from proxy.policy.beliefs import (
-    MAX_CORRECTION,
-    PRIOR_WEIGHT,
-    Prior,
-    SpeedModel,
-    WatermarkState,
-    crossing,
-    estimate,
-    held_at_capacity,
-    step_watermark,
-    stream_accept,
-    watermarks,
-)
+from proxy.policy.beliefs import WatermarkState, step_watermark, watermarks
 from proxy.policy.calibration import Calibration, Curve
+from proxy.policy.crossover import crossing, estimate, held_at_capacity
+from proxy.policy.evidence import stream_accept
 from proxy.policy.factory import policy_for
+from proxy.policy.levelspeeds import MAX_CORRECTION, PRIOR_WEIGHT, Prior, SpeedModel
 from proxy.relay.shadow import shadow_body
 from proxy.relay.sse import completion_tokens, content_events
 from proxy.routing.affinity import Held

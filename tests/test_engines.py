@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from proxy.fleet.adapter import AcceptanceRate, BadReading, Engine
 from proxy.fleet.engines import (
     ENGINES,
     LLAMACPP,
     SGLANG,
     VLLM,
-    AcceptanceRate,
-    BadReading,
-    Engine,
     describe_health,
     detect,
-    parse_metrics,
     reported_steps,
 )
-from proxy.fleet.readings import read
+from proxy.fleet.readings import parse_metrics, read
 from proxy.fleet.servers import Health
 
 # As SGLang writes it (--enable-metrics --enable-metrics-for-all-schedulers): labelled per rank,

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from proxy.config import Settings, describe_error, redact_url
 from proxy.policy import calibration as calib
 from proxy.policy.base import ROLES, Role
-from proxy.policy.beliefs import Adaptive, Prior, SpeedModel, estimate, high_for
+from proxy.policy.beliefs import Adaptive
 from proxy.policy.calibration import (
     MAX_ACCEPT,
     MAX_FILE_BYTES,
@@ -33,6 +33,8 @@ from proxy.policy.calibration import (
     load,
     parse,
 )
+from proxy.policy.crossover import estimate, high_for
+from proxy.policy.levelspeeds import Prior, SpeedModel
 
 from .helpers import adaptive_cfg
 from .test_config import CALIBRATION

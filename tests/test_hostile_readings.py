@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from proxy.config import Settings
-from proxy.fleet import engines
+from proxy.fleet import engines, readings
+from proxy.fleet.adapter import BadReading, Engine
 from proxy.fleet.engines import POOL_KEEPALIVE_S
 from proxy.fleet.servers import servers_of
 from proxy.observability.metrics import Metrics
@@ -262,7 +263,7 @@ def test_an_oversized_metrics_body_is_unreadable_and_says_why() -> None:
 def test_parsing_a_big_valid_body_reads_only_what_the_adapters_use() -> None:
     text = big_sglang(8 * 1024 * 1024)
     began = time.perf_counter()
-    engine, values = engines.read_metrics(text)
+    engine, values = readings.read_metrics(text)
     took_s = time.perf_counter() - began
     assert engine is engines.SGLANG and engine.read(values).load == 4
     # Every one of 135,000 lines parsed took 1.6 s here; the few the adapters read, ~10 ms.
@@ -271,15 +272,15 @@ def test_parsing_a_big_valid_body_reads_only_what_the_adapters_use() -> None:
 
 def test_engines_are_detected_from_names_the_adapters_do_not_read_too() -> None:
     # A llama-server without the load metrics: it is named, and what it lacks is said.
-    engine, values = engines.read_metrics(
+    engine, values = readings.read_metrics(
         "# TYPE llamacpp:prompt_tokens_total counter\nllamacpp:prompt_tokens_total 3\n"
     )
     assert engine is engines.LLAMACPP and engine.read(values).load is None
-    assert engines.read_metrics("# TYPE up gauge\nup 1\n") == (None, {})
-    engine, values = engines.read_metrics(vllm("2", "1"), engines.VLLM)
+    assert readings.read_metrics("# TYPE up gauge\nup 1\n") == (None, {})
+    engine, values = readings.read_metrics(vllm("2", "1"), engines.VLLM)
     assert engine is engines.VLLM and values["vllm:num_requests_running"] == 2
-    with pytest.raises(engines.BadReading, match="series"):  # a flood of one read name is refused, not parsed
-        engines.read_metrics("".join(f'sglang:num_running_reqs{{r="{i}"}} 1\n' for i in range(10_000)))
+    with pytest.raises(BadReading, match="series"):  # a flood of one read name is refused, not parsed
+        readings.read_metrics("".join(f'sglang:num_running_reqs{{r="{i}"}} 1\n' for i in range(10_000)))
 
 
 # --- Background loops: a failing round is said once, and the next one runs ---------------------
@@ -339,18 +340,16 @@ def test_the_scrape_loop_survives_a_failing_on_reading(caplog: pytest.LogCapture
 def test_the_scrape_loop_survives_a_parse_that_raises(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = engines.parse_metrics
+    real = readings.parse_metrics
     calls = [0]
 
-    def flaky(
-        text: str, wanted: Collection[str] | None = None, engine: engines.Engine | None = None
-    ) -> dict[str, float]:
+    def flaky(text: str, wanted: Collection[str] | None = None, engine: Engine | None = None) -> dict[str, float]:
         calls[0] += 1
         if calls[0] == 1:
             raise RuntimeError("boom")
         return real(text, wanted, engine)
 
-    monkeypatch.setattr(engines, "parse_metrics", flaky)
+    monkeypatch.setattr(readings, "parse_metrics", flaky)
 
     def arrange(m: HealthMonitor) -> Callable[[], bool]:
         return lambda: calls[0] > 4 and all(s.health.engine_signal_up for s in m.servers.values())

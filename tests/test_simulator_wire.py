@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from loadtest.procs import http_status
 from loadtest.simulator.wire import EOS_TOKEN_ID, token_text
-from proxy.fleet import engines
+from proxy.fleet import engines, readings
 
 from .conftest import StartSim, StartStack
 from .helpers import scrape, sse_events, sse_json, wait_for
@@ -341,7 +341,7 @@ def test_a_conversations_next_turn_reports_its_cached_tokens(simulator: StartSim
     # The counters SGLang exports, which specgate reads the hit rate from: the tokenizer's cached
     # tokens, and the scheduler's prompt tokens found cached and computed.
     assert m["sglang:cached_tokens_total"] == cached
-    engine, values = engines.read_metrics(httpx.get(sim.url + "/metrics", timeout=5).text)
+    engine, values = readings.read_metrics(httpx.get(sim.url + "/metrics", timeout=5).text)
     assert engine is engines.SGLANG
     assert engine.read(values).cache_counters == (cached, first.usage.prompt_tokens + usage.prompt_tokens)
     assert m["sglang:max_total_num_tokens"] > 100_000 and m["sglang:num_used_tokens"] == 0

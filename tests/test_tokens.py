@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from proxy.fleet.engines import ENGINES, BadReading
+from proxy.fleet.adapter import BadReading
+from proxy.fleet.engines import ENGINES
 from proxy.fleet.servers import Server
 from proxy.policy.base import Role
 from proxy.routing.leases import InflightTracker

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from proxy.policy.base import hysteresis_low
-from proxy.policy.beliefs import crossing
 from proxy.policy.calibration import MAX_ACCEPT, Calibration, Curve, ModelFit
+from proxy.policy.crossover import crossing
 from proxy.policy.speedmodel import Point, fit_step
 
 from ..stats import LevelStats

@@ -1,4 +1,4 @@
-"""Prometheus text, parsed in one place: the gateway's engine readings (engines.py) and every tool
+"""Prometheus text, parsed in one place: the gateway's engine readings (readings.py) and every tool
 that reads a /metrics page (the load tester, the tests). Which label sets an engine counts, and
 which labels hold a value, are the engine adapters' to say (`Series`, `label_product`).
 

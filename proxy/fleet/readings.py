@@ -9,13 +9,20 @@ read as an idle server: engine load 0; and sooner, when this gateway has nothing
 and they have stood still several times longer than they usually do while the server works (a
 server whose batch emptied between two refreshes: with several replicas, each balancing its own
 requests, none of ours there means few of anyone's).
+
+The engine is the configured one, else the first whose names begin a sample line. Only the lines
+of the names its adapter reads are parsed, so a big /metrics (most of a real one is histogram
+buckets) costs one scan of its text, not a parse of it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from .engines import BadReading, Engine, read_metrics
+from . import promtext
+from .adapter import BadReading, Engine
+from .engines import ENGINES
 from .servers import Health
 
 # Engine gauges frozen this long (at least), and IDLE_HINT_GAPS times longer than they usually
@@ -28,6 +35,10 @@ ACTIVITY_SMOOTHING = 0.2
 # past this it is a fault or a flood, refused unread: even scanning it costs the event loop about
 # 2 ms a MiB, at every scrape.
 METRICS_MAX_BYTES = 4 * 1024 * 1024
+# Lines of the names the adapters read, per /metrics: each label set is one (a rank, vLLM's engine
+# index), so a real server has a few hundred at most. More is a flood, refused before the parser
+# sees it: that parser takes ~12 us a line.
+MAX_READ_SAMPLES = 4096
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,35 @@ def read(
         kv_tokens = None if kv_tokens is None else 0
         kv_usage = None if kv_usage is None else 0.0
     return Found(found, load, accept, kv_tokens, kv_usage, hit_rate, reading.kv_capacity)
+
+
+def _engine_in(text: str) -> Engine | None:
+    """The first engine whose metric names a /metrics text has."""
+    return next((e for e in ENGINES.values() if e.named_in(text)), None)
+
+
+def parse_metrics(text: str, wanted: Collection[str] | None = None, engine: Engine | None = None) -> dict[str, float]:
+    """Each wanted name's value over the label sets its engine counts (`Engine.combined`; `engine`,
+    else the first whose names the text has). Raises ValueError on text that is not the Prometheus
+    format, BadReading on more than MAX_READ_SAMPLES wanted samples."""
+    try:
+        found = promtext.samples(text, wanted, MAX_READ_SAMPLES if wanted is not None else None)
+    except promtext.TooManySamples:
+        raise BadReading(f"/metrics holds more than {MAX_READ_SAMPLES} series of the names specgate reads") from None
+    if engine is None:
+        engine = _engine_in(text)
+    return promtext.summed(found) if engine is None else engine.combined(found)
+
+
+def read_metrics(text: str, engine: Engine | None = None) -> tuple[Engine | None, dict[str, float]]:
+    """The engine whose /metrics `text` is (`engine` when given, else the first whose names begin a
+    sample line), and the values of the names it reads: only their lines are parsed. (None, {})
+    when no engine's names are there."""
+    if engine is None:
+        engine = _engine_in(text)
+        if engine is None:
+            return None, {}
+    return engine, parse_metrics(text, engine.names, engine)
 
 
 def _hit_rate(h: Health, counters: tuple[float, float]) -> float | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..policy.base import Role
-from .engines import AcceptanceRate, EngineName
+from .adapter import AcceptanceRate, EngineName
 from .topology import Topology
 
 # Acceptance from counters is averaged over this long: a few scrapes, enough drafts to mean something.

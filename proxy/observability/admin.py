@@ -62,7 +62,59 @@ async def routing(request: Request) -> Response:
 
 def describe(gate: Gate) -> dict[str, Any]:
     """The /routing document: every server, role, group and the policy's beliefs."""
-    fleet, s, tracker = gate.fleet, gate.settings, gate.fleet.tracker
+    fleet, s = gate.fleet, gate.settings
+    servers = _servers(gate)
+    groups = [_group(g) for g in fleet.routers]
+    first = fleet.routers[0]
+    in_effect, why = gate.health.signal_in_effect()
+    return {
+        "policy": s.policy,
+        "topology": fleet.topology.kind,
+        # The steps a new request's placement goes through, in order (routing/steps/pipeline.py).
+        "pipeline": describe_steps(first.steps),
+        # The first group's mode, watermarks and beliefs (with one group, the gateway's); every
+        # group's are under "groups".
+        "mode": first.state.mode,
+        "load_signal": s.load_signal,
+        "load_signal_in_effect": in_effect,
+        "load_signal_why": why,
+        "engine_setting": s.engine,
+        "load": sum(g["load"] for g in groups),
+        "inflight": fleet.tracker.total,
+        # Prompt tokens the servers reported over those estimated from request bodies (tokens.py):
+        # the fleet's, which scales clients without a ratio of their own, and how many have one.
+        "prompt_token_ratio": round(gate.token_ratio.value, 3),
+        "prompt_token_ratio_clients": len(gate.token_ratio),
+        # Conversations whose server is remembered (cache affinity), the slack of its rule, and
+        # how the first group weighs a stay among a role's servers (every group's under "groups").
+        "affinity": {
+            "entries": len(gate.affinity),
+            "slack": s.affinity_slack,
+            "rule": first.turns.rule(),
+        },
+        # Traffic classes: what names them, and what is known of each tracked one.
+        "classes": {
+            "key": s.class_key,
+            "max": s.max_classes,
+            "tracked": _classes(gate.classes.describe(first.now()), first),
+            # The traffic's acceptance by its classes, and the share of the traffic that stands for.
+            "mix": _mix(gate.classes.mix(first.now())),
+        },
+        "watermarks": {"high": first.cfg.high_watermark, "low": first.cfg.low_watermark},
+        "calibration": s.calibration,
+        "spillover_limit": s.spillover_limit,
+        "backends": _backends(gate, servers),
+        "servers": servers,
+        "groups": groups,
+        **({"adaptive": first.adaptive.describe(first.now())} if first.adaptive is not None else {}),
+        # The model policy's step-time model (speedmodel.py); absent without a fit (adaptive rules).
+        **({"model": first.speed.describe()} if first.speed is not None else {}),
+    }
+
+
+def _servers(gate: Gate) -> dict[str, dict[str, Any]]:
+    """/routing's `servers`: each server's health, this gateway's requests on it, its engine's reading."""
+    fleet, tracker = gate.fleet, gate.fleet.tracker
     servers = {}
     for name, srv in gate.health.servers.items():
         h = srv.health
@@ -93,7 +145,13 @@ def describe(gate: Gate) -> dict[str, Any]:
             "spec_accept_length": h.spec_accept_length,
             "last_error": h.last_error,
         }
-    # One server a role: the role's entry is that server's; several: a summary.
+    return servers
+
+
+def _backends(gate: Gate, servers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """/routing's `backends`: with one server a role, the role's entry is that server's (from
+    `servers`); with several, a summary."""
+    tracker = gate.fleet.tracker
     backends: dict[str, Any] = {}
     for b in ROLES:
         names = [n for n, srv in gate.health.servers.items() if srv.role == b]
@@ -108,77 +166,34 @@ def describe(gate: Gate) -> dict[str, Any]:
                 "tokens": sum(tracker.tokens(n) for n in names),
                 "engine_load": None if None in loads else sum(loads),
             }
-    groups = [
-        {
-            "name": g.group.name,
-            "mode": g.state.mode,
-            "load": g.load,
-            "watermarks": {"high": g.cfg.high_watermark, "low": g.cfg.low_watermark},
-            # Streams the speculative role holds before its KV pool is full (None: unknown), and
-            # the watermarks in effect, capped to it.
-            "kv_capacity_streams": g.kv.kv_streams,
-            # Tokens a conversation's next turn adds (counted in the capacity: room for it).
-            "turn_growth_tokens": round(g.kv.turn_growth),
-            # How a turn's stay on the server holding its cache is weighed (affinity.py): priced
-            # (each server's cost in stream-seconds, at `turn_out_tokens` a turn) or in_flight.
-            "affinity_rule": g.turns.rule(),
-            "turn_out_tokens": round(g.turns.out_tokens),
-            # A paired group's footprint growth (tokens a second past its scatter, forecast.py), which
-            # the capacity is read ahead at while the footprint is under half the pool; None: no
-            # forecast, the footprint as it is.
-            "kv_forecast_growth_tok_s": None if g.kv.footprint is None else round(max(0.0, g.kv.footprint.rate())),
-            "watermarks_in_effect": {"high": g.policy_cfg().high_watermark, "low": g.policy_cfg().low_watermark},
-            "kv_spill": _spill(g),
-            "servers": {role: list(g.group.of(role)) for role in ROLES},
-            **({"adaptive": g.adaptive.describe(g.now())} if g.adaptive is not None else {}),
-            **({"model": g.speed.describe()} if g.speed is not None else {}),
-        }
-        for g in fleet.routers
-    ]
-    first = fleet.routers[0]
-    in_effect, why = gate.health.signal_in_effect()
+    return backends
+
+
+def _group(g: Router) -> dict[str, Any]:
+    """One entry of /routing's `groups`: the group's mode, load, watermarks, capacity and beliefs."""
     return {
-        "policy": s.policy,
-        "topology": fleet.topology.kind,
-        # The steps a new request's placement goes through, in order (routing/steps/pipeline.py).
-        "pipeline": describe_steps(first.steps),
-        # The first group's mode, watermarks and beliefs (with one group, the gateway's); every
-        # group's are under "groups".
-        "mode": first.state.mode,
-        "load_signal": s.load_signal,
-        "load_signal_in_effect": in_effect,
-        "load_signal_why": why,
-        "engine_setting": s.engine,
-        "load": sum(g["load"] for g in groups),
-        "inflight": tracker.total,
-        # Prompt tokens the servers reported over those estimated from request bodies (tokens.py):
-        # the fleet's, which scales clients without a ratio of their own, and how many have one.
-        "prompt_token_ratio": round(gate.token_ratio.value, 3),
-        "prompt_token_ratio_clients": len(gate.token_ratio),
-        # Conversations whose server is remembered (cache affinity), the slack of its rule, and
-        # how the first group weighs a stay among a role's servers (every group's under "groups").
-        "affinity": {
-            "entries": len(gate.affinity),
-            "slack": s.affinity_slack,
-            "rule": first.turns.rule(),
-        },
-        # Traffic classes: what names them, and what is known of each tracked one.
-        "classes": {
-            "key": s.class_key,
-            "max": s.max_classes,
-            "tracked": _classes(gate.classes.describe(first.now()), first),
-            # The traffic's acceptance by its classes, and the share of the traffic that stands for.
-            "mix": _mix(gate.classes.mix(first.now())),
-        },
-        "watermarks": {"high": first.cfg.high_watermark, "low": first.cfg.low_watermark},
-        "calibration": s.calibration,
-        "spillover_limit": s.spillover_limit,
-        "backends": backends,
-        "servers": servers,
-        "groups": groups,
-        **({"adaptive": first.adaptive.describe(first.now())} if first.adaptive is not None else {}),
-        # The model policy's step-time model (speedmodel.py); absent without a fit (adaptive rules).
-        **({"model": first.speed.describe()} if first.speed is not None else {}),
+        "name": g.group.name,
+        "mode": g.state.mode,
+        "load": g.load,
+        "watermarks": {"high": g.cfg.high_watermark, "low": g.cfg.low_watermark},
+        # Streams the speculative role holds before its KV pool is full (None: unknown), and
+        # the watermarks in effect, capped to it.
+        "kv_capacity_streams": g.kv.kv_streams,
+        # Tokens a conversation's next turn adds (counted in the capacity: room for it).
+        "turn_growth_tokens": round(g.kv.turn_growth),
+        # How a turn's stay on the server holding its cache is weighed (affinity.py): priced
+        # (each server's cost in stream-seconds, at `turn_out_tokens` a turn) or in_flight.
+        "affinity_rule": g.turns.rule(),
+        "turn_out_tokens": round(g.turns.out_tokens),
+        # A paired group's footprint growth (tokens a second past its scatter, forecast.py), which
+        # the capacity is read ahead at while the footprint is under half the pool; None: no
+        # forecast, the footprint as it is.
+        "kv_forecast_growth_tok_s": None if g.kv.footprint is None else round(max(0.0, g.kv.footprint.rate())),
+        "watermarks_in_effect": {"high": g.policy_cfg().high_watermark, "low": g.policy_cfg().low_watermark},
+        "kv_spill": _spill(g),
+        "servers": {role: list(g.group.of(role)) for role in ROLES},
+        **({"adaptive": g.adaptive.describe(g.now())} if g.adaptive is not None else {}),
+        **({"model": g.speed.describe()} if g.speed is not None else {}),
     }
 
 

@@ -26,7 +26,7 @@ server, which must prefill it again:
     a switch to role r waits while  G_r(L)  <  R / (P * H)                        (reason switch_cost)
 
 G_r(L) what r gives at L over the mode now, less 1, by the better of the curves' throughput and
-TPOT (beliefs.py), as the watermarks follow the earlier of their crossings; R the tokens the group's requests hold
+TPOT (crossover.py), as the watermarks follow the earlier of their crossings; R the tokens the group's requests hold
 now (prompts and what they generated: each one's next turn resends them), P the prefill rate
 (SPECGATE_PREFILL_TOK_S; 0: switches are not priced), H the curves' half-life
 (SPECGATE_ADAPTIVE_HALF_LIFE_S): the span the estimate that calls for the switch weighs, taken as

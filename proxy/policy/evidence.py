@@ -47,6 +47,19 @@ MEMORY_S = 60.0
 POOL_KEEP = 0.75
 # Clients kept at once (an entry is a few floats).
 MAX_KEYS = 1024
+# A stream's acceptance is read from at least this many content events.
+MIN_STREAM_EVENTS = 4
+
+
+def stream_accept(tokens: int, events: int) -> float | None:
+    """Acceptance length of one stream from its output tokens and content events, for engines that
+    send one event per decode step; None below MIN_STREAM_EVENTS events. The first and last events
+    are short of a full step (SGLang's first token comes from prefill; the last step is cut by
+    max_tokens or a stop), so one event and one token are set aside: exact at acceptance 1, and
+    within about 10% on a 16-token shadow probe either way."""
+    if events < MIN_STREAM_EVENTS or tokens < events:
+        return None
+    return (tokens - 1) / (events - 1)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..policy.base import Role, other
-from ..policy.beliefs import MIN_STREAM_EVENTS
+from ..policy.evidence import MIN_STREAM_EVENTS
 from .sse import DELTA_MARK, content_events, response_deltas
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ class ClassLearning(Generated):
     where the server sends one content event a decode step (`steps_in_stream`), a stream's output
     tokens over its non-empty content events; else what the body reported of its speculation
     (`reported`, engines.reported_steps: llama-server's timings, SGLang's native meta_info). The
-    first token, from prefill, is set aside either way, as adaptive.stream_accept does. One
+    first token, from prefill, is set aside either way, as evidence.stream_accept does. One
     subscriber, so a chunk's content events are counted once for both."""
 
     __slots__ = ("_book", "_empties", "_metrics", "_name", "_reported", "_steps_in_stream")

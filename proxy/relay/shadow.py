@@ -4,7 +4,7 @@ today's traffic while everything goes to the baseline, at a small, bounded cost.
 A probe is a copy of a client's chat, completion or Responses API request, capped to a few output tokens,
 streamed, and sent to the idle speculative server; the client's own request goes where the mode
 says, untouched, and never sees the copy. Its acceptance comes from its own stream where the
-engine sends one content event per decode step (engines.Engine.stream_steps): tokens over events,
+engine sends one content event per decode step (adapter.Engine.stream_steps): tokens over events,
 at once, instead of waiting for a gauge that SGLang refreshes every 40 decode steps. Elsewhere the
 copy still moves the engine's acceptance counters, which the health poll reads.
 
@@ -28,7 +28,7 @@ import orjson
 
 from ..kinds import GENERATIONS
 from ..policy.base import Role
-from ..policy.beliefs import MIN_STREAM_EVENTS
+from ..policy.evidence import MIN_STREAM_EVENTS
 from ..transport.forwarding import renamed
 from ..transport.upstream import UpstreamError
 from .sse import ResponseEvents, completion_tokens, content_events, response_deltas

@@ -15,7 +15,8 @@ from typing import Any, Protocol, TypeGuard
 import orjson
 
 from ..errors import sse_error
-from ..fleet.engines import MAX_KV_TOKENS, USAGE_FIELDS, reported_steps
+from ..fleet.adapter import MAX_KV_TOKENS
+from ..fleet.engines import USAGE_FIELDS, reported_steps
 from ..kinds import Endpoint
 from .sseframe import data_of, first_end, has_data, last_end, split_events
 

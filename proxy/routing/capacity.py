@@ -155,7 +155,7 @@ class Capacity:
 
     def server_caps(self) -> dict[Role, int]:
         """Streams one server of each role holds before its KV pool is full (the smallest of the
-        role's pools, _streams_in), for the adaptive curves (beliefs.held_at_capacity); a role
+        role's pools, _streams_in), for the adaptive curves (crossover.held_at_capacity); a role
         whose pools are unknown is left out, and while the group has no streams the last reading
         stands."""
         for role in ROLES:

@@ -55,7 +55,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..fleet.engines import MAX_ACCEPT_LENGTH
+from ..fleet.adapter import MAX_ACCEPT_LENGTH
 
 ClassKey = Literal["none", "header", "api_key", "user", "model"]
 CLASS_KEYS: tuple[ClassKey, ...] = ("none", "header", "api_key", "user", "model")

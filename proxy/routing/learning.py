@@ -14,9 +14,9 @@ from ..fleet.engines import ENGINES
 from ..fleet.servers import ServerView
 from ..fleet.topology import Group
 from ..policy.base import ROLES, SPECULATIVE, Policy, PolicyConfig, PolicyState, Role
-from ..policy.beliefs import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig, stream_accept
+from ..policy.beliefs import ACCEPT_CHANGE, UPDATE_EVERY_S, Adaptive, AdaptiveConfig
 from ..policy.calibration import Calibration
-from ..policy.evidence import AcceptanceEvidence
+from ..policy.evidence import AcceptanceEvidence, stream_accept
 from ..policy.speedmodel import ModelLimits, StepModel
 from .classes import ClassBook
 from .steps.probe import probes_restarted

@@ -13,7 +13,7 @@ What `/metrics` means is the engine adapters' business (engines.py): detected fr
 or fixed by `SPECGATE_ENGINE`. When the engine load cannot be read, nothing is silent: a warning
 once per outage, `specgate_engine_signal_up{backend}` 0, and `/routing` says why and which signal
 is in effect (the policy then counts that server by this proxy's own in-flight requests). A
-reading holding a value no server could report (engines.py) is such an unreadable signal too.
+reading holding a value no server could report (adapter.py) is such an unreadable signal too.
 
 The two loops are the only source of health and load: one that died would leave its last values
 standing, unsaid. So a round that fails (a probe, a reading, a callback) is logged once per
@@ -32,7 +32,8 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from ..config import Settings
 from ..fleet import readings
-from ..fleet.engines import ENGINES, Engine, describe_health
+from ..fleet.adapter import Engine
+from ..fleet.engines import ENGINES, describe_health
 from ..fleet.servers import Server, of_role
 from ..observability.metrics import Metrics
 from ..policy.base import ROLES, Role
