@@ -5,7 +5,7 @@ Tiers (`pytest -m inprocess`, `-m loopback`, `-m real`; together they are the wh
   against upstream servers running in that loop (tests/inprocess.py). Seconds.
 - loopback: starts processes on 127.0.0.1: simulators, the proxy under uvicorn with its edge
   protocol, the load tester, the real openai client against them, promtool/kubectl. Minutes.
-- real: llama.cpp's llama-server behind the proxy (tests/test_real_engine.py).
+- real: llama.cpp's llama-server behind the proxy (tests/gateway/test_real_engine.py).
 
 Each test module gets its tier in MODULE_TIERS below; a test in a mixed module gets its own in
 TEST_TIERS, and an explicit `@pytest.mark.<tier>` on a test wins over both. A module missing from

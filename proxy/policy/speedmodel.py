@@ -19,7 +19,7 @@ The fit. a, b, c per role minimise the relative squared error over calibrate's p
 prompt lengths): sum_i ((a + b*B_i + c*T_i - y_i) / y_i)^2, a 3x3 normal-equation solve; a
 coefficient that comes out negative is fixed at 0 and the rest refitted (a step never gets cheaper
 with more streams or context). On the H200 table (Llama-3.1-8B shape, 1k and 4k tokens, batch 1 to
-256) the form is within 15% at every point and 8% rms (tests/test_speedmodel.py): the measured
+256) the form is within 15% at every point and 8% rms (tests/routing/test_speedmodel.py): the measured
 step is flat at small batches and steeper than linear at large ones, which three coefficients
 cannot follow exactly.
 

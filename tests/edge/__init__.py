@@ -1,0 +1,1 @@
+"""The client side: sockets, limits, bad input, logs."""

@@ -1,0 +1,1 @@
+"""What servers and engines say: adapters, readings, the calibration file."""

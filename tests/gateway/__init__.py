@@ -1,0 +1,1 @@
+"""The whole gateway: processes, configuration, deployment, docs and layering."""

@@ -1,0 +1,1 @@
+"""The load tester's commands, summaries and verdicts."""

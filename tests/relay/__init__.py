@@ -1,0 +1,1 @@
+"""Relaying: event streams, the Responses API, hostile servers, the transport, traces."""

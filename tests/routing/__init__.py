@@ -1,0 +1,1 @@
+"""Where a request goes: the policies, the steps, beliefs, classes, affinity, topologies."""

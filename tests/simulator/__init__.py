@@ -1,0 +1,1 @@
+"""The simulated engine: its wire, physics, speed and cache."""
