@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import functools
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -53,17 +51,19 @@ from proxy.promtext import by_label, totals
 
 from ..args import count, level_tuple, names, positive
 from ..classes import summarise_class
-from ..kit.command import add_run_options, check_max_tokens, say
-from ..kit.processes import Fleet, fresh_start
-from ..kit.sampling import cpu_use, get_text, self_cpu_s
+from ..kit.cells import Servers, run_stacks, say_goodput
+from ..kit.command import add_run_options, check_max_tokens, conclude, say
+from ..kit.figures import NO_GOODPUT, TargetCell, target_cell
+from ..kit.multiturn import context_label, context_list, default_time_scale, sizes_for
+from ..kit.processes import Fleet
+from ..kit.sampling import get_text
 from ..kit.settings import specgate_env
 from ..procs import free_port
-from ..report import write_json
 from ..sweep import make_session
-from .plan import context_label, context_list, default_time_scale, sizes_for
-from .run import Servers, measure_cell
-from .score import NO_GOODPUT, TargetCell, target_cell
-from .twoclass import POOLED_MAX_UNKNOWN, ClassPlan, _interval, at_sessions, context_calibration, oracle_hit_rate
+from .twoclass.plan import ClassPlan
+from .twoclass.pooled import POOLED_MAX_UNKNOWN, bootstrap_interval
+from .twoclass.run import run_cells
+from .twoclass.score import oracle_hit_rate
 
 TARGETS = ("priced", "both", "in-flight", "no-affinity")
 POLICIES = ("model", "adaptive")
@@ -195,14 +195,9 @@ def start_stacks(plan: AffinityPlan, sessions: int, context: int, calibration: P
 def run_cell(plan: AffinityPlan, context: int, sessions: int, calibration: Path, quiet: bool) -> AffinityCell:
     t = plan.time_scale(sessions, context)
     say(f"  {sessions} sessions (time scale {t:g}): {len(plan.rules)} pools of 1+{plan.baselines}...", quiet)
+    scraped: dict[str, tuple[float | None, float | None]] = {}
     stacks = start_stacks(plan, sessions, context, calibration)
-    try:
-        cpu0 = self_cpu_s()
-        cap = asyncio.run(measure_cell(plan, context, sessions, stacks, tag_requests=True))
-        cpu = cpu_use(cap.cpu_samples, stacks.fleet.procs, self_cpu_s() - cpu0)
-        scraped = asyncio.run(_scrape(stacks.urls))
-    finally:
-        stacks.fleet.stop()
+    cap, cpu = run_stacks(plan, context, sessions, stacks, True, lambda s: scraped.update(asyncio.run(_scrape(s.urls))))
     slo = plan.wall_slo(sessions, context)
     system = sizes_for(context, plan.turns, plan.max_tokens).system_tokens
     cell = AffinityCell(
@@ -215,10 +210,7 @@ def run_cell(plan: AffinityPlan, context: int, sessions: int, calibration: Path,
         cell.targets[name] = target_cell(name, stats, everything, t, cap.mean_queued(name))
         cell.oracle_hit[name] = oracle_hit_rate(run.results, run.t0, run.t1, system)
         cell.breaks[name], cell.hits[name] = scraped[name]
-    figures = ", ".join(f"{n} {c.goodput_req_s:.2f}{'' if c.conclusive else '*'}" for n, c in cell.targets.items())
-    say(f"    goodput {figures}; CPU {cpu.machine_busy_mean:.0%}", quiet)
-    if cpu.warning:
-        say(f"    warning: {cpu.warning}", quiet)
+    say_goodput(cell.targets, cpu, quiet)
     return cell
 
 
@@ -243,7 +235,7 @@ def comparison(runs: Sequence[AffinityCell], target: str, other: str) -> str:
     if not known or below < NO_GOODPUT:
         return f"{target} / {other}: unknown (no conclusive run with goodput)"
     ratio = sum(a for a, _ in known) / below
-    interval = _interval(known)
+    interval = bootstrap_interval(known)
     if interval is None:
         return f"{target} / {other}: {ratio:.2f}x over {len(known)} runs (too few for an interval)"
     lo, hi = interval
@@ -309,18 +301,11 @@ def has_fit(path: Path) -> bool:
 
 
 def run(plan: AffinityPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> dict[str, Any]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cells: list[AffinityCell] = []
-    for context in plan.contexts:
-        path = context_calibration(plan, context, out_dir, reuse, quiet, FIT_PROMPT_TOKENS)
+    def check(path: Path) -> None:
         if plan.policy == "model" and not has_fit(path):
             raise ValueError(f"--policy model: {path} has no speed model fit; calibrate afresh or --policy adaptive")
-        for s in plan.sessions:
-            scaled = at_sessions(plan, context, s, path, out_dir)
-            for i in range(plan.repeats):
-                one = dataclasses.replace(plan, seed=plan.seed + i)
-                cells.append(fresh_start(functools.partial(run_cell, one, context, s, scaled, quiet), quiet))
-                write_json(out_dir / "headtohead-affinity.json", {"settings": vars(plan), "cells": cells})
+
+    cells = run_cells(plan, out_dir, reuse, quiet, run_cell, "headtohead-affinity", FIT_PROMPT_TOKENS, check)
     return {"settings": vars(plan), "cells": cells, "summary": summary_lines(cells)}
 
 
@@ -359,8 +344,5 @@ def cmd_headtohead_affinity(args: argparse.Namespace) -> int:
     started = time.monotonic()
     report = run(plan, out_dir, Path(args.calibrations) if args.calibrations else None, args.quiet)
     report["wall_s"] = round(time.monotonic() - started, 1)
-    for line in report["summary"]:
-        print(line)
-    write_json(out_dir / "headtohead-affinity.json", report)
-    print(f"\ndata: {out_dir / 'headtohead-affinity.json'}   ({report['wall_s']:.0f} s)")
+    conclude(out_dir, "headtohead-affinity", report, report["summary"], started, wall_s=report["wall_s"])
     return 0
