@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -52,12 +53,12 @@ from proxy.promtext import by_label, totals
 from ..args import count, level_tuple, names, positive
 from ..classes import summarise_class
 from ..kit.cells import Servers, run_stacks, say_goodput
-from ..kit.command import add_run_options, check_max_tokens, conclude, say
+from ..kit.command import add_command, add_run_options, check_max_tokens, conclude, say
 from ..kit.figures import NO_GOODPUT, TargetCell, target_cell
 from ..kit.multiturn import context_label, context_list, default_time_scale, sizes_for
 from ..kit.processes import Fleet
 from ..kit.sampling import get_text
-from ..kit.settings import specgate_env
+from ..kit.settings import settings_env, specgate_env
 from ..procs import free_port
 from ..sweep import make_session
 from .twoclass.plan import ClassPlan
@@ -158,21 +159,17 @@ def stack_env(
 ) -> dict[str, str]:
     """SPECGATE_* for a target's specgate in front of `servers` (speculative, then b0, b1, ...)."""
     baselines = ",".join(f"{name}={url}" for name, url in servers.items() if name != "speculative")
-    env = specgate_env(port, servers["speculative"], baselines, time_scale)
     settings = {**target_settings(target, policy), "calibration": calibration}
-    return env | {f"SPECGATE_{k.upper()}": str(v) for k, v in settings.items()}
+    return specgate_env(port, servers["speculative"], baselines, time_scale) | settings_env(settings)
 
 
 def start_stacks(plan: AffinityPlan, sessions: int, context: int, calibration: Path) -> Servers:
     t = plan.time_scale(sessions, context)
-    fleet = Fleet()
     urls: dict[str, str] = {}
     servers: dict[str, dict[str, str]] = {}
-    try:
+    with (fleet := Fleet()).stopped_on_error():
         for target in plan.rules:
-            sp, bp = free_port(), free_port()
-            spec, base = f"http://127.0.0.1:{sp}", f"http://127.0.0.1:{bp}"
-            fleet.start(f"pool-{target}", plan.pair(t, sp, bp), [spec + "/health", base + "/health"])
+            spec, base = fleet.start_pair(f"pool-{target}", functools.partial(plan.pair, t))
             servers[target] = {"speculative": spec, "b0": base}
             for i in range(1, plan.baselines):
                 port = free_port()
@@ -181,14 +178,12 @@ def start_stacks(plan: AffinityPlan, sessions: int, context: int, calibration: P
                 servers[target][f"b{i}"] = url
         fleet.ready()
         for target in plan.rules:
-            port = free_port()
-            urls[target] = f"http://127.0.0.1:{port}"
-            env = stack_env(target, port, servers[target], t, calibration, plan.policy)
-            fleet.start(f"specgate-{target}", ["-m", "proxy"], [urls[target] + "/ready"], env)
+            urls[target] = fleet.start_specgate(
+                f"specgate-{target}",
+                functools.partial(stack_env, target, servers=servers[target], time_scale=t, calibration=calibration,
+                                  policy=plan.policy),
+            )  # fmt: skip
         fleet.ready()
-    except BaseException:
-        fleet.stop()
-        raise
     return Servers(urls=urls, servers=servers, fleet=fleet)
 
 
@@ -310,11 +305,11 @@ def run(plan: AffinityPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> d
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "headtohead-affinity",
-        help="cache affinity's rule among a role's servers: priced, by requests in flight, and none (issue 28)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "cache affinity's rule among a role's servers: priced, by requests in flight, and none (issue 28)",
+        __doc__,
     )
     p.add_argument("--contexts", type=context_list, default=(8000,), help="comma list (default 8k)")
     p.add_argument("--sessions", type=level_tuple, default=(16, 48), help="comma list (default 16,48)")

@@ -56,7 +56,7 @@ from proxy.calibration import load as load_calibration
 
 from ..args import count, level_tuple, non_negative, positive
 from ..kit.cells import run_stacks, say_goodput
-from ..kit.command import add_run_options, check_max_tokens, conclude, say
+from ..kit.command import add_command, add_run_options, check_max_tokens, conclude, say
 from ..kit.figures import target_cell
 from ..kit.multiturn import context_label, context_list
 from ..kit.processes import fresh_start
@@ -153,11 +153,11 @@ def _accepts(raw: str) -> tuple[float, ...]:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "headtohead",
-        help="baseline alone vs one adaptive EAGLE-3 server vs specgate + shared-GPU pair, one simulated H200 each",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "baseline alone vs one adaptive EAGLE-3 server vs specgate + shared-GPU pair, one simulated H200 each",
+        __doc__,
     )
     p.add_argument("--accept-lengths", type=_accepts, default=(1.5, 2.5), help="comma list (default 1.5,2.5)")
     p.add_argument("--contexts", type=context_list, default=(1000, 8000),

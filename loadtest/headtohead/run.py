@@ -4,6 +4,7 @@ specgate's watermarks."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from ..kit.cells import Servers
@@ -44,30 +45,29 @@ def start_servers(plan: HeadPlan, accept: float, sessions: int, context: int, ca
     """Baseline and adaptive alone, each a simulator process of its own (its own GPU), and the
     shared-GPU pair with a specgate in front of it configured from the calibration."""
     t = plan.time_scale(sessions, context)
-    fleet = Fleet()
-    try:
-        ports = {name: free_port() for name in ("baseline", "adaptive", "pair-speculative", "pair-baseline")}
+    with (fleet := Fleet()).stopped_on_error():
+        ports = {name: free_port() for name in ("baseline", "adaptive")}
         url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
         for role in ("baseline", "adaptive"):
             fleet.start(f"simulators-{role}", plan.server_args(role, ports[role], accept, t), [url[role] + "/health"])
-        pair = plan.pair_args(accept, t, ports["pair-speculative"], ports["pair-baseline"])
-        fleet.start("simulators-pair", pair, [url["pair-speculative"] + "/health", url["pair-baseline"] + "/health"])
+        spec, base = fleet.start_pair("simulators-pair", functools.partial(plan.pair_args, accept, t))
         fleet.ready()
-        gate = f"http://127.0.0.1:{(gport := free_port())}"
-        env = specgate_env(
-            gport, url["pair-speculative"], url["pair-baseline"], t, policy="threshold", calibration=str(calibration)
+        env = functools.partial(
+            specgate_env,
+            speculative=spec,
+            baseline=base,
+            time_scale=t,
+            policy="threshold",
+            calibration=str(calibration),
         )
-        fleet.start("specgate", ["-m", "proxy"], [gate + "/ready"], env)
+        gate = fleet.start_specgate("specgate", env)
         fleet.ready()
-    except BaseException:
-        fleet.stop()
-        raise
     return Servers(
         urls={"baseline": url["baseline"], "adaptive": url["adaptive"], "specgate": gate},
         servers={
             "baseline": {"baseline": url["baseline"]},
             "adaptive": {"adaptive": url["adaptive"]},
-            "specgate": {"speculative": url["pair-speculative"], "baseline": url["pair-baseline"]},
+            "specgate": {"speculative": spec, "baseline": base},
         },
         fleet=fleet,
     )

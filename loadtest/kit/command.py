@@ -40,6 +40,16 @@ def check_max_tokens(max_tokens: int) -> None:
         raise ValueError("--max-tokens must be at least 2")
 
 
+def add_command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str, protocol: str | None
+) -> argparse.ArgumentParser:
+    """A scenario's subcommand: `summary` in the commands' list, its --help its `protocol` (the
+    module's docstring) as written."""
+    return sub.add_parser(
+        name, help=summary, description=protocol, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
 def add_run_options(p: argparse.ArgumentParser, needs: str, out_dir: str) -> None:
     """The options a side-by-side scenario ends with; `needs`: what --min-requests counts for."""
     p.add_argument(

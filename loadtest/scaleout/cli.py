@@ -86,7 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from ..args import count, level_tuple, non_negative, positive
-from ..kit.command import add_run_options, check_max_tokens, check_profile, check_settle, conclude, say
+from ..kit.command import add_command, add_run_options, check_max_tokens, check_profile, check_settle, conclude, say
 from ..kit.processes import fresh_start
 from ..kit.sampling import CpuUse
 from .plan import (
@@ -160,12 +160,12 @@ def run_scaleout(
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "scaleout",
-        help="several groups (or pools) of servers behind several specgate replicas, against all-speculative "
+        "several groups (or pools) of servers behind several specgate replicas, against all-speculative "
         "and all-baseline",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        __doc__,
     )
     p.add_argument("--topology", choices=("paired", "pooled"), default="paired")
     p.add_argument("--groups", type=count, default=2, help="paired: simulated pairs, one group each (default 2)")

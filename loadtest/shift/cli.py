@@ -56,7 +56,7 @@ from proxy.calibration import CalibrationError
 from proxy.calibration import load as load_calibration
 
 from ..args import level_tuple, positive
-from ..kit.command import add_run_options, check_max_tokens, check_profile, check_settle, conclude, say
+from ..kit.command import add_command, add_run_options, check_max_tokens, check_profile, check_settle, conclude, say
 from ..kit.processes import Fleet, fresh_start
 from ..kit.sampling import cpu_use, self_cpu_s
 from ..prompts import source
@@ -154,11 +154,8 @@ def _setting(raw: str) -> tuple[str, float]:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "shift",
-        help="the prompt mix changes mid-run: both servers, specgate static and adaptive side by side",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = add_command(
+        sub, "shift", "the prompt mix changes mid-run: both servers, specgate static and adaptive side by side", __doc__
     )
     p.add_argument("--profile", default="crossover", help="simulator profile (default crossover)")
     p.add_argument("--concurrency", type=level_tuple, default=(10, 30), help="comma list of levels (default 10,30)")

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from ...args import count, level_tuple, names, non_negative, positive
-from ...kit.command import add_run_options, check_max_tokens, conclude
+from ...kit.command import add_command, add_run_options, check_max_tokens, conclude
 from ...kit.multiturn import context_list
 from .plan import DIRECT, FIXED_THROUGH, GATES, NOISE_OF, ORACLE, ClassPlan, check_gates
 from .report import summary_lines, table
@@ -80,11 +80,11 @@ def gate_list(text: str) -> tuple[str, ...]:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "headtohead-classes",
-        help="two traffic classes on a pair: all-spec, all-base and three specgates (issue 28)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "two traffic classes on a pair: all-spec, all-base and three specgates (issue 28)",
+        __doc__,
     )
     p.add_argument("--contexts", type=context_list, default=(1000, 8000), help="comma list (default 1k,8k)")
     p.add_argument("--sessions", type=level_tuple, default=(8, 32, 128), help="comma list (default 8,32,128)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -18,7 +18,7 @@ from ...kit.command import say
 from ...kit.figures import TargetCell, target_cell
 from ...kit.multiturn import context_label, sizes_for
 from ...kit.processes import Fleet, at_time_scale, calibrate_fresh_pair, calibrate_options, fresh_start
-from ...kit.settings import specgate_env
+from ...kit.settings import settings_env, specgate_env
 from ...procs import free_port
 from ...report import write_json
 from .plan import (
@@ -81,17 +81,14 @@ def calibration_scale_of(plan: ClassPlan, path: Path, context: int) -> float:
 
 def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Path) -> Servers:
     t = plan.time_scale(sessions, context)
-    fleet = Fleet()
     urls: dict[str, str] = {}
     servers: dict[str, dict[str, str]] = {}
     class_urls: dict[str, dict[str, str]] = {}
     stream_urls: dict[str, tuple[str, ...]] = {}
     pairs: dict[str, dict[str, str]] = {}
-    try:
+    with (fleet := Fleet()).stopped_on_error():
         for target in plan.targets:
-            sp, bp = free_port(), free_port()
-            spec, base = f"http://127.0.0.1:{sp}", f"http://127.0.0.1:{bp}"
-            fleet.start(f"pair-{target}", plan.pair(t, sp, bp), [spec + "/health", base + "/health"])
+            spec, base = fleet.start_pair(f"pair-{target}", functools.partial(plan.pair, t))
             servers[target] = pairs[target] = {"speculative": spec, "baseline": base}
             if target == "all-spec":
                 urls[target], servers[target] = spec, {"speculative": spec}
@@ -111,18 +108,19 @@ def start_servers(plan: ClassPlan, sessions: int, context: int, calibration: Pat
             argv = smg_argv(plan.smg, port, free_port(), list(servers["smg"].values()))
             fleet.start("smg", argv, [urls["smg"] + "/readiness"])
         for target in [t for t in plan.targets if t in (*GATES, CONTROL)]:
-            port = free_port()
-            urls[target] = f"http://127.0.0.1:{port}"
             back = servers[target]
             settings = {**gate_settings(target), "calibration": calibration, "topology": plan.topology}
-            env = specgate_env(port, back["speculative"], back["baseline"], t)
-            env |= {f"SPECGATE_{k.upper()}": str(v) for k, v in settings.items()}
-            fleet.start(f"specgate-{target}", ["-m", "proxy"], [urls[target] + "/ready"], env)
+            env = functools.partial(gate_env, backends=back, time_scale=t, settings=settings)
+            urls[target] = fleet.start_specgate(f"specgate-{target}", env)
         fleet.ready()
-    except BaseException:
-        fleet.stop()
-        raise
     return Servers(urls=urls, servers=servers, fleet=fleet, class_urls=class_urls, stream_urls=stream_urls)
+
+
+def gate_env(
+    port: int, backends: Mapping[str, str], time_scale: float, settings: Mapping[str, object]
+) -> dict[str, str]:
+    """SPECGATE_* for a specgate in front of a pair's `backends`, with `settings` as given."""
+    return specgate_env(port, backends["speculative"], backends["baseline"], time_scale) | settings_env(settings)
 
 
 def oracle_urls(plan: ClassPlan, spec: str, base: str) -> tuple[str, ...]:
@@ -147,12 +145,9 @@ def start_pinned_gates(
     the split's (pinned_backends); `urls` and `class_urls` then lead through them (through_gates)."""
     via: dict[tuple[str, str], str] = {}
     for (target, role), backends in pinned_backends(plan, pairs, f"http://127.0.0.1:{free_port()}").items():
-        port = free_port()
-        via[target, role] = f"http://127.0.0.1:{port}"
-        env = specgate_env(port, backends["speculative"], backends["baseline"], time_scale)
         settings = {**pinned_settings(role), "topology": plan.topology}
-        env |= {f"SPECGATE_{k.upper()}": str(v) for k, v in settings.items()}
-        fleet.start(f"specgate-pinned-{target}-{role}", ["-m", "proxy"], [via[target, role] + "/ready"], env)
+        env = functools.partial(gate_env, backends=backends, time_scale=time_scale, settings=settings)
+        via[target, role] = fleet.start_specgate(f"specgate-pinned-{target}-{role}", env)
     fleet.ready()
     gated, gated_classes = through_gates(via)
     urls |= gated
