@@ -12,7 +12,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .engine import Engine, Histogram
+from .engine import Engine
+from .state import Histogram
 
 # SGLang servers export `sglang:` names; SGLang's router re-exports them as `sglang_`.
 METRIC_PREFIXES = ("sglang:", "sglang_")
