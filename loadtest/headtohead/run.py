@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..kit.cells import Servers
 from ..kit.command import say
-from ..kit.multiturn import context_label
+from ..kit.multiturn import calibration_flags, context_label
 from ..kit.processes import Fleet, calibrate_fresh_pair, calibrate_options
 from ..kit.settings import specgate_env
 from ..procs import free_port
@@ -27,11 +27,7 @@ def calibrate(plan: HeadPlan, accept: float, context: int, out_dir: Path, quiet:
     where.mkdir(parents=True, exist_ok=True)
     s = plan.sizes(context)
     t = plan.calibration_scale(context)
-    extra = [
-        *calibrate_options(plan.seed, plan.max_tokens, plan.min_requests),
-        "--workload", "multiturn", "--system-tokens", str(s.system_tokens), "--turns", str(s.turns),
-        "--user-tokens", str(s.user_tokens), "--think-time-s", "0", "--warmup-s", "0",
-    ]  # fmt: skip
+    extra = [*calibrate_options(plan.seed, plan.max_tokens, plan.min_requests), *calibration_flags(s)]
 
     def pair(spec_port: int, base_port: int) -> list[str]:
         return plan.pair_args(accept, t, spec_port, base_port)

@@ -144,3 +144,13 @@ def multiturn_spec(
         think_time_s=think_time_s / time_scale,
         stagger_s=stagger_s / time_scale,
     )
+
+
+def calibration_flags(sizes: Sizes, classes: tuple[TrafficClass, ...] = ()) -> list[str]:
+    """`loadtest calibrate` arguments that send a cell's sessions without think time or warm-up, so
+    that a level's streams are its requests in flight (what specgate's watermarks count)."""
+    return [
+        "--workload", "multiturn", "--system-tokens", str(sizes.system_tokens), "--turns", str(sizes.turns),
+        "--user-tokens", str(sizes.user_tokens), "--think-time-s", "0", "--warmup-s", "0",
+        *(a for c in classes for a in ("--class", f"{c.name}:{c.share:g}:{c.kind}")),
+    ]  # fmt: skip

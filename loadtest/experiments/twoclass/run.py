@@ -16,7 +16,7 @@ from ...client import RequestResult
 from ...kit.cells import Servers, run_stacks, say_goodput
 from ...kit.command import say
 from ...kit.figures import TargetCell, target_cell
-from ...kit.multiturn import context_label, sizes_for
+from ...kit.multiturn import calibration_flags, context_label, sizes_for
 from ...kit.processes import Fleet, at_time_scale, calibrate_fresh_pair, calibrate_options, fresh_start
 from ...kit.settings import settings_env, specgate_env
 from ...procs import free_port
@@ -49,12 +49,7 @@ def calibrate(plan: ClassPlan, context: int, out_dir: Path, quiet: bool, prompt_
     where.mkdir(parents=True, exist_ok=True)
     s = sizes_for(context, plan.turns, plan.max_tokens)
     t = plan.calibration_scale(context)
-    extra = [
-        *calibrate_options(plan.seed, plan.max_tokens, plan.min_requests),
-        "--workload", "multiturn", "--system-tokens", str(s.system_tokens), "--turns", str(s.turns),
-        "--user-tokens", str(s.user_tokens), "--think-time-s", "0", "--warmup-s", "0",
-        *(a for c in plan.traffic() for a in ("--class", f"{c.name}:{c.share:g}:{c.kind}")),
-    ]  # fmt: skip
+    extra = [*calibrate_options(plan.seed, plan.max_tokens, plan.min_requests), *calibration_flags(s, plan.traffic())]
     say(f"{context_label(context)} context: calibrating at time scale {t:g}", quiet)
     path = calibrate_fresh_pair(
         lambda sp, bp: plan.pair(t, sp, bp),
