@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 
 from . import chaos, compare, demo, headtohead, overhead, scaleout, shift, slowloris
 from .calibrate import command as calibrate
-from .headtohead import affinityrule, twoclass
+from .experiments import affinityrule
+from .experiments.twoclass import cli as twoclass
 from .sweep import TargetUnreachable
 
 # Each command's module defines its subparser and runs it; the order is that of `--help`.

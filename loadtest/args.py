@@ -5,15 +5,20 @@ from __future__ import annotations
 import argparse
 
 
-def levels(raw: str) -> list[int]:
-    """A comma list of concurrency levels: sorted, unique, positive."""
+def sorted_ints(raw: str, least: int, too_small: str, listing: str = "a comma list of integers") -> list[int]:
+    """A comma list of integers: sorted, unique, at least `least` (`too_small` says so otherwise)."""
     try:
         found = sorted({int(x) for x in raw.split(",") if x.strip()})
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a comma list of integers") from None
-    if not found or found[0] < 1:
-        raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
+        raise argparse.ArgumentTypeError(f"{raw!r} is not {listing}") from None
+    if not found or found[0] < least:
+        raise argparse.ArgumentTypeError(too_small)
     return found
+
+
+def levels(raw: str) -> list[int]:
+    """A comma list of concurrency levels: sorted, unique, positive."""
+    return sorted_ints(raw, 1, "concurrency levels must be positive integers")
 
 
 def level_tuple(raw: str) -> tuple[int, ...]:

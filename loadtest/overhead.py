@@ -35,18 +35,14 @@ import asyncio
 import contextlib
 import importlib.util
 import itertools
-import os
-import re
 import resource
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,15 +51,19 @@ import uvloop
 
 from . import decisions
 from .measures import percentile
-from .procs import Proc, free_port, http_status, start
+from .peers import (
+    MODEL,
+    PEERS,
+    Launch,
+    answers_ready,
+    free_ports,
+    last_line,
+    proxy_launches,
+    start_launch,
+)
+from .procs import Proc, free_port, start
 from .rawclient import Exchange, RawClient, post
 from .report import write_json
-
-MODEL = "sim"
-# LiteLLM's proxy refuses to start without a master key; clients then send it.
-_LITELLM_KEY = "sk-overhead-benchmark"
-# The peers, by the name their results carry, and the executable scripts/install-peers gives each.
-PEERS = {"litellm": "litellm", "smg": "smg", "vllm-router": "vllm-router"}
 
 
 @dataclass(frozen=True)
@@ -209,177 +209,6 @@ async def _run(target: Target, sc: Scenario) -> Sample:
     )  # fmt: skip
 
 
-def _nginx_conf(port: int, backend_ports: Sequence[int], workdir: Path) -> Path:
-    # One process (no master) so that its CPU can be read like the others'.
-    conf = workdir / "nginx.conf"
-    servers = " ".join(f"server 127.0.0.1:{p};" for p in backend_ports)
-    conf.write_text(f"""
-master_process off;
-worker_processes 1;
-pid {workdir}/nginx.pid;
-error_log stderr warn;
-daemon off;
-events {{ worker_connections 4096; }}
-http {{
-  access_log off;
-  client_body_temp_path {workdir}/body;
-  proxy_temp_path {workdir}/proxy;
-  upstream backend {{ {servers} keepalive 512; }}
-  server {{
-    listen 127.0.0.1:{port} backlog=4096;
-    location / {{
-      proxy_pass http://backend;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-      proxy_request_buffering off;
-    }}
-  }}
-}}
-""")
-    return conf
-
-
-def _litellm_conf(backend_ports: Sequence[int], workdir: Path) -> Path:
-    # One deployment per server under one model name: LiteLLM's router spreads requests over them.
-    conf = workdir / "litellm.yaml"
-    deployments = "".join(f"""
-  - model_name: {MODEL}
-    litellm_params:
-      model: openai/{MODEL}
-      api_base: http://127.0.0.1:{p}/v1
-      api_key: none""" for p in backend_ports)  # fmt: skip
-    conf.write_text(f"model_list:{deployments}\nlitellm_settings:\n  telemetry: false\n  drop_params: true\n")
-    return conf
-
-
-def _free_ports(n: int) -> list[int]:
-    """n ports free now and distinct: each socket stays bound until all are chosen."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-@dataclass(frozen=True)
-class Launch:
-    """How a proxy is started, and the path that answers 200 on its port once it is ready."""
-
-    name: str
-    argv: list[str]
-    port: int
-    ready_path: str
-    ready_timeout_s: float
-    env: dict[str, str] = field(default_factory=dict)
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-def smg_argv(binary: str, port: int, metrics_port: int, workers: Sequence[str]) -> list[str]:
-    """SGLang's gateway as a plain router over HTTP workers."""
-    # round_robin: the hop is measured, not the default cache_aware policy's prefix tree. Metrics
-    # default to port 29000, where a second router or anything else would stop it from starting.
-    # A router over HTTP workers needs no tokenizer; without the flag it would look for the one of
-    # the model the workers name.
-    return [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-            "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-            "--disable-tokenizer-autoload", "--worker-startup-check-interval", "1",
-            "--log-level", "warn"]  # fmt: skip
-
-
-def vllm_router_argv(binary: str, port: int, metrics_port: int, workers: Sequence[str]) -> list[str]:
-    """vLLM's router over HTTP workers."""
-    # As for smg: round_robin rather than cache_aware, and a metrics port of its own instead of 29000.
-    # The startup check interval (30 s by default) bounds how long a worker that is slow to answer
-    # its first health check delays readiness.
-    return [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-            "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-            "--worker-startup-check-interval", "1", "--log-level", "warning"]  # fmt: skip
-
-
-def litellm_argv(binary: str, port: int, config: Path) -> list[str]:
-    return [binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
-
-
-def peer_launches(peers_venv: Path, backend_ports: Sequence[int], workdir: Path) -> tuple[list[Launch], dict[str, str]]:
-    """How to start each peer installed in peers_venv in front of the backends, and why each of the
-    others is not measured."""
-    missing: dict[str, str] = {}
-    binaries: dict[str, str] = {}
-    for name, executable in PEERS.items():
-        path = peers_venv / "bin" / executable
-        if path.exists():
-            binaries[name] = str(path)
-        else:
-            missing[name] = f"not installed ({path} is missing; scripts/install-peers installs it)"
-    workers = [f"http://127.0.0.1:{p}" for p in backend_ports]
-    ports = iter(_free_ports(5))
-    launches = []
-    if "litellm" in binaries:
-        port = next(ports)
-        # LOCAL_MODEL_COST_MAP: LiteLLM would otherwise fetch its price list from the internet.
-        env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": _LITELLM_KEY,
-               "DISABLE_SCHEMA_UPDATE": "true"}  # fmt: skip
-        argv = litellm_argv(binaries["litellm"], port, _litellm_conf(backend_ports, workdir))
-        launches.append(Launch("litellm", argv, port, "/health/liveliness", 120.0, env,
-                               {"Authorization": f"Bearer {_LITELLM_KEY}"}))  # fmt: skip
-    # /readiness answers 200 once the workers are registered and healthy (/health already before).
-    if "smg" in binaries:
-        port, metrics = next(ports), next(ports)
-        launches.append(Launch("smg", smg_argv(binaries["smg"], port, metrics, workers), port, "/readiness", 60.0))
-    if "vllm-router" in binaries:
-        port, metrics = next(ports), next(ports)
-        argv = vllm_router_argv(binaries["vllm-router"], port, metrics, workers)
-        launches.append(Launch("vllm-router", argv, port, "/readiness", 60.0))
-    return launches, missing
-
-
-def _wait_ready(proc: Proc, url: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            return False
-        if http_status(url, timeout_s=1.0) == 200:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-def _last_line(log: Path) -> str:
-    lines = [_ANSI.sub("", line).strip() for line in log.read_text(errors="replace").splitlines()]
-    lines = [line for line in lines if line]
-    return lines[-1][:300] if lines else ""
-
-
-def start_launch(launch: Launch, workdir: Path) -> tuple[Proc, str | None]:
-    """Start a proxy and wait, at most its timeout, until it is ready: the process, and why it is not
-    measured (None when it is ready)."""
-    log = workdir / f"{launch.name}.log"
-    with log.open("wb") as out:
-        popen = subprocess.Popen(launch.argv, stdout=out, stderr=subprocess.STDOUT,
-                                 env={**os.environ, **launch.env})  # fmt: skip
-    proc = Proc(launch.name, popen)
-    url = f"http://127.0.0.1:{launch.port}{launch.ready_path}"
-    if _wait_ready(proc, url, launch.ready_timeout_s):
-        return proc, None
-    if proc.alive():
-        reason = f"not ready at {url} within {launch.ready_timeout_s:g} s"
-    else:
-        reason = f"exited with code {popen.returncode}"
-    last = _last_line(log)
-    return proc, f"{reason}: {last}" if last else reason
-
-
-def _nginx_binary() -> str | None:
-    return shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-
-
 def _step_profile(step_ms: float, workdir: Path) -> Path:
     """Both servers alike: one token per stream per decode step of step_ms, whatever the batch."""
     # accept_length 1: the speculative server of the pair then sends one token per event, as the
@@ -405,6 +234,24 @@ def _start_traced(env: dict[str, str], procs: list[Proc], say: Callable[[str], N
     return Target("specgate+otel", port, procs[-1], sink=sink)
 
 
+def _start_backend(pace_ms: float, workdir: Path, procs: list[Proc]) -> list[int]:
+    """Start the backend (appended to procs), a decode step of `pace_ms` (0: no delay): its two ports."""
+    backend_ports = free_ports(2)
+    # Zero delay: a decode step of 1 us, far below what a hop costs.
+    profile = _step_profile(pace_ms or 0.001, workdir)
+    speed = ["--profile", str(profile), "--ttft-base-ms", "0", "--prefill-tok-s", "1e9"]
+    # Two servers in one process, each with an engine of its own (no shared compute budget): every
+    # proxy has two to route over, and the backend's CPU is one process's whichever gets the request.
+    backend = start("backend", ["-m", "loadtest.simulator", "pair", "--speculative-port", str(backend_ports[0]),
+                                "--baseline-port", str(backend_ports[1]), "--log-level", "warning", *speed,
+                                "--served-model-name", MODEL, "--max-running-requests", "4096"],
+                    ready_url=f"http://127.0.0.1:{backend_ports[0]}/health")  # fmt: skip
+    procs.append(backend)
+    if not answers_ready(backend, f"http://127.0.0.1:{backend_ports[1]}/health", 30):
+        raise RuntimeError("the backend's second server did not start")
+    return backend_ports
+
+
 def _start_targets(
     pace_ms: float,
     workdir: Path,
@@ -417,22 +264,8 @@ def _start_targets(
     """Start the backend and every target, each process appended to procs as it starts (the caller
     stops them, also when this raises); the targets ready, and why each other is not measured.
     `otel`: specgate with tracing on too (specgate+otel), beside it."""
-    targets: list[Target] = []
-    not_measured: dict[str, str] = {}
-    backend_ports = _free_ports(2)
-    # Zero delay: a decode step of 1 us, far below what a hop costs.
-    profile = _step_profile(pace_ms or 0.001, workdir)
-    speed = ["--profile", str(profile), "--ttft-base-ms", "0", "--prefill-tok-s", "1e9"]
-    # Two servers in one process, each with an engine of its own (no shared compute budget): every
-    # proxy has two to route over, and the backend's CPU is one process's whichever gets the request.
-    backend = start("backend", ["-m", "loadtest.simulator", "pair", "--speculative-port", str(backend_ports[0]),
-                                "--baseline-port", str(backend_ports[1]), "--log-level", "warning", *speed,
-                                "--served-model-name", MODEL, "--max-running-requests", "4096"],
-                    ready_url=f"http://127.0.0.1:{backend_ports[0]}/health")  # fmt: skip
-    procs.append(backend)
-    if not _wait_ready(backend, f"http://127.0.0.1:{backend_ports[1]}/health", 30):
-        raise RuntimeError("the backend's second server did not start")
-    targets.append(Target("direct", backend_ports[0], None))
+    backend_ports = _start_backend(pace_ms, workdir, procs)
+    targets = [Target("direct", backend_ports[0], None)]
     port = free_port()
     # Watermarks no load reaches: every request goes to the first server, as the direct path does.
     env = {"SPECGATE_HOST": "127.0.0.1", "SPECGATE_PORT": str(port), "SPECGATE_LOG_LEVEL": "warning",
@@ -448,18 +281,7 @@ def _start_targets(
     targets.append(Target("specgate", port, proc))
     if otel and (traced := _start_traced(env, procs, say)) is not None:
         targets.append(traced)
-    launches: list[Launch] = []
-    binary = _nginx_binary()
-    if nginx and binary:
-        port = free_port()
-        conf = _nginx_conf(port, backend_ports, workdir)
-        launches.append(Launch("nginx", [binary, "-c", str(conf), "-e", "stderr"], port, "/health", 10.0))
-    elif nginx:
-        not_measured["nginx"] = "not found (Debian: apt-get install nginx-light)"
-    if peers_venv is not None:
-        peers, missing = peer_launches(peers_venv, backend_ports, workdir)
-        launches += peers
-        not_measured.update(missing)
+    launches, not_measured = proxy_launches(nginx, peers_venv, backend_ports, workdir)
     for launch in launches:
         proc, reason = start_launch(launch, workdir)
         procs.append(proc)
@@ -522,7 +344,7 @@ def run_overhead(
                                 # target measured no further.
                                 gone.add(t.name)
                                 reason = f"exited with code {t.proc.popen.returncode} during {sc.name}, "
-                                reason += f"repetition {rep + 1}: {_last_line(Path(tmp) / f'{t.name}.log')}"
+                                reason += f"repetition {rep + 1}: {last_line(Path(tmp) / f'{t.name}.log')}"
                                 not_measured.setdefault(t.name, reason)
                                 say(f"{t.name}: not measured from here on ({reason})")
                                 continue

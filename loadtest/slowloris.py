@@ -40,6 +40,7 @@ import uvloop
 
 from proxy.fleet import promtext
 
+from .kit.command import add_command
 from .kit.settings import specgate_env
 from .measures import percentile
 from .procs import Proc, free_port, simulator_args, start
@@ -384,11 +385,8 @@ def format_report(r: SlowlorisReport) -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "slowloris",
-        help="idle sockets and slowloris against specgate while a normal client works",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = add_command(
+        sub, "slowloris", "idle sockets and slowloris against specgate while a normal client works", __doc__
     )
     p.add_argument("--idle", type=int, default=5000, help="sockets that never send a byte (default 5000)")
     p.add_argument("--slow", type=int, default=200, help="sockets that send a head at 1 byte/s (default 200)")

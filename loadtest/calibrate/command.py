@@ -17,6 +17,7 @@ import orjson
 from proxy.policy.calibration import ModelFit, parse, to_json
 
 from ..acceptance import AcceptanceMeter, redact
+from ..args import sorted_ints
 from ..kit.sweeps import add_load_options, default_prompts, max_duration, settings_of, sweep_targets
 from ..report import calibration_text, compare_table, write_json
 from ..stats import LevelStats
@@ -62,13 +63,8 @@ DEFAULT_PROMPT_TOKENS = "4096"
 def _lengths(raw: str) -> list[int]:
     if raw.strip().lower() == "none":
         return []
-    try:
-        found = sorted({int(x) for x in raw.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a comma list of integers, or none") from None
-    if not found or found[0] < 16:
-        raise argparse.ArgumentTypeError("prompt lengths must be integers of at least 16 tokens")
-    return found
+    too_small = "prompt lengths must be integers of at least 16 tokens"
+    return sorted_ints(raw, 16, too_small, "a comma list of integers, or none")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -46,7 +46,6 @@ The report prints the machine's CPU per cell and warns when it was saturated.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import time
 from pathlib import Path
@@ -56,27 +55,22 @@ from proxy.policy.calibration import CalibrationError
 from proxy.policy.calibration import load as load_calibration
 
 from ..args import count, level_tuple, non_negative, positive
-from ..kit.command import add_run_options, check_max_tokens, say
+from ..kit.cells import run_stacks, say_goodput
+from ..kit.command import add_command, add_run_options, check_max_tokens, conclude, say
+from ..kit.figures import target_cell
+from ..kit.multiturn import context_label, context_list
 from ..kit.processes import fresh_start
-from ..kit.sampling import cpu_use, self_cpu_s
-from ..report import write_json
-from .plan import HeadPlan, context_label, context_list
+from .plan import HeadPlan
 from .plot import plot_headtohead
 from .report import cell_table, cpu_lines, verdicts, warnings
-from .run import calibrate, calibration_dir, measure_cell, start_servers
-from .score import Cell, target_cell
+from .run import calibrate, calibration_dir, start_servers
+from .score import Cell
 
 
 def run_cell(plan: HeadPlan, accept: float, context: int, sessions: int, calibration: Path, quiet: bool) -> Cell:
     t = plan.time_scale(sessions, context)
     say(f"  {sessions} sessions (time scale {t:g}): starting three simulated GPUs and specgate...", quiet)
-    servers = start_servers(plan, accept, sessions, context, calibration)
-    try:
-        cpu0 = self_cpu_s()
-        cap = asyncio.run(measure_cell(plan, context, sessions, servers))
-        cpu = cpu_use(cap.cpu_samples, servers.fleet.procs, self_cpu_s() - cpu0)
-    finally:
-        servers.fleet.stop()
+    cap, cpu = run_stacks(plan, context, sessions, start_servers(plan, accept, sessions, context, calibration))
     slo = plan.wall_slo(sessions, context)
     targets = {}
     for name, run in cap.runs.items():
@@ -92,12 +86,7 @@ def run_cell(plan: HeadPlan, accept: float, context: int, sessions: int, calibra
         )
     cell = Cell(accept, context, sessions, t, {n: targets[n] for n in ("baseline", "adaptive", "specgate")}, cpu,
                 cap.pools)  # fmt: skip
-    say(
-        "    goodput "
-        + ", ".join(f"{n} {c.goodput_req_s:.2f}{'' if c.conclusive else '*'}" for n, c in targets.items())
-        + f" req/s; CPU {cpu.machine_busy_mean:.0%}",
-        quiet,
-    )
+    say_goodput(targets, cpu, quiet, unit=" req/s", warn=False)
     return cell
 
 
@@ -164,11 +153,11 @@ def _accepts(raw: str) -> tuple[float, ...]:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "headtohead",
-        help="baseline alone vs one adaptive EAGLE-3 server vs specgate + shared-GPU pair, one simulated H200 each",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "baseline alone vs one adaptive EAGLE-3 server vs specgate + shared-GPU pair, one simulated H200 each",
+        __doc__,
     )
     p.add_argument("--accept-lengths", type=_accepts, default=(1.5, 2.5), help="comma list (default 1.5,2.5)")
     p.add_argument("--contexts", type=context_list, default=(1000, 8000),
@@ -238,12 +227,6 @@ def cmd_headtohead(args: argparse.Namespace) -> int:
     for key, cal in report["calibrations"].items():
         print(f"specgate's watermarks at accept/context {key}: high={cal['high_watermark']} "
               f"low={cal['low_watermark']} ({cal['verdict']})")  # fmt: skip
-    print(cell_table(plan, cells))
-    print()
-    for line in [*report["verdicts"], *cpu_lines(cells), *report["warnings"]]:
-        print(line)
-    plot = out_dir / "headtohead.png"
-    plot_headtohead(plot, plan, cells)
-    write_json(out_dir / "headtohead.json", report)
-    print(f"\nplot: {plot}   data: {out_dir / 'headtohead.json'}   ({wall:.0f} s)")
+    lines = [cell_table(plan, cells), "", *report["verdicts"], *cpu_lines(cells), *report["warnings"]]
+    conclude(out_dir, "headtohead", report, lines, started, lambda path: plot_headtohead(path, plan, cells), wall)
     return 0

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..kit.multiturn import context_label
 from ..kit.plots import pyplot
-from .plan import HeadPlan, context_label
+from .plan import HeadPlan
 from .score import Cell
 
 COLOURS = {"baseline": "tab:blue", "adaptive": "tab:green", "specgate": "tab:red"}

@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from ..kit.figures import TIE, TargetCell
+from ..kit.multiturn import context_label
 from ..report import fmt
-from .plan import HeadPlan, context_label
-from .score import TIE, Cell, TargetCell, best_target, outcomes
+from .plan import HeadPlan
+from .score import Cell, best_target, outcomes
 
 SHORT = {"baseline": "base", "adaptive": "adapt", "specgate": "gate"}
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -73,6 +74,21 @@ class Fleet:
         self.pending += [(proc, url) for url in urls]
         return proc
 
+    def start_pair(self, name: str, pair_args: Callable[[int, int], Sequence[str]]) -> tuple[str, str]:
+        """Start a simulated pair, `pair_args(speculative_port, baseline_port)`, on free ports: the
+        speculative server's URL and the baseline's."""
+        spec_port, base_port = free_port(), free_port()
+        spec, base = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{base_port}"
+        self.start(name, pair_args(spec_port, base_port), [spec + "/health", base + "/health"])
+        return spec, base
+
+    def start_specgate(self, name: str, env: Callable[[int], Mapping[str, str]]) -> str:
+        """Start specgate on a free port with `env(port)` (kit.settings.specgate_env): its URL."""
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        self.start(name, ["-m", "proxy"], [url + "/ready"], env(port))
+        return url
+
     def ready(self) -> None:
         pending, self.pending = self.pending, []
         wait_ready(pending)
@@ -80,6 +96,16 @@ class Fleet:
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
+
+    @contextlib.contextmanager
+    def stopped_on_error(self) -> Iterator[Fleet]:
+        """Every process stopped where starting them raises (a process not ready, Ctrl-C): a
+        scenario that failed to start leaves nothing running."""
+        try:
+            yield self
+        except BaseException:
+            self.stop()
+            raise
 
 
 def calibrate_options(seed: int, max_tokens: int, min_requests: int | None = None) -> list[str]:
@@ -105,15 +131,9 @@ def calibrate_fresh_pair(
     speed model's fit sweeps (none: no fit). Its output goes to calibration.txt."""
 
     def started() -> tuple[Fleet, str, str]:
-        spec_port, base_port = free_port(), free_port()
-        spec, base = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{base_port}"
-        pair = Fleet()
-        pair.start("simulators-calibration", pair_args(spec_port, base_port), [spec + "/health", base + "/health"])
-        try:
+        with (pair := Fleet()).stopped_on_error():
+            spec, base = pair.start_pair("simulators-calibration", pair_args)
             pair.ready()
-        except BaseException:
-            pair.stop()
-            raise
         return pair, spec, base
 
     pair, spec, base = fresh_start(started, quiet)

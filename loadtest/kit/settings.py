@@ -6,6 +6,8 @@ measured a policy that moved, probed and forgot 1/T times faster than it does be
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from proxy.config import ENGINE_SCRAPE_INTERVAL_S, Settings
 
 # Time settings (Settings' fields) that are durations, scaled by 1 / T; and rates, scaled by T.
@@ -39,7 +41,7 @@ def specgate_env(
         "SPECGATE_PORT": str(port),
         "SPECGATE_SPECULATIVE_URL": speculative,
         "SPECGATE_BASELINE_URL": baseline,
-        **{f"SPECGATE_{name.upper()}": str(value) for name, value in settings.items()},
+        **settings_env(settings),
         "SPECGATE_LOG_LEVEL": log_level,
     }
     if time_scale is not None:
@@ -52,3 +54,8 @@ def specgate_env(
             every = max(MIN_SCRAPE_INTERVAL_S, ENGINE_SCRAPE_INTERVAL_S / time_scale)
             env["SPECGATE_SCRAPE_INTERVAL_S"] = f"{every:g}"
     return env
+
+
+def settings_env(settings: Mapping[str, object]) -> dict[str, str]:
+    """SPECGATE_* for `settings` named as Settings' fields, as given (no time setting scaled)."""
+    return {f"SPECGATE_{name.upper()}": str(value) for name, value in settings.items()}

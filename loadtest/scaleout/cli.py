@@ -86,10 +86,9 @@ from pathlib import Path
 from typing import Any
 
 from ..args import count, level_tuple, non_negative, positive
-from ..kit.command import add_run_options, check_max_tokens, check_profile, check_settle, say
+from ..kit.command import add_command, add_run_options, check_max_tokens, check_profile, check_settle, conclude, say
 from ..kit.processes import fresh_start
 from ..kit.sampling import CpuUse
-from ..report import write_json
 from .plan import (
     BUSY_MIN,
     CONFIGS,
@@ -161,12 +160,12 @@ def run_scaleout(
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "scaleout",
-        help="several groups (or pools) of servers behind several specgate replicas, against all-speculative "
+        "several groups (or pools) of servers behind several specgate replicas, against all-speculative "
         "and all-baseline",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        __doc__,
     )
     p.add_argument("--topology", choices=("paired", "pooled"), default="paired")
     p.add_argument("--groups", type=count, default=2, help="paired: simulated pairs, one group each (default 2)")
@@ -275,14 +274,9 @@ def cmd_scaleout(args: argparse.Namespace) -> int:
     wm_set = report["settings"]["watermarks"]
     print(describe(plan))
     print(f"watermarks high={wm_set['high']} low={wm_set['low']} ({wm_set['source']})")
-    print(level_table(plan, levels))
-    print()
-    for line in [*report["verdicts"], *report["drift"], *profile_lines(plan, levels), *cpu_lines(report["cpu"])]:
-        print(line)
-    for line in report["warnings"]:
-        print(line)
-    plot = out_dir / "scaleout.png"
-    plot_scaleout(plot, plan, levels, runs)
-    write_json(out_dir / "scaleout.json", report)
-    print(f"\nplot: {plot}   data: {out_dir / 'scaleout.json'}   ({time.monotonic() - started:.0f} s)")
+    lines = [
+        level_table(plan, levels), "", *report["verdicts"], *report["drift"], *profile_lines(plan, levels),
+        *cpu_lines(report["cpu"]), *report["warnings"],
+    ]  # fmt: skip
+    conclude(out_dir, "scaleout", report, lines, started, lambda path: plot_scaleout(path, plan, levels, runs))
     return 0

@@ -94,10 +94,8 @@ def start_configs(plan: ScaleoutPlan, names: Sequence[str], wm: Watermarks, flee
     fleet.ready()
     for run in runs:
         for i in range(plan.replicas):
-            port = free_port()
-            run.replicas.append(f"http://127.0.0.1:{port}")
-            env = gate_env(plan, run.servers, port, run.high, run.low)
-            fleet.start(f"specgate-{run.name}-{i}", ["-m", "proxy"], [run.replicas[-1] + "/ready"], env)
+            env = functools.partial(gate_env, plan, run.servers, high=run.high, low=run.low)
+            run.replicas.append(fleet.start_specgate(f"specgate-{run.name}-{i}", env))
         run.server_samples = {s.name: [] for s in run.servers}
         run.gate_samples = [[] for _ in run.replicas]
     fleet.ready()

@@ -56,11 +56,11 @@ from proxy.policy.calibration import CalibrationError
 from proxy.policy.calibration import load as load_calibration
 
 from ..args import level_tuple, positive
-from ..kit.command import add_run_options, check_max_tokens, check_profile, check_settle, say
+from ..kit.command import add_command, add_run_options, check_max_tokens, check_profile, check_settle, conclude, say
 from ..kit.processes import Fleet, fresh_start
 from ..kit.sampling import cpu_use, self_cpu_s
 from ..prompts import source
-from ..report import fmt, write_json
+from ..report import fmt
 from .plan import ADAPTIVE_SETTINGS, POLICIES, RATIO_TARGET, TIE, ShiftPlan, adaptive_settings, specgate_env
 from .plot import plot_shift
 from .report import cpu_lines, level_table, verdicts, warnings
@@ -154,11 +154,8 @@ def _setting(raw: str) -> tuple[str, float]:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "shift",
-        help="the prompt mix changes mid-run: both servers, specgate static and adaptive side by side",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = add_command(
+        sub, "shift", "the prompt mix changes mid-run: both servers, specgate static and adaptive side by side", __doc__
     )
     p.add_argument("--profile", default="crossover", help="simulator profile (default crossover)")
     p.add_argument("--concurrency", type=level_tuple, default=(10, 30), help="comma list of levels (default 10,30)")
@@ -225,12 +222,6 @@ def cmd_shift(args: argparse.Namespace) -> int:
         f"shift: {plan.profile} profile, prompts {' -> '.join(plan.phases)}, {plan.phase_s:g} s a phase, "
         f"time scale {plan.time_scale:g}, {plan.max_tokens} tokens a request"
     )
-    print(level_table(plan, levels))
-    print()
-    for line in [*report["verdicts"], *cpu_lines(levels), *report["warnings"]]:
-        print(line)
-    plot = out_dir / "shift.png"
-    plot_shift(plot, plan, levels)
-    write_json(out_dir / "shift.json", report)
-    print(f"\nplot: {plot}   data: {out_dir / 'shift.json'}   ({time.monotonic() - started:.0f} s)")
+    lines = [level_table(plan, levels), "", *report["verdicts"], *cpu_lines(levels), *report["warnings"]]
+    conclude(out_dir, "shift", report, lines, started, lambda path: plot_shift(path, plan, levels))
     return 0

@@ -22,7 +22,6 @@ from ..kit.command import say
 from ..kit.driving import chat_target, drain, sleep_until, stream, ticks
 from ..kit.processes import Fleet, calibrate_fresh_pair, calibrate_options
 from ..kit.sampling import CpuMeter, get_json, get_text
-from ..procs import free_port
 from ..prompts import Prompt, source
 from ..sweep import make_session
 from .plan import CALIBRATE_DURATION_S, CALIBRATE_LEVELS, POLICIES, SERVERS, SPECGATES, TARGETS, ShiftPlan, specgate_env
@@ -34,17 +33,12 @@ def start_targets(plan: ShiftPlan, calibration: str, fleet: Fleet) -> dict[str, 
     """A fresh pair per target, then a specgate in front of two of them; each target's URL."""
     pairs: dict[str, tuple[str, str]] = {}
     for name in TARGETS:
-        spec_port, base_port = free_port(), free_port()
-        spec, base = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{base_port}"
-        fleet.start(f"simulators-{name}", plan.pair_args(spec_port, base_port), [spec + "/health", base + "/health"])
-        pairs[name] = (spec, base)
+        pairs[name] = fleet.start_pair(f"simulators-{name}", plan.pair_args)
     fleet.ready()
     urls = {name: pairs[name][SERVERS.index(name)] for name in SERVERS}
     for name in SPECGATES:
-        port = free_port()
-        urls[name] = f"http://127.0.0.1:{port}"
-        env = specgate_env(POLICIES[name], *pairs[name], port, calibration, plan)
-        fleet.start(f"specgate-{name}", ["-m", "proxy"], [urls[name] + "/ready"], env)
+        env = functools.partial(specgate_env, POLICIES[name], *pairs[name], calibration=calibration, plan=plan)
+        urls[name] = fleet.start_specgate(f"specgate-{name}", env)
     fleet.ready()
     return {name: urls[name] for name in TARGETS}
 

@@ -11,10 +11,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from ..args import positive
-from .engine import SharedGpu
+from ..args import non_negative, positive
 from .profile import Profile, ProfileError, builtin_names, load_profile
 from .server import ServerConfig, SimServer
+from .state import SharedGpu
 from .steptimes import H200_GPU_GIB, StepTimes, load_steptimes, steptime_names
 
 _EPILOG = """\
@@ -44,13 +44,6 @@ def _probability(raw: str) -> float:
     return value
 
 
-def _non_negative(raw: str) -> float:
-    value = float(raw)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{raw} must be >= 0")
-    return value
-
-
 def _accept_length(raw: str) -> float:
     value = float(raw)
     if not 1 <= value < math.inf:
@@ -66,6 +59,13 @@ def _positive_int(raw: str) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    """The options one server and a pair share, in --help's order."""
+    for group in (_engine_options, _server_options, _accept_options, _request_options, _surface_options):
+        group(p)
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    """Speed and memory: the profile, the draft depth, prefill chunks, the KV pool, the prefix cache."""
     p.add_argument(
         "--profile",
         default="seed-parallel",
@@ -109,6 +109,10 @@ def _common(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no prefix cache: every prompt is prefilled whole (SGLang's flag)",
     )
+
+
+def _server_options(p: argparse.ArgumentParser) -> None:
+    """Where it listens, what it serves, its clock, admission and start-up."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--served-model-name", default="default")
     p.add_argument(
@@ -125,13 +129,17 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=256,
         help="past this many admitted requests, new ones queue",
     )
-    p.add_argument("--warmup-s", type=_non_negative, default=0.0, help="/health answers 503 this long after start")
+    p.add_argument("--warmup-s", type=non_negative, default=0.0, help="/health answers 503 this long after start")
     p.add_argument(
         "--load-s",
-        type=_non_negative,
+        type=non_negative,
         default=0.0,
         help="refuse connections this long before listening (weights loading)",
     )
+
+
+def _accept_options(p: argparse.ArgumentParser) -> None:
+    """What a speculative step accepts: one length, or each prompt's own."""
     accept = p.add_mutually_exclusive_group()
     accept.add_argument(
         "--accept-length",
@@ -153,6 +161,10 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="acceptance of a perfectly repetitive prompt under --accept-from-prompt (default: the profile's "
         "max_accept_length, else its accept_length + 1)",
     )
+
+
+def _request_options(p: argparse.ArgumentParser) -> None:
+    """Faults injected into requests, and the CSV profiles' prefill and default output length."""
     p.add_argument("--fail-rate", type=_probability, default=0.0, help="share of requests answered 500")
     p.add_argument(
         "--stall-rate",
@@ -160,7 +172,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="share of requests that stop producing mid-way and hang until the client leaves",
     )
-    p.add_argument("--ttft-base-ms", type=_non_negative, default=20.0, help="fixed part of time to first token")
+    p.add_argument("--ttft-base-ms", type=non_negative, default=20.0, help="fixed part of time to first token")
     p.add_argument("--prefill-tok-s", type=positive, default=50_000.0, help="prompt tokens per second of prefill")
     p.add_argument(
         "--default-max-tokens",
@@ -168,6 +180,10 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=256,
         help="output length when a request sets none (then it ends with finish_reason=stop)",
     )
+
+
+def _surface_options(p: argparse.ArgumentParser) -> None:
+    """/metrics and /health as SGLang shows them, fixed fields for byte comparisons, logging."""
     p.add_argument(
         "--metrics-prefix",
         choices=("sglang:", "sglang_"),
@@ -182,7 +198,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--busy-health-s",
-        type=_non_negative,
+        type=non_negative,
         default=0.0,
         help="/health takes this long while requests are running (SGLang's runs a generation; a saturated "
         "llama-server answers after its batch), unscaled",

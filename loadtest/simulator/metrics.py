@@ -12,7 +12,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .engine import Engine, Histogram
+from .engine import Engine
+from .state import Histogram
 
 # SGLang servers export `sglang:` names; SGLang's router re-exports them as `sglang_`.
 METRIC_PREFIXES = ("sglang:", "sglang_")
@@ -39,20 +40,19 @@ class SGLangCollector(Collector):
             ("spec_accept_length", "The average acceptance length of speculative decoding.", g.spec_accept_length),
             ("cache_hit_rate", "The prefix cache hit rate.", g.cache_hit_rate),
         )
-        for name, doc, value in gauges:
-            fam = GaugeMetricFamily(p + name, doc, labels=names)
-            fam.add_metric(labels, float(value))
-            yield fam
         counters = (
             ("prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total),
             ("generation_tokens", "Number of generation tokens processed.", s.generation_tokens_total),
             ("num_requests", "Number of requests processed.", s.num_requests_total),
             ("num_aborted_requests", "Number of requests aborted.", s.num_aborted_requests_total),
         )
-        for name, doc, value in counters:
-            cfam = CounterMetricFamily(p + name, doc, labels=names)
-            cfam.add_metric(labels, float(value))
-            yield cfam
+        families: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], tuple[tuple[str, str, float], ...]], ...]
+        families = ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters))
+        for family, rows in families:
+            for name, doc, value in rows:
+                fam = family(p + name, doc, labels=names)
+                fam.add_metric(labels, float(value))
+                yield fam
         # SGLang's tokenizer counts a request's cached prompt tokens as it finishes, and writes a
         # cache_source's series once it moved; the simulator's cache is the device's.
         cached = CounterMetricFamily(

@@ -23,13 +23,14 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..prompts import repetitiveness
-from .engine import Engine, Sequence, SharedGpu
+from .engine import Engine
 from .metrics import build_registry
 from .profile import Profile, Role
 from .radix import PrefixCache
 from .responses import NotFound, ResponsesStream, ResponseStore, chat_of, response_id
 from .responses import full_response as responses_body
 from .speed import CurveSpeed, Speed, TableSpeed
+from .state import Sequence, SharedGpu
 from .steptimes import H200_GPU_GIB, AdaptiveSteps, StepTimes
 from .wire import (
     GenRequest,

@@ -11,8 +11,8 @@ import pytest
 from loadtest.__main__ import build_parser
 from loadtest.classes import ClassSummary
 from loadtest.headtohead import Cell, HeadPlan, TargetCell, best_target, compare, plan_of, sizes_for, target_cell
-from loadtest.headtohead.plan import default_time_scale, mean_prompt, parse_context
 from loadtest.headtohead.report import cell_table, verdicts, warnings
+from loadtest.kit.multiturn import default_time_scale, mean_prompt, parse_context
 from loadtest.simulator.wire import _chat_prompt_tokens, token_text
 from loadtest.stats import LevelStats
 from loadtest.textbank import TextBank

@@ -1,4 +1,4 @@
-"""`loadtest headtohead-affinity`'s plan, stacks and scoring (loadtest/headtohead/affinityrule.py): pure,
+"""`loadtest headtohead-affinity`'s plan, stacks and scoring (loadtest/experiments/affinityrule.py): pure,
 no process started."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.__main__ import build_parser
-from loadtest.headtohead.affinityrule import (
+from loadtest.experiments.affinityrule import (
     PRICED,
     TARGETS,
     AffinityCell,
@@ -22,9 +22,9 @@ from loadtest.headtohead.affinityrule import (
     summary_lines,
     target_settings,
 )
-from loadtest.headtohead.plan import default_time_scale
-from loadtest.headtohead.run import CellCapture
-from loadtest.headtohead.score import TargetCell
+from loadtest.kit.cells import CellCapture
+from loadtest.kit.figures import TargetCell
+from loadtest.kit.multiturn import default_time_scale
 from loadtest.kit.processes import NotReady, fresh_start
 from loadtest.production import WorkloadRun
 from proxy.config import Settings

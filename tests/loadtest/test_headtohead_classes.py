@@ -14,40 +14,45 @@ import pytest
 
 from loadtest.__main__ import build_parser
 from loadtest.client import RequestResult, Target
-from loadtest.headtohead.plan import MAX_STAGGER_S
-from loadtest.headtohead.twoclass import (
+from loadtest.experiments.twoclass.plan import (
     CLASSES,
-    CONFIDENCE,
     CONTROL,
     DIRECT,
     ORACLE,
-    POOLED_MIN_RUNS,
     SCALE_FILE,
-    ClassCell,
     ClassPlan,
-    calibration_scale_of,
-    cell_verdict,
     gate_settings,
-    goodput_verdict,
-    hit_verdict,
-    measured_oracle_gap,
-    misrouted,
-    oracle_gap,
-    oracle_hit_rate,
-    oracle_urls,
-    pinned_backends,
     pinned_settings,
+    smg_argv,
+)
+from loadtest.experiments.twoclass.pooled import (
+    CONFIDENCE,
+    POOLED_MIN_RUNS,
+    cell_verdict,
     pooled_interval,
     pooled_ratio,
     pooled_split,
     pooled_verdict,
-    returned_share,
     runs_verdict,
-    smg_argv,
-    summary_lines,
-    table,
+)
+from loadtest.experiments.twoclass.report import summary_lines, table
+from loadtest.experiments.twoclass.run import (
+    calibration_scale_of,
+    misrouted,
+    oracle_urls,
+    pinned_backends,
     through_gates,
 )
+from loadtest.experiments.twoclass.score import (
+    ClassCell,
+    goodput_verdict,
+    hit_verdict,
+    measured_oracle_gap,
+    oracle_gap,
+    oracle_hit_rate,
+    returned_share,
+)
+from loadtest.kit.multiturn import MAX_STAGGER_S
 from loadtest.kit.processes import at_time_scale
 from loadtest.kit.settings import DURATIONS, specgate_env
 from loadtest.prompts import repetitiveness

@@ -12,15 +12,8 @@ import pytest
 from loadtest import decisions
 from loadtest.bench_upstream import CLIENTS, Case, format_table
 from loadtest.bench_upstream import run as run_upstream
-from loadtest.overhead import (
-    PEERS,
-    Launch,
-    Scenario,
-    format_results,
-    peer_launches,
-    run_overhead,
-    start_launch,
-)
+from loadtest.overhead import Scenario, format_results, run_overhead
+from loadtest.peers import PEERS, Launch, peer_launches, start_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 # Where scripts/install-peers puts the peers; CI does not, and the tests that need them skip.

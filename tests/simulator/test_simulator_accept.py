@@ -19,9 +19,10 @@ import pytest
 
 from loadtest.prompts import REPETITION_NGRAM, Prompt, diverse, repetitive, repetitiveness, source
 from loadtest.simulator.cli import configs_from_args
-from loadtest.simulator.engine import DECODE_LOG_INTERVAL, Engine, Sequence, SharedGpu
+from loadtest.simulator.engine import DECODE_LOG_INTERVAL, Engine
 from loadtest.simulator.profile import ROLES, ProfileError, load_profile, parse_profile
 from loadtest.simulator.server import ServerConfig
+from loadtest.simulator.state import Sequence, SharedGpu
 from loadtest.simulator.wire import count_tokens, parse_request
 
 from ..conftest import StartSim

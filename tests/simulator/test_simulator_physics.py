@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from loadtest.simulator.cli import configs_from_args
-from loadtest.simulator.engine import DECODE_LOG_INTERVAL, Engine, Sequence, SharedGpu
+from loadtest.simulator.engine import DECODE_LOG_INTERVAL, Engine
 from loadtest.simulator.radix import PrefixCache, page_keys
 from loadtest.simulator.speed import TableSpeed
+from loadtest.simulator.state import Sequence, SharedGpu
 from loadtest.simulator.steptimes import AdaptiveSteps, load_steptimes
 from loadtest.simulator.wire import count_tokens, token_text
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import functools
 import json
 import time
@@ -53,17 +52,19 @@ from proxy.fleet.promtext import by_label, totals
 
 from ..args import count, level_tuple, names, positive
 from ..classes import summarise_class
-from ..kit.command import add_run_options, check_max_tokens, say
-from ..kit.processes import Fleet, fresh_start
-from ..kit.sampling import cpu_use, get_text, self_cpu_s
-from ..kit.settings import specgate_env
+from ..kit.cells import Servers, run_stacks, say_goodput
+from ..kit.command import add_command, add_run_options, check_max_tokens, conclude, say
+from ..kit.figures import NO_GOODPUT, TargetCell, target_cell
+from ..kit.multiturn import context_label, context_list, default_time_scale, sizes_for
+from ..kit.processes import Fleet
+from ..kit.sampling import get_text
+from ..kit.settings import settings_env, specgate_env
 from ..procs import free_port
-from ..report import write_json
 from ..sweep import make_session
-from .plan import context_label, context_list, default_time_scale, sizes_for
-from .run import Servers, measure_cell
-from .score import NO_GOODPUT, TargetCell, target_cell
-from .twoclass import POOLED_MAX_UNKNOWN, ClassPlan, _interval, at_sessions, context_calibration, oracle_hit_rate
+from .twoclass.plan import ClassPlan
+from .twoclass.pooled import POOLED_MAX_UNKNOWN, bootstrap_interval
+from .twoclass.run import run_cells
+from .twoclass.score import oracle_hit_rate
 
 TARGETS = ("priced", "both", "in-flight", "no-affinity")
 POLICIES = ("model", "adaptive")
@@ -158,21 +159,17 @@ def stack_env(
 ) -> dict[str, str]:
     """SPECGATE_* for a target's specgate in front of `servers` (speculative, then b0, b1, ...)."""
     baselines = ",".join(f"{name}={url}" for name, url in servers.items() if name != "speculative")
-    env = specgate_env(port, servers["speculative"], baselines, time_scale)
     settings = {**target_settings(target, policy), "calibration": calibration}
-    return env | {f"SPECGATE_{k.upper()}": str(v) for k, v in settings.items()}
+    return specgate_env(port, servers["speculative"], baselines, time_scale) | settings_env(settings)
 
 
 def start_stacks(plan: AffinityPlan, sessions: int, context: int, calibration: Path) -> Servers:
     t = plan.time_scale(sessions, context)
-    fleet = Fleet()
     urls: dict[str, str] = {}
     servers: dict[str, dict[str, str]] = {}
-    try:
+    with (fleet := Fleet()).stopped_on_error():
         for target in plan.rules:
-            sp, bp = free_port(), free_port()
-            spec, base = f"http://127.0.0.1:{sp}", f"http://127.0.0.1:{bp}"
-            fleet.start(f"pool-{target}", plan.pair(t, sp, bp), [spec + "/health", base + "/health"])
+            spec, base = fleet.start_pair(f"pool-{target}", functools.partial(plan.pair, t))
             servers[target] = {"speculative": spec, "b0": base}
             for i in range(1, plan.baselines):
                 port = free_port()
@@ -181,28 +178,21 @@ def start_stacks(plan: AffinityPlan, sessions: int, context: int, calibration: P
                 servers[target][f"b{i}"] = url
         fleet.ready()
         for target in plan.rules:
-            port = free_port()
-            urls[target] = f"http://127.0.0.1:{port}"
-            env = stack_env(target, port, servers[target], t, calibration, plan.policy)
-            fleet.start(f"specgate-{target}", ["-m", "proxy"], [urls[target] + "/ready"], env)
+            urls[target] = fleet.start_specgate(
+                f"specgate-{target}",
+                functools.partial(stack_env, target, servers=servers[target], time_scale=t, calibration=calibration,
+                                  policy=plan.policy),
+            )  # fmt: skip
         fleet.ready()
-    except BaseException:
-        fleet.stop()
-        raise
     return Servers(urls=urls, servers=servers, fleet=fleet)
 
 
 def run_cell(plan: AffinityPlan, context: int, sessions: int, calibration: Path, quiet: bool) -> AffinityCell:
     t = plan.time_scale(sessions, context)
     say(f"  {sessions} sessions (time scale {t:g}): {len(plan.rules)} pools of 1+{plan.baselines}...", quiet)
+    scraped: dict[str, tuple[float | None, float | None]] = {}
     stacks = start_stacks(plan, sessions, context, calibration)
-    try:
-        cpu0 = self_cpu_s()
-        cap = asyncio.run(measure_cell(plan, context, sessions, stacks, tag_requests=True))
-        cpu = cpu_use(cap.cpu_samples, stacks.fleet.procs, self_cpu_s() - cpu0)
-        scraped = asyncio.run(_scrape(stacks.urls))
-    finally:
-        stacks.fleet.stop()
+    cap, cpu = run_stacks(plan, context, sessions, stacks, True, lambda s: scraped.update(asyncio.run(_scrape(s.urls))))
     slo = plan.wall_slo(sessions, context)
     system = sizes_for(context, plan.turns, plan.max_tokens).system_tokens
     cell = AffinityCell(
@@ -215,10 +205,7 @@ def run_cell(plan: AffinityPlan, context: int, sessions: int, calibration: Path,
         cell.targets[name] = target_cell(name, stats, everything, t, cap.mean_queued(name))
         cell.oracle_hit[name] = oracle_hit_rate(run.results, run.t0, run.t1, system)
         cell.breaks[name], cell.hits[name] = scraped[name]
-    figures = ", ".join(f"{n} {c.goodput_req_s:.2f}{'' if c.conclusive else '*'}" for n, c in cell.targets.items())
-    say(f"    goodput {figures}; CPU {cpu.machine_busy_mean:.0%}", quiet)
-    if cpu.warning:
-        say(f"    warning: {cpu.warning}", quiet)
+    say_goodput(cell.targets, cpu, quiet)
     return cell
 
 
@@ -243,7 +230,7 @@ def comparison(runs: Sequence[AffinityCell], target: str, other: str) -> str:
     if not known or below < NO_GOODPUT:
         return f"{target} / {other}: unknown (no conclusive run with goodput)"
     ratio = sum(a for a, _ in known) / below
-    interval = _interval(known)
+    interval = bootstrap_interval(known)
     if interval is None:
         return f"{target} / {other}: {ratio:.2f}x over {len(known)} runs (too few for an interval)"
     lo, hi = interval
@@ -309,27 +296,20 @@ def has_fit(path: Path) -> bool:
 
 
 def run(plan: AffinityPlan, out_dir: Path, reuse: Path | None, quiet: bool) -> dict[str, Any]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cells: list[AffinityCell] = []
-    for context in plan.contexts:
-        path = context_calibration(plan, context, out_dir, reuse, quiet, FIT_PROMPT_TOKENS)
+    def check(path: Path) -> None:
         if plan.policy == "model" and not has_fit(path):
             raise ValueError(f"--policy model: {path} has no speed model fit; calibrate afresh or --policy adaptive")
-        for s in plan.sessions:
-            scaled = at_sessions(plan, context, s, path, out_dir)
-            for i in range(plan.repeats):
-                one = dataclasses.replace(plan, seed=plan.seed + i)
-                cells.append(fresh_start(functools.partial(run_cell, one, context, s, scaled, quiet), quiet))
-                write_json(out_dir / "headtohead-affinity.json", {"settings": vars(plan), "cells": cells})
+
+    cells = run_cells(plan, out_dir, reuse, quiet, run_cell, "headtohead-affinity", FIT_PROMPT_TOKENS, check)
     return {"settings": vars(plan), "cells": cells, "summary": summary_lines(cells)}
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "headtohead-affinity",
-        help="cache affinity's rule among a role's servers: priced, by requests in flight, and none (issue 28)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "cache affinity's rule among a role's servers: priced, by requests in flight, and none (issue 28)",
+        __doc__,
     )
     p.add_argument("--contexts", type=context_list, default=(8000,), help="comma list (default 8k)")
     p.add_argument("--sessions", type=level_tuple, default=(16, 48), help="comma list (default 16,48)")
@@ -359,8 +339,5 @@ def cmd_headtohead_affinity(args: argparse.Namespace) -> int:
     started = time.monotonic()
     report = run(plan, out_dir, Path(args.calibrations) if args.calibrations else None, args.quiet)
     report["wall_s"] = round(time.monotonic() - started, 1)
-    for line in report["summary"]:
-        print(line)
-    write_json(out_dir / "headtohead-affinity.json", report)
-    print(f"\ndata: {out_dir / 'headtohead-affinity.json'}   ({report['wall_s']:.0f} s)")
+    conclude(out_dir, "headtohead-affinity", report, report["summary"], started, wall_s=report["wall_s"])
     return 0
