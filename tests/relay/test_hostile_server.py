@@ -13,9 +13,9 @@ import pytest
 
 from loadtest.procs import Proc, free_port, start
 
+from .. import helpers
 from ..conftest import StartSim
 from ..helpers import routing, scrape, wait_for
-from .. import helpers
 
 # The default inference routes, and the hostile server's echo route under them.
 ALLOWED = "/v1/chat/completions,/v1/completions,/v1/responses,/v1/embeddings,/v1/models,/generate,/v1/echo/*"
