@@ -341,8 +341,10 @@ class Policy(Protocol):
 
 def mode_decision(policy: Policy, snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig) -> Decision:
     """The mode's choice for a new request (its server not yet checked: steps/health.py)."""
-    spec_load = backend_load(snapshot, SPECULATIVE, cfg.load_signal)
-    load = spec_load + backend_load(snapshot, BASELINE, cfg.load_signal)
-    fresh = accept_fresh(snapshot.speculative_idle_since, snapshot.now, cfg)
-    state, held = policy.settle(load, spec_load, state, cfg, snapshot.now, fresh, snapshot.switch_margin)
+    signal, now = cfg.load_signal, snapshot.now
+    spec_load = backend_load(snapshot, SPECULATIVE, signal)
+    load = spec_load + backend_load(snapshot, BASELINE, signal)
+    idle = snapshot.speculative_idle_since
+    fresh = idle is None or now - idle <= cfg.accept_fresh_s  # accept_fresh, inline: every request asks
+    state, held = policy.settle(load, spec_load, state, cfg, now, fresh, snapshot.switch_margin)
     return Decision(state.mode, held or policy.reason(state.mode, load, state, cfg), state, load)

@@ -184,11 +184,12 @@ class Router:
         cfg = self.cfg if self.kv.kv_streams is None else self.kv.capped(self.cfg)
         if not can_probe and cfg.probe_s > 0:
             cfg = dataclasses.replace(cfg, probe_s=0.0)
-        margin = self.switch_margin()
+        margin = self.switch_margin() if self.learning.switch_per_token else 0.0
         snapshot = self.loads.snapshot(self._clock(), self._spec_idle_since, margin)
         ask = Ask(can_probe, batch, held, klass, prompt_tokens, cached_tokens)
         decision = run(self.steps, ask, Here(snapshot, cfg, self.state, self.pooled, self))
-        self._set_state(decision.state)
+        if decision.state is not self.state:
+            self._set_state(decision.state)
         self._metrics.decisions.inc(decision.backend or "none", decision.reason)
         return decision
 

@@ -22,6 +22,4 @@ class Mode:
         self.reasons: tuple[Reason, ...] = MODE_REASONS_GIVEN
 
     def place(self, ask: Ask, here: Here, decision: Decision | None) -> Decision | None:
-        if decision is not None:
-            return None
-        return mode_decision(self.policy, here.snapshot, here.state, here.cfg)
+        return None if decision is not None else mode_decision(self.policy, here.snapshot, here.state, here.cfg)
