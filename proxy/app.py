@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .config import Settings, redact_url
+from .config import Settings, deprecated_set, redact_url
 from .edge import access, ingress
 from .edge.paths import Routes, Verdict, path_problem
 from .edge.protocol import METRICS_KEY
@@ -105,6 +105,8 @@ async def running(settings: Settings, tracer_provider: TracerProvider | None = N
     )
     if settings.api_keys and not settings.admin_keys:
         log.warning("SPECGATE_API_KEYS is set but SPECGATE_ADMIN_KEYS is not: /routing is open to anyone")
+    for line in deprecated_set(settings):
+        log.warning(line)
     try:
         yield gate
     finally:

@@ -39,6 +39,20 @@ ENGINE_SCRAPE_INTERVAL_S = 0.5
 KV_SPILL_ROOM = 0.6
 
 
+# Settings kept working for one release, with a warning at start where one is set: what each did is
+# now fixed (or follows from another), for the reason given. docs/settings.md lists them apart.
+DEPRECATED: dict[str, str] = {}
+
+
+def deprecated_set(settings: Settings) -> list[str]:
+    """One line for each deprecated setting the environment (or .env) set."""
+    return [
+        f"SPECGATE_{name.upper()} is deprecated and goes in the next release: {why}"
+        for name, why in DEPRECATED.items()
+        if name in settings.model_fields_set
+    ]
+
+
 def default_scrape_interval(scrape_interval_s: float | None, load_signal: str, health_interval_s: float) -> float:
     """SPECGATE_SCRAPE_INTERVAL_S in effect (Settings.scrape_every_s)."""
     if scrape_interval_s is not None:
