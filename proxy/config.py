@@ -41,7 +41,11 @@ KV_SPILL_ROOM = 0.6
 
 # Settings kept working for one release, with a warning at start where one is set: what each did is
 # now fixed (or follows from another), for the reason given. docs/settings.md lists them apart.
-DEPRECATED: dict[str, str] = {}
+DEPRECATED: dict[str, str] = {
+    "adaptive_probe_mode": "probes will be shadow copies only: probes by the request itself were inside the noise "
+    "of shadow ones in every cell of the mechanism benchmark (" + "docs/benchmarks/2026-12-07-ablation.md" + ")",
+    "adaptive_probe_tokens": "it sizes the request probes SPECGATE_ADAPTIVE_PROBE_MODE=request sends, which go",
+}
 
 
 def deprecated_set(settings: Settings) -> list[str]:
@@ -92,11 +96,13 @@ class Settings(BaseSettings):
     # watermarks are set too) or its curves (adaptive).
     calibration: str | None = None
     # adaptive: the watermarks stay in [min, max], move at most max_step_per_s streams a second,
-    # and a mode lasts at least min_dwell_s. Observed speeds halve in weight every half_life_s.
+    # and a mode lasts at least min_dwell_s (opt-in: its gain was inside the noise in every cell of
+    # the mechanism benchmark, docs/benchmarks/2026-12-07-ablation.md). Observed speeds halve in
+    # weight every half_life_s.
     adaptive_min_watermark: int = Field(0, ge=0, le=MAX_WATERMARK)
     adaptive_max_watermark: int = Field(256, ge=1, le=MAX_WATERMARK)
     adaptive_max_step_per_s: float = Field(10.0, gt=0)
-    adaptive_min_dwell_s: float = Field(10.0, ge=0)
+    adaptive_min_dwell_s: float = Field(0.0, ge=0)
     adaptive_half_life_s: float = Field(60.0, gt=0)
     # While everything goes to the baseline, one request goes to the idle speculative server after
     # probe_s (doubling per probe, up to probe_max_s) to re-measure its acceptance. 0: never.
@@ -112,14 +118,16 @@ class Settings(BaseSettings):
     # Leave speculation where the baseline is ahead by this share, return where speculation is.
     adaptive_margin: float = Field(0.05, ge=0, le=0.5)
     # adaptive, paired groups: prompt tokens a second a server prefills, which prices a switch's
-    # re-prefill of every conversation (policy/adaptive.py). Lower is more cautious; 20,000 is under what
-    # an 8B model does on one H100 or H200. 0: switches are not priced.
-    prefill_tok_s: float = Field(20_000.0, ge=0, le=1e9)
+    # re-prefill of every conversation (policy/adaptive.py). Lower is more cautious; 20,000 is under
+    # what an 8B model does on one H100 or H200. 0, the default: switches are not priced (opt-in:
+    # pricing them was inside the noise in every cell of the mechanism benchmark).
+    prefill_tok_s: float = Field(0.0, ge=0, le=1e9)
     # adaptive, paired groups: the speculative pool's cap (routing/capacity.py) is read at the footprint the
     # conversations' growth over the last this many seconds would reach as many seconds ahead, so
     # that the switch its filling forces comes while few conversations are there to re-prefill.
-    # 0: the cap is read at the footprint as it is.
-    kv_forecast_s: float = Field(10.0, ge=0, le=3600)
+    # 0, the default: the cap is read at the footprint as it is (opt-in: the forecast's gain was
+    # inside the noise in every cell of the mechanism benchmark, and it cost in one seed at 1k/128).
+    kv_forecast_s: float = Field(0.0, ge=0, le=3600)
     # Engine gauges frozen this long are taken as an idle server (SGLang keeps them when idle).
     engine_stale_s: float = Field(10.0, gt=0)
     # Which engine's metrics to read: detected from each server's /metrics names, or fixed.
@@ -155,9 +163,10 @@ class Settings(BaseSettings):
     # requests of load a turn's server may have beyond the best, per thousand tokens it has cached.
     affinity_entries: int = Field(100_000, ge=0, le=10_000_000)
     affinity_slack: float = Field(1.0, ge=0, le=1_000_000)
-    # Among a role's servers under the model policy (affinity.py): a turn moves only where both the
-    # priced rule and the one by requests in flight would move it, by default.
-    affinity_rule: AffinityRule = "both"
+    # Among a role's servers under the model policy (affinity.py): by requests in flight, by default;
+    # the priced rules (priced, both) are opt-in, their gain inside the noise in the mechanism
+    # benchmark (0.94x, 0.88x-0.99x) and before it (2026-12-07-affinity: both 1.04x, 1.00x-1.09x).
+    affinity_rule: AffinityRule = "in_flight"
     # adaptive and model: once every baseline server's KV pool is at least this full, a request for
     # the baseline goes to the speculative role while its pools are under kv_spill_room (routing/steps/spill.py;
     # 0: never); unset, the room is the smaller of KV_SPILL_ROOM and the mark.

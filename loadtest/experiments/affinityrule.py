@@ -78,6 +78,11 @@ COMPARED = (*((PRICED, other) for other in TARGETS[1:]), ("both", "in-flight"))
 REFERENCE_SERVERS = 6
 
 
+# Prompt tokens a second a server prefills, under the priced rules (SPECGATE_PREFILL_TOK_S's
+# default until 2026-12-07).
+PRICED_PREFILL_TOK_S = 20_000.0
+
+
 def target_settings(target: str, policy: str = "model") -> dict[str, object]:
     """specgate's settings (Settings' fields) for a target under `policy`."""
     features: dict[str, object] = {"policy": policy, "class_key": "header", "topology": "pooled"}
@@ -160,6 +165,10 @@ def stack_env(
     """SPECGATE_* for a target's specgate in front of `servers` (speculative, then b0, b1, ...)."""
     baselines = ",".join(f"{name}={url}" for name, url in servers.items() if name != "speculative")
     settings = {**target_settings(target, policy), "calibration": calibration}
+    if target in ("priced", "both"):
+        # The priced rules price with a prefill rate, off by default since the mechanism benchmark:
+        # the rate these runs always had, scaled to the simulators' clock.
+        settings["prefill_tok_s"] = f"{PRICED_PREFILL_TOK_S * time_scale:g}"
     return specgate_env(port, servers["speculative"], baselines, time_scale) | settings_env(settings)
 
 

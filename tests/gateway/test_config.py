@@ -41,7 +41,7 @@ def test_safe_defaults_at_the_crossover() -> None:
     assert Settings(_env_file=None, load_signal="engine", scrape_interval_s=0.2).scrape_every_s == 0.2
     # A turn leaves its server only where the priced rule and the one by requests in flight agree
     # (docs/benchmarks/2026-12-07-affinity.md: 1.04x-1.06x the rule by requests in flight at 1+3 8k/72).
-    assert s.policy_config(None).affinity_rule == "both"
+    assert s.policy_config(None).affinity_rule == "in_flight"  # the priced rules are opt-in
     # A full baseline spills to the speculative pool's room (docs/routing.md); 0 turns it off, and a
     # room above the mark is refused only while the spill is on.
     assert (s.policy_config(None).kv_spill_at, s.policy_config(None).kv_spill_room) == (0.9, 0.6)

@@ -421,9 +421,11 @@ async def test_under_the_model_policy_the_pool_prices_a_turns_stay(gateway: Star
     # Its baseline's error 0: the turn below saves little, but more than nothing.
     never = {**MODEL, "speculative": {**spec, "a": 1.0}, "baseline": {**base, "rms_rel": 0.0}}
     cal = calibration_file(tmp_path, never)
-    async with _pool(gateway, policy="model", calibration=cal, prefill_tok_s=20_000, sim={"time_scale": 1.0}) as gw:
+    async with _pool(
+        gateway, policy="model", calibration=cal, prefill_tok_s=20_000, affinity_rule="both", sim={"time_scale": 1.0}
+    ) as gw:
         routing = await gw.routing()
-        # By default a turn moves only where the priced rule and the one by requests in flight agree.
+        # Under `both` a turn moves only where the priced rule and the one by requests in flight agree.
         assert routing["affinity"]["rule"] == "both"
         assert (routing["groups"][0]["affinity_rule"], routing["groups"][0]["turn_out_tokens"]) == ("both", 256)
         # The third turn's few cached tokens save the idle server a prefill of milliseconds: less

@@ -3,8 +3,11 @@ shows, and every policy is built by the one factory."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from proxy.config import Settings, deprecated_set
 from proxy.policy.base import REASONS, LoadSnapshot, PolicyState, Role
 from proxy.policy.factory import POLICIES, policy_for
 from proxy.routing.steps.base import Ask, Here
@@ -91,3 +94,15 @@ async def test_routing_shows_the_pipeline_in_order(gateway: StartGateway) -> Non
     ]  # fmt: skip
     assert page["pipeline"][0]["reasons"] == ["stored_response"]
     assert "light_load" in page["pipeline"][2]["reasons"]
+
+
+@pytest.mark.anyio
+async def test_a_deprecated_setting_still_works_and_says_it_goes(
+    gateway: StartGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="specgate")
+    assert deprecated_set(Settings(_env_file=None)) == []
+    gw = await gateway(policy="adaptive", adaptive_probe_mode="request", adaptive_probe_tokens=200)
+    assert gw.settings.policy_config(None).probe_shadow is False  # as set, for one more release
+    said = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert [m.split(" is ")[0] for m in said] == ["SPECGATE_ADAPTIVE_PROBE_MODE", "SPECGATE_ADAPTIVE_PROBE_TOKENS"]
