@@ -173,7 +173,7 @@ def _target(goodput: float, conclusive: bool = True, tok_s: float = 1000.0) -> T
 def _run(seed: int, full: float, copy: float, **off: float) -> Run:
     stacks = {FULL: _target(full), COPY: _target(copy)}
     stacks |= {off_stack(k.replace("_", "-")): _target(v) for k, v in off.items()}
-    counters = {FULL: {"reason:dwell_hold": 3.0, "shadow_probes": 1.0}}
+    counters = {FULL: {"reason:dwell_hold": 3.0, "shadow_probes": 1.0}, "no-dwell": {"reason:light_load": 9.0}}
     return Run("pair-1k-8", seed, 0.75, stacks, counters)
 
 
@@ -202,7 +202,7 @@ def test_a_cell_pays_only_where_every_seed_clears_the_noise() -> None:
     runs = [_run(900, 5.0, 5.1, dwell=4.0), _run(901, 5.0, 4.8, dwell=4.5), _run(902, 5.0, 5.0, dwell=4.4)]
     assert cell_noise(runs) == pytest.approx(0.04)
     s = score_cell(runs, "dwell")
-    assert (s.verdict, s.seeds, s.acted) == (PAYS, (900, 901, 902), 9.0)
+    assert (s.verdict, s.seeds, s.acted, s.acted_off) == (PAYS, (900, 901, 902), 9.0, 0.0)
     assert s.median == pytest.approx(5 / 4.4) and s.low == pytest.approx(5 / 4.5) and s.high == 1.25
     assert score_cell(runs, "kv-forecast").acted is None  # no counter shows it
     assert cell_noise([*runs, _run(903, 5.0, 0.0)]) == pytest.approx(1.0)

@@ -33,8 +33,8 @@ other --cells, --seeds or --window-s is a smoke test, not the protocol):
   than 5% of its requests failed on the client's side, or a load-tester stream died), or fewer than
   3 seeds. Shown: median gain and min-max over the seeds. A mechanism: pays where it pays in some
   cell and costs in none, costs the other way round, "pays and costs" where both, inside noise where
-  every known cell is. The full stack's counters (decisions by reason, shadow probes) are shown as
-  what each mechanism did; they are not scored.
+  every known cell is. The counters of full and of the stack with the mechanism off (decisions by
+  reason, shadow probes, affinity breaks; score.EVIDENCE) show what it did; they are not scored.
 - Not measured: the speculative pool's capacity cap (no switch turns it off) and the policies
   themselves (threshold against adaptive): one stack's mechanisms, not a choice among stacks.
 """

@@ -60,14 +60,15 @@ def summary_table(rows: Sequence[MechanismRow]) -> str:
 
 def cell_table(scores: Sequence[CellScore]) -> str:
     """Every (cell, mechanism): the per-seed gains, median and spread, the cell's noise, the verdict,
-    and what the full stack's counters say the mechanism did."""
+    and what the counters of the full stack and of the one with it off say the mechanism did (summed
+    over the seeds: score.EVIDENCE)."""
     lines = [
-        "| cell | mechanism | full / off, per seed | median (min-max) | noise | verdict | acted (full, summed) |",
+        "| cell | mechanism | full / off, per seed | median (min-max) | noise | verdict | acted, full / off |",
         "|---|---|---|---|---|---|---|",
     ]
     for s in scores:
         per_seed = ", ".join(times(g) for g in s.gains)
-        acted = "-" if s.acted is None else f"{s.acted:.0f}"
+        acted = "-" if s.acted is None else f"{s.acted:.0f} / {s.acted_off or 0:.0f}"
         lines.append(
             f"| {LABELS.get(s.cell, s.cell)} | {s.mechanism} | {per_seed} | {spread_of(s)} | {_pct(s.noise)} | "
             f"{s.verdict} | {acted} |"

@@ -109,8 +109,10 @@ class CellScore:
     on_tok_s: bool  # some seed's gain was read on output tokens a second
     noise: float | None
     verdict: str
-    # What the full stack's counters say the mechanism did, summed over the seeds (None: no counter).
+    # What the full stack's counters say the mechanism did, summed over the seeds (None: no counter),
+    # and the same counters of the stack with it off (0 but where both stacks count the same thing).
     acted: float | None = None
+    acted_off: float | None = None
 
     @property
     def median(self) -> float | None:
@@ -144,12 +146,12 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
 }
 
 
-def acted(runs: Sequence[Run], mechanism: str) -> float | None:
-    """The full stack's evidence counters for `mechanism`, summed over the runs (None: none kept)."""
+def acted(runs: Sequence[Run], mechanism: str, stack: str = FULL) -> float | None:
+    """A stack's evidence counters for `mechanism`, summed over the runs (None: none kept)."""
     keys = EVIDENCE.get(mechanism, ())
     if not keys:
         return None
-    return sum(run.counters.get(FULL, {}).get(k, 0.0) for run in runs for k in keys)
+    return sum(run.counters.get(stack, {}).get(k, 0.0) for run in runs for k in keys)
 
 
 def score_cell(runs: Sequence[Run], mechanism: str) -> CellScore:
@@ -166,6 +168,7 @@ def score_cell(runs: Sequence[Run], mechanism: str) -> CellScore:
         noise=noise,
         verdict=verdict(gains, noise),
         acted=acted(runs, mechanism),
+        acted_off=acted(runs, mechanism, off_stack(mechanism)),
     )
 
 
