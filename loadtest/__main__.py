@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from . import chaos, compare, demo, headtohead, overhead, scaleout, shift, slowloris
+from .ablation import cli as ablation
 from .calibrate import command as calibrate
 from .experiments import affinityrule
 from .experiments.twoclass import cli as twoclass
@@ -27,6 +28,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "headtohead": headtohead.cmd_headtohead,
     "headtohead-classes": twoclass.cmd_headtohead_classes,
     "headtohead-affinity": affinityrule.cmd_headtohead_affinity,
+    "ablation": ablation.cmd_ablation,
 }
 
 
@@ -36,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_parsers(sub)
     for module in (calibrate, demo, chaos, overhead, shift, scaleout, slowloris, headtohead, twoclass, affinityrule):
         module.add_parser(sub)
+    ablation.add_parser(sub)
     return parser
 
 

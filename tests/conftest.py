@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TIERS = ("inprocess", "loopback", "real")
 
 MODULE_TIERS = {
+    "test_ablation": "inprocess",
     "test_adaptive": "inprocess",
     "test_adaptive_stack": "inprocess",
     "test_forecast": "inprocess",
