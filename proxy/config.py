@@ -43,8 +43,10 @@ KV_SPILL_ROOM = 0.6
 # now fixed (or follows from another), for the reason given. docs/settings.md lists them apart.
 DEPRECATED: dict[str, str] = {
     "adaptive_probe_mode": "probes will be shadow copies only: probes by the request itself were inside the noise "
-    "of shadow ones in every cell of the mechanism benchmark (" + "docs/benchmarks/2026-12-07-ablation.md" + ")",
+    "of shadow ones in every cell of the mechanism benchmark (docs/benchmarks/2026-12-07-ablation.md)",
     "adaptive_probe_tokens": "it sizes the request probes SPECGATE_ADAPTIVE_PROBE_MODE=request sends, which go",
+    "adaptive_shadow_tokens": "a shadow copy's size will be fixed at its default, 16 tokens: no other was measured",
+    "adaptive_margin": "the estimate's margin will be fixed at its default, 5%: no other was ever measured",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from proxy.config import Settings
+from proxy.config import DEPRECATED, Settings
 
 from ..kit.settings import specgate_env as base_env
 from ..procs import pair_args
@@ -90,6 +90,8 @@ def specgate_env(
     env = base_env(port, spec_url, base_url, t, policy=policy, calibration=calibration)
     if policy == "adaptive":
         for name, value in adaptive_settings(plan).items():
+            if f"adaptive_{name}" in DEPRECATED and name not in plan.adaptive:
+                continue  # its default, unsaid: setting it would be warned about
             scaled = value / t if name in SCALED_DOWN else value * t if name in SCALED_UP else value
             env[f"SPECGATE_ADAPTIVE_{name.upper()}"] = f"{int(scaled)}" if name in UNSCALED else f"{scaled:g}"
     return env
