@@ -27,7 +27,7 @@ from ..kit.figures import TargetCell, target_cell
 from ..kit.processes import Fleet, fresh_start
 from ..kit.sampling import cpu_use, get_text, self_cpu_s
 from ..kit.settings import DURATIONS, RATES, specgate_env
-from ..procs import free_port, simulator_args
+from ..procs import simulator_args
 from ..sweep import make_session
 from .protocol import CellSpec, Protocol, stack_settings
 from .score import Run
@@ -117,30 +117,19 @@ def _scaled(name: str, value: object, time_scale: float) -> str:
 
 def start_stacks(plan: AblationPlan, cell: CellSpec, calibration: Path) -> Servers:
     t = plan.scale
-    fleet = Fleet()
     urls: dict[str, str] = {}
     servers: dict[str, dict[str, str]] = {}
-    try:
+    with (fleet := Fleet()).stopped_on_error():
         for stack in plan.stacks:
-            sp, bp = free_port(), free_port()
-            spec, base = f"http://127.0.0.1:{sp}", f"http://127.0.0.1:{bp}"
-            fleet.start(f"simulators-{stack}", plan.pair(t, sp, bp), [spec + "/health", base + "/health"])
-            servers[stack] = {"speculative": spec, "b0": base}
-            for i in range(1, plan.baselines):
-                port = free_port()
-                url = f"http://127.0.0.1:{port}"
-                fleet.start(f"simulators-{stack}-b{i}", plan.baseline_args(t, port), [url + "/health"])
-                servers[stack][f"b{i}"] = url
+            pair, more = functools.partial(plan.pair, t), functools.partial(plan.baseline_args, t)
+            servers[stack] = fleet.start_pool(f"simulators-{stack}", pair, more, plan.baselines)
         fleet.ready()
         for stack in plan.stacks:
-            port = free_port()
-            urls[stack] = f"http://127.0.0.1:{port}"
-            env = stack_env(cell, stack, port, servers[stack], t, calibration)
-            fleet.start(f"specgate-{stack}", ["-m", "proxy"], [urls[stack] + "/ready"], env)
+            env = functools.partial(
+                stack_env, cell, stack, servers=servers[stack], time_scale=t, calibration=calibration
+            )
+            urls[stack] = fleet.start_specgate(f"specgate-{stack}", env)
         fleet.ready()
-    except BaseException:
-        fleet.stop()
-        raise
     return Servers(urls=urls, servers=servers, fleet=fleet)
 
 

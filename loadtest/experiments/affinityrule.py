@@ -59,7 +59,6 @@ from ..kit.multiturn import context_label, context_list, default_time_scale, siz
 from ..kit.processes import Fleet
 from ..kit.sampling import get_text
 from ..kit.settings import settings_env, specgate_env
-from ..procs import free_port
 from ..sweep import make_session
 from .twoclass.plan import ClassPlan
 from .twoclass.pooled import POOLED_MAX_UNKNOWN, bootstrap_interval
@@ -178,13 +177,8 @@ def start_stacks(plan: AffinityPlan, sessions: int, context: int, calibration: P
     servers: dict[str, dict[str, str]] = {}
     with (fleet := Fleet()).stopped_on_error():
         for target in plan.rules:
-            spec, base = fleet.start_pair(f"pool-{target}", functools.partial(plan.pair, t))
-            servers[target] = {"speculative": spec, "b0": base}
-            for i in range(1, plan.baselines):
-                port = free_port()
-                url = f"http://127.0.0.1:{port}"
-                fleet.start(f"pool-{target}-b{i}", plan.baseline_args(t, port), [url + "/health"])
-                servers[target][f"b{i}"] = url
+            pair, more = functools.partial(plan.pair, t), functools.partial(plan.baseline_args, t)
+            servers[target] = fleet.start_pool(f"pool-{target}", pair, more, plan.baselines)
         fleet.ready()
         for target in plan.rules:
             urls[target] = fleet.start_specgate(

@@ -82,6 +82,23 @@ class Fleet:
         self.start(name, pair_args(spec_port, base_port), [spec + "/health", base + "/health"])
         return spec, base
 
+    def start_pool(
+        self,
+        name: str,
+        pair_args: Callable[[int, int], Sequence[str]],
+        baseline_args: Callable[[int], Sequence[str]],
+        baselines: int,
+    ) -> dict[str, str]:
+        """A pair (start_pair) and `baselines - 1` more baseline servers, `baseline_args(port)`: the
+        URLs by name, `speculative`, then `b0`, `b1`, ..."""
+        spec, base = self.start_pair(name, pair_args)
+        servers = {"speculative": spec, "b0": base}
+        for i in range(1, baselines):
+            port = free_port()
+            servers[f"b{i}"] = url = f"http://127.0.0.1:{port}"
+            self.start(f"{name}-b{i}", baseline_args(port), [url + "/health"])
+        return servers
+
     def start_specgate(self, name: str, env: Callable[[int], Mapping[str, str]]) -> str:
         """Start specgate on a free port with `env(port)` (kit.settings.specgate_env): its URL."""
         port = free_port()

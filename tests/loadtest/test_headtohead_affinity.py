@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from loadtest.experiments.affinityrule import (
 from loadtest.kit.cells import CellCapture
 from loadtest.kit.figures import TargetCell
 from loadtest.kit.multiturn import default_time_scale
-from loadtest.kit.processes import NotReady, fresh_start
+from loadtest.kit.processes import Fleet, NotReady, fresh_start
 from loadtest.production import WorkloadRun
 from proxy.config import Settings
 from proxy.policy.base import Role
@@ -192,3 +193,21 @@ def test_a_run_whose_processes_did_not_start_is_started_again_once() -> None:
     with pytest.raises(NotReady):
         fresh_start(dead, quiet=True)
     assert len(tries) == 2  # once more, not forever
+
+
+def test_a_pool_is_a_pair_and_its_further_baselines_each_on_its_own_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[tuple[str, list[str], list[str]]] = []
+
+    def record(self: Fleet, name: str, args: Sequence[str], urls: Sequence[str], env: object = None) -> None:
+        started.append((name, list(args), list(urls)))
+
+    monkeypatch.setattr(Fleet, "start", record)
+    servers = Fleet().start_pool("pool", lambda s, b: ["pair", str(s), str(b)], lambda p: ["base", str(p)], 3)
+    assert list(servers) == ["speculative", "b0", "b1", "b2"]
+    assert [name for name, _, _ in started] == ["pool", "pool-b1", "pool-b2"]
+    pair = started[0]
+    assert pair[2] == [servers["speculative"] + "/health", servers["b0"] + "/health"]
+    assert pair[1][1:] == [u.rsplit(":", 1)[1] for u in (servers["speculative"], servers["b0"])]
+    for i, (_, args, urls) in enumerate(started[1:], start=1):
+        assert args == ["base", servers[f"b{i}"].rsplit(":", 1)[1]] and urls == [servers[f"b{i}"] + "/health"]
+    assert len(set(servers.values())) == 4
