@@ -26,7 +26,7 @@ from ..kit.command import say
 from ..kit.figures import TargetCell, target_cell
 from ..kit.processes import Fleet, fresh_start
 from ..kit.sampling import cpu_use, get_text, self_cpu_s
-from ..kit.settings import DURATIONS, RATES, specgate_env
+from ..kit.settings import on_clock, specgate_env
 from ..procs import simulator_args
 from ..sweep import make_session
 from .protocol import CellSpec, Protocol, stack_settings
@@ -106,13 +106,9 @@ def stack_env(
 
 
 def _scaled(name: str, value: object, time_scale: float) -> str:
-    """A setting's value on the simulators' clock, as kit.settings scales the defaults: a duration
-    over the time scale, a rate times it (the ON mechanisms' values are meant in simulated time)."""
-    if isinstance(value, float) and name in DURATIONS:
-        return f"{value / time_scale:g}"
-    if isinstance(value, float) and name in RATES:
-        return f"{value * time_scale:g}"
-    return str(value)
+    """A setting's value on the simulators' clock (the ON mechanisms' values are meant in simulated
+    time, as kit.settings scales the defaults)."""
+    return f"{on_clock(name, value, time_scale):g}" if isinstance(value, float) else str(value)
 
 
 def start_stacks(plan: AblationPlan, cell: CellSpec, calibration: Path) -> Servers:

@@ -25,6 +25,14 @@ RATES = ("adaptive_max_step_per_s", "prefill_tok_s")
 MIN_SCRAPE_INTERVAL_S = 0.1  # specgate's floor for SPECGATE_SCRAPE_INTERVAL_S
 
 
+def on_clock(name: str, value: float, time_scale: float) -> float:
+    """A time setting's value on the simulators' clock: a duration over the time scale, a rate
+    times it; any other setting as it is."""
+    if name in DURATIONS:
+        return value / time_scale
+    return value * time_scale if name in RATES else value
+
+
 def specgate_env(
     port: int,
     speculative: str,
@@ -47,8 +55,9 @@ def specgate_env(
     if time_scale is not None:
         for name in (*DURATIONS, *RATES):
             if name not in settings:
-                factor = time_scale if name in RATES else 1 / time_scale
-                env[f"SPECGATE_{name.upper()}"] = f"{float(Settings.model_fields[name].default) * factor:g}"
+                env[f"SPECGATE_{name.upper()}"] = (
+                    f"{on_clock(name, float(Settings.model_fields[name].default), time_scale):g}"
+                )
         if settings.get("load_signal", "local") != "local" and "scrape_interval_s" not in settings:
             # The engine signal's own default (0.5 s), scaled; under `local` it follows the health poll.
             every = max(MIN_SCRAPE_INTERVAL_S, ENGINE_SCRAPE_INTERVAL_S / time_scale)
