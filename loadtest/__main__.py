@@ -32,8 +32,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
+def build_parser(prog: str = "python -m loadtest") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     compare.add_parsers(sub)
     for module in (calibrate, demo, chaos, overhead, shift, scaleout, slowloris, headtohead, twoclass, affinityrule):
@@ -57,8 +57,9 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _terminated)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest") -> int:
+    """Run one command; `prog` names the command in its help and usage (the `specgate` command's own)."""
+    args = build_parser(prog).parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except (TargetUnreachable, ValueError) as exc:

@@ -42,6 +42,7 @@ MODULE_TIERS = {
     "test_calibrate": "inprocess",
     "test_calibration_file": "inprocess",
     "test_classes": "inprocess",
+    "test_cli": "inprocess",
     "test_config": "inprocess",
     # mkdocs builds the site in a process of its own.
     "test_docs": "loopback",
@@ -99,6 +100,7 @@ MODULE_TIERS = {
 
 # Tests that start processes in modules that are otherwise in-process ("module::function").
 TEST_TIERS = {
+    "test_cli::test_serve_runs_the_gateway_from_its_env_file": "loopback",
     "test_responses::test_openai_sdk_responses_streamed_and_not_and_continued": "loopback",
     "test_responses::test_openai_sdk_responses_errors_and_a_client_that_leaves": "loopback",
     "test_calibration_file::test_save_writes_the_curves_acceptance_settings_and_recommendation": "loopback",
