@@ -399,7 +399,7 @@ def test_dockerfile_passes_hadolint() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = (ROOT / "Dockerfile").read_text()
     assert text.count("FROM ") == 2 and re.search(r"FROM python:\d+\.\d+\.\d+-slim", text)
-    assert "USER 10001" in text and "HEALTHCHECK" in text and 'ENTRYPOINT ["python", "-m", "proxy"]' in text
+    assert "USER 10001" in text and "HEALTHCHECK" in text and 'ENTRYPOINT ["specgate", "serve"]' in text
 
 
 def test_install_step_of_the_image(tmp_path: Path) -> None:
@@ -420,6 +420,11 @@ def test_install_step_of_the_image(tmp_path: Path) -> None:
     # Run from elsewhere, so the installed package is what gets imported, not this checkout.
     bad = run(str(venv_python), "-m", "proxy", env={"SPECGATE_POLICY": "nope"}, cwd=tmp_path)
     assert bad.returncode == 2 and "SPECGATE_POLICY" in bad.stderr
+    # The image's entry point: the console script, the same settings, its commands' help.
+    specgate = str(tmp_path / "venv" / "bin" / "specgate")
+    bad = run(specgate, "serve", env={"SPECGATE_POLICY": "nope"}, cwd=tmp_path)
+    assert bad.returncode == 2 and "SPECGATE_POLICY" in bad.stderr
+    assert "SPECGATE_POLICY" in run(specgate, "serve", "--help", cwd=tmp_path).stdout
     where = run(str(venv_python), "-c", "import proxy; print(proxy.__file__)", cwd=tmp_path).stdout
     assert where.startswith(str(tmp_path / "venv"))
     assert run(str(venv_python), "-c", "import pytest", cwd=tmp_path).returncode != 0  # no dev tools in the image
