@@ -10,8 +10,11 @@ speculating server shows it; its text is read only for its token and event count
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -41,24 +44,43 @@ class Unreachable(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class _Client:
+    """The session, and the authorization one server's requests carry."""
+
+    session: aiohttp.ClientSession
+    headers: dict[str, str]
+
+
 async def observe_all(servers: tuple[ServerSpec, ...], api_key: str | None, timeout_s: float) -> list[Observation]:
     """Every server read at once."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
-        return list(await asyncio.gather(*(observe(session, s) for s in servers)))
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        return list(await asyncio.gather(*(observe(session, s, api_key) for s in servers)))
 
 
-async def observe(session: aiohttp.ClientSession, server: ServerSpec) -> Observation:
+def auth_header(url: str, api_key: str | None) -> dict[str, str]:
+    """As the gateway sends it (transport/pool.py): the API key, else the URL's user and password."""
+    if api_key:
+        return {"Authorization": f"Bearer {api_key}"}
+    parts = urlsplit(url)
+    if parts.username is None:
+        return {}
+    basic = base64.b64encode(f"{parts.username}:{parts.password or ''}".encode("latin-1")).decode()
+    return {"Authorization": f"Basic {basic}"}
+
+
+async def observe(session: aiohttp.ClientSession, server: ServerSpec, api_key: str | None = None) -> Observation:
     """One server's observation; a server that cannot be reached is one with its `error` set."""
-    base = Observation(server.name, server.role, redact_url(server.url))
+    url = redact_url(server.url)
+    base = Observation(server.name, server.role, url)
     try:
-        return await _observe(session, server.url, base)
+        return await _observe(_Client(session, auth_header(server.url, api_key)), url, base)
     except Unreachable as exc:
         return Observation(base.name, base.role, base.url, error=str(exc))
 
 
-async def _observe(session: aiohttp.ClientSession, url: str, base: Observation) -> Observation:
+async def _observe(session: _Client, url: str, base: Observation) -> Observation:
     status, body = await _get(session, url + "/health")
     health = None if status == 200 else describe_health(status, body)
     before, metrics_problem = await _metrics(session, url)
@@ -92,9 +114,9 @@ async def _observe(session: aiohttp.ClientSession, url: str, base: Observation) 
     )
 
 
-async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
+async def _get(session: _Client, url: str) -> tuple[int, bytes]:
     try:
-        async with session.get(url) as resp:
+        async with session.session.get(url, headers=session.headers) as resp:
             return resp.status, await resp.content.read(MAX_BODY)
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         raise Unreachable(_why(exc)) from None
@@ -115,7 +137,7 @@ def _json(body: bytes) -> Any:
         return None
 
 
-async def _metrics(session: aiohttp.ClientSession, url: str) -> tuple[Mapping[str, float] | None, str | None]:
+async def _metrics(session: _Client, url: str) -> tuple[Mapping[str, float] | None, str | None]:
     """Its /metrics' values summed by name, or None and why not."""
     status, body = await _get(session, url + "/metrics")
     if status == 404:
@@ -131,7 +153,7 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> tuple[Mapping[st
     return values, None
 
 
-async def _probe(session: aiohttp.ClientSession, url: str, model: str) -> Probe:
+async def _probe(session: _Client, url: str, model: str) -> Probe:
     """One short streamed chat request: its tokens, its content events, what it said of itself."""
     body = {
         "model": model,
@@ -142,7 +164,7 @@ async def _probe(session: aiohttp.ClientSession, url: str, model: str) -> Probe:
         "stream_options": {"include_usage": True},
     }
     try:
-        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        async with session.session.post(url + "/v1/chat/completions", json=body, headers=session.headers) as resp:
             if resp.status != 200:
                 text = (await resp.content.read(2048)).decode(errors="replace")
                 return Probe(error=f"HTTP {resp.status}" + (f": {_message(text)}" if _message(text) else ""))
