@@ -117,9 +117,19 @@ async def _observe(session: _Client, url: str, base: Observation) -> Observation
 async def _get(session: _Client, url: str) -> tuple[int, bytes]:
     try:
         async with session.session.get(url, headers=session.headers) as resp:
-            return resp.status, await resp.content.read(MAX_BODY)
+            return resp.status, await _body(resp)
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         raise Unreachable(_why(exc)) from None
+
+
+async def _body(resp: aiohttp.ClientResponse) -> bytes:
+    """The whole body, up to MAX_BODY bytes (`content.read(n)` returns what has arrived so far)."""
+    out = bytearray()
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        out += chunk
+        if len(out) >= MAX_BODY:
+            break
+    return bytes(out[:MAX_BODY])
 
 
 def _why(exc: BaseException) -> str:
@@ -168,7 +178,7 @@ async def _probe(session: _Client, url: str, model: str) -> Probe:
             if resp.status != 200:
                 text = (await resp.content.read(2048)).decode(errors="replace")
                 return Probe(error=f"HTTP {resp.status}" + (f": {_message(text)}" if _message(text) else ""))
-            data = await resp.content.read(MAX_BODY)
+            data = await _body(resp)
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         return Probe(error=_why(exc))
     return _read_stream(data)
