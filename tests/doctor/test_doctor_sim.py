@@ -3,8 +3,10 @@ names blocks with its line."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import orjson
 import pytest
@@ -37,7 +39,9 @@ def test_a_correct_pair_passes(pair: tuple[Sim, Sim], capsys: pytest.CaptureFixt
     assert code == 0, out
     assert "problems: none" in out and "verdict: ready" in out
     assert "engine:       sglang (its /metrics names)" in out
-    assert "speculates:   yes, acceptance 3.00" in out and "speculates:   no" in out
+    # The simulator accepts 3 tokens a step; a 48-token stream reads it within about 10%.
+    assert re.search(r"speculates:   yes, acceptance (2\.[7-9]\d|3\.[0-3]\d)", out), out
+    assert "speculates:   no, acceptance 1.00" in out
     assert "KV pool:      2,000,000 tokens" in out and "context:      131,072 tokens" in out
     assert f"SPECGATE_SPECULATIVE_URL={spec.url}" in out and "SPECGATE_TOPOLOGY=paired" in out
 
@@ -46,11 +50,15 @@ def test_roles_swapped_block_with_both_lines(pair: tuple[Sim, Sim], capsys: pyte
     spec, base = pair
     code, out = doctor(capsys, base.url, spec.url)
     assert code == 1
-    assert problems(out) == [
+    first, second = problems(out)
+    assert first == (
         f"ERROR speculative {base.url}: does not speculate (acceptance 1.00): start it with --speculative-algorithm "
-        "EAGLE3 --speculative-draft-model-path D",
-        f"ERROR baseline {spec.url}: speculates (acceptance 3.00): start it without --speculative-algorithm",
-    ]
+        "EAGLE3 --speculative-draft-model-path D"
+    )
+    assert re.fullmatch(
+        rf"ERROR baseline {spec.url}: speculates \(acceptance [23]\.\d\d\): start it without --speculative-algorithm",
+        second,
+    ), second
 
 
 def test_an_unreachable_server_blocks(simulator: StartSim, capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,7 +106,7 @@ def test_a_wrong_api_key_and_the_engine_signal(simulator: StartSim, capsys: pyte
     assert "pw@" not in out and "a server URL holds credentials" in out
 
 
-def test_json_report_and_the_module_entry_point(pair: tuple[Sim, Sim], tmp_path: object) -> None:
+def test_json_report_and_the_module_entry_point(pair: tuple[Sim, Sim], tmp_path: Path) -> None:
     spec, base = pair
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     args = ["--speculative", spec.url, "--baseline", base.url, "--json"]
