@@ -46,6 +46,9 @@ MODULE_TIERS = {
     "test_config": "inprocess",
     # mkdocs builds the site in a process of its own.
     "test_docs": "loopback",
+    "test_doctor_judge": "inprocess",
+    "test_doctor_real": "real",
+    "test_doctor_sim": "loopback",
     "test_edge": "loopback",
     "test_engine_signal": "inprocess",
     "test_engines": "inprocess",
