@@ -1,4 +1,4 @@
-"""`specgate serve|calibrate|sweep|compare|demo`: one command for what a user runs.
+"""`specgate serve|doctor|calibrate|sweep|compare|demo`: one command for what a user runs.
 
 Each subcommand hands its arguments to the module that owns it (`python -m proxy`, `python -m
 proxy.doctor`, `python -m loadtest ...` keep working and take the same arguments), so this module
@@ -50,6 +50,12 @@ def _settings_table(settings: type) -> str:
     return "\n".join(lines)
 
 
+def _doctor(argv: Sequence[str]) -> int:
+    from proxy.doctor import cli as doctor
+
+    return doctor.main(argv, prog=f"{PROG} doctor")
+
+
 def _loadtest(command: str) -> Callable[[Sequence[str]], int]:
     def run(argv: Sequence[str]) -> int:
         from loadtest import __main__ as loadtest
@@ -63,6 +69,7 @@ def _loadtest(command: str) -> Callable[[Sequence[str]], int]:
 # name: (what it does, the function given the rest of the arguments); the order is that of --help.
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "serve": ("run the gateway (SPECGATE_* settings; python -m proxy)", _serve),
+    "doctor": ("check the configured servers and print the settings to use", _doctor),
     "calibrate": ("find where speculation stops paying and write a calibration file", _loadtest("calibrate")),
     "sweep": ("measure one server or gateway at each load level", _loadtest("sweep")),
     "compare": ("measure several servers or gateways side by side", _loadtest("compare")),
