@@ -71,8 +71,8 @@ def topology(setup: Setup) -> tuple[TopologyName, str]:
 def policy(setup: Setup) -> tuple[PolicyName, str]:
     if setup.calibration is None:
         return DEFAULT_POLICY, (
-            "the gateway's default, on its default watermarks; run `specgate calibrate` (python -m loadtest "
-            "calibrate --save calibration.json) to measure where speculation stops paying on your servers"
+            "the gateway's default, on its default watermarks; run `specgate calibrate --save calibration.json` "
+            "to measure where speculation stops paying on your servers"
         )
     if setup.calibration_has_model:
         return "model", "the calibration file holds a speed model: the model policy routes by it"
