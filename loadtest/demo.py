@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .args import levels
 from .calibrate import EXIT_NO_RECOMMENDATION, calibrate
+from .kit.interrupt import comparison, reported_if_interrupted
 from .kit.settings import specgate_env
 from .kit.sweeps import add_load_options, default_prompts, settings_of, sweep_targets
 from .procs import Proc, free_port, pair_args, start
@@ -64,7 +65,9 @@ def _defaults(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     _defaults(args)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    return asyncio.run(_demo(args))
+    # Ctrl-C: the servers stop as the sweep unwinds (_demo's ExitStack), then the levels measured print.
+    with reported_if_interrupted(args, comparison):
+        return asyncio.run(_demo(args))
 
 
 async def _demo(args: argparse.Namespace) -> int:

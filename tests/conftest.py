@@ -87,6 +87,7 @@ MODULE_TIERS = {
     "test_sse_relay": "inprocess",
     "test_stack": "loopback",
     "test_stats": "inprocess",
+    "test_sweep_commands": "inprocess",
     "test_tally": "inprocess",
     "test_tokens": "inprocess",
     "test_topology": "inprocess",

@@ -22,6 +22,7 @@ from ..stats import DEFAULT_MIN_REQUESTS, LevelStats
 from ..sweep import DuringWindow, LevelPlan, TargetUnreachable, first_model, make_session, run_level
 from ..textbank import TextBank
 from ..workload import WORKLOADS, Workload, WorkloadSpec, parse_class
+from .interrupt import measured_of
 
 DEFAULT_LEVELS = "1,2,5,10,30,70,100,250"
 # --specgate-headers: auto decides by the workload (sends_headers).
@@ -269,7 +270,9 @@ async def sweep_targets(
             file=sys.stderr,
             flush=True,
         )
-    out: dict[str, list[LevelStats]] = {name: [] for name in targets}
+    # Kept where the command can print it if interrupted (kit/interrupt.py), else here alone.
+    measured = measured_of(args)
+    out = measured.begin(targets) if measured is not None else {name: [] for name in targets}
     async with make_session() as session:
         for c in args.concurrency:
             for name, target in targets.items():
@@ -299,8 +302,11 @@ async def _one_level(
         bar.set_postfix_str(f"{phase}, {errors} errors, {client_errors} client errors", refresh=False)
         bar.update(done - bar.n)
 
-    stats, _ = await run_level(session, target, c, plan, workload, progress, args.min_requests, beside, slo_of(args))
-    bar.close()
+    slo = slo_of(args)
+    try:
+        stats, _ = await run_level(session, target, c, plan, workload, progress, args.min_requests, beside, slo)
+    finally:
+        bar.close()  # interrupted too: the interrupted report is not printed after a half-drawn bar
     window = f", window {stats.duration_s:.1f} s (extended +{stats.extended_s:.1f} s)" if stats.extended_s else ""
     print(
         f"{name:>11} c={c:<4} {stats.output_tok_s:>10,.1f} tok/s  {stats.completed} ok, "
