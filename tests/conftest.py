@@ -64,6 +64,7 @@ MODULE_TIERS = {
     "test_layers": "inprocess",
     "test_loadtest_cli": "loopback",
     "test_loadtest_connections": "loopback",
+    "test_loadtest_interrupt": "loopback",
     "test_logs": "inprocess",
     "test_model_stack": "inprocess",
     "test_overhead": "loopback",
