@@ -19,6 +19,8 @@ from typing import IO
 
 import pytest
 
+from loadtest import procs
+
 from ..conftest import StartSim
 
 # Level 1 is short; level 2 (3 for the demo) takes at least --duration-s more, so a run that was
@@ -58,6 +60,11 @@ def _group(pgid: int) -> list[int]:
         if int(pgrp) == pgid and state != "Z":
             found.append(int(entry.name))
     return found
+
+
+def _alive(entry: Path) -> bool:
+    """Whether the process of /proc/PID has not exited (a zombie has, unreaped)."""
+    return (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def interrupt(args: list[str], after: str, sig: int) -> Interrupted:
@@ -161,3 +168,26 @@ def test_ctrl_c_on_the_demo_stops_its_simulators_and_specgate(tmp_path: Path) ->
     assert_reported(run, 130, done=1, cut=3, last_sweep="sweep 2 of 2:\nspecgate")
     assert "sweep 1 of 2" in run.stdout and len(rows(run.stdout.split("sweep 2 of 2")[0], 3)) == 1
     assert not (tmp_path / "demo.json").exists()
+
+
+def test_a_process_interrupted_before_it_was_ready_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while start() waits for a process to be ready: the caller never got the process, so
+    start() itself must stop it."""
+    marker = f"sleeper-{os.getpid()}"
+
+    def ctrl_c(url: str, timeout_s: float = 2.0) -> int | None:
+        assert mine(), "the process was started"
+        raise KeyboardInterrupt
+
+    def mine() -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes() and _alive(entry):
+                    found.append(int(entry.name))
+        return found
+
+    monkeypatch.setattr(procs, "http_status", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        procs.start("sleeper", ["-c", f"import time; time.sleep(60)  # {marker}"], ready_url="http://127.0.0.1:9/")
+    assert mine() == []
