@@ -33,17 +33,16 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest",
-        description=__doc__,
-        epilog="Ctrl-C (exit 130) or SIGTERM (143) stops a command and every process it started; sweep, compare, "
-        "calibrate and demo then print the levels they completed.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     compare.add_parsers(sub)
     for module in (calibrate, demo, chaos, overhead, shift, scaleout, slowloris, headtohead, twoclass, affinityrule):
         module.add_parser(sub)
     ablation.add_parser(sub)
+    parser.epilog = (
+        "Ctrl-C (exit 130) or SIGTERM (143) stops a command and every process it started; sweep, compare, "
+        "calibrate and demo then print the levels they completed."
+    )
     return parser
 
 
