@@ -39,6 +39,10 @@ def build_parser(prog: str = "python -m loadtest") -> argparse.ArgumentParser:
     for module in (calibrate, demo, chaos, overhead, shift, scaleout, slowloris, headtohead, twoclass, affinityrule):
         module.add_parser(sub)
     ablation.add_parser(sub)
+    parser.epilog = (
+        "Ctrl-C (exit 130) or SIGTERM (143) stops a command and every process it started; sweep, compare, "
+        "calibrate and demo then print the levels they completed."
+    )
     return parser
 
 

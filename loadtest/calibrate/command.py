@@ -18,6 +18,7 @@ from proxy.policy.calibration import ModelFit, parse, to_json
 
 from ..acceptance import AcceptanceMeter, redact
 from ..args import sorted_ints
+from ..kit.interrupt import comparison, reported_if_interrupted
 from ..kit.sweeps import add_load_options, default_prompts, max_duration, settings_of, sweep_targets
 from ..report import calibration_text, compare_table, write_json
 from ..stats import LevelStats
@@ -69,7 +70,9 @@ def _lengths(raw: str) -> list[int]:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     default_prompts(args)
-    return asyncio.run(_calibrate(args))
+    # Ctrl-C: the levels measured so far, as the comparison table (kit/interrupt.py).
+    with reported_if_interrupted(args, comparison):
+        return asyncio.run(_calibrate(args))
 
 
 async def _sweep(
