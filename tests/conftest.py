@@ -43,6 +43,7 @@ MODULE_TIERS = {
     "test_calibration_file": "inprocess",
     "test_classes": "inprocess",
     "test_config": "inprocess",
+    "test_defaultpolicy": "inprocess",
     # mkdocs builds the site in a process of its own.
     "test_docs": "loopback",
     "test_edge": "loopback",
