@@ -93,14 +93,14 @@ def test_each_arm_names_its_policy_and_only_calibrated_reads_the_file() -> None:
     assert env[ADAPTIVE]["SPECGATE_POLICY"] == "adaptive" and "SPECGATE_CALIBRATION" not in env[ADAPTIVE]
     assert env[THRESHOLD]["SPECGATE_POLICY"] == "threshold" and "SPECGATE_CALIBRATION" not in env[THRESHOLD]
     assert "SPECGATE_HIGH_WATERMARK" not in env[THRESHOLD]  # 16/8 by default, not set here
-    # Time settings on the simulators' clock: the 15 s probe interval at time scale 0.3.
-    assert float(env[ADAPTIVE]["SPECGATE_ADAPTIVE_PROBE_S"]) == pytest.approx(15.0 / 0.3)
+    # Time settings on the simulators' clock: the 15 s probe interval at time scale 0.5.
+    assert float(env[ADAPTIVE]["SPECGATE_ADAPTIVE_PROBE_S"]) == pytest.approx(15.0 / 0.5)
 
 
 def test_windows_are_simulated_seconds_and_figures_come_back_simulated() -> None:
     protocol, pair = Protocol(), Protocol().pairs[1]
     args = sweep_args(protocol, pair, quiet=True)
-    assert args.duration_s == pytest.approx(protocol.window_s / 0.3)
+    assert args.duration_s == pytest.approx(protocol.window_s / 0.5)
     assert args.prompts == "diverse" and args.max_tokens == protocol.max_tokens
     stats = LevelStats(
         10, 20.0, 40, 0, 300.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 30.0, 1.0, 1.0, {"speculative": 0.25}

@@ -10,9 +10,11 @@ other --pairs, --levels, --rounds or --window-s is a smoke test, not the protoco
 
 - Pairs: two simulated speculative/baseline pairs, each on one shared GPU (`simulator pair
   --shared-gpu`): `crossover` (the synthetic curves, time scale 1) and `h200-llama8b` (H200 step
-  times, EAGLE-3 at 3 draft steps, acceptance 2.5; time scale 0.3, so 250 streams stay within
+  times, EAGLE-3 at 3 draft steps, acceptance 2.5; time scale 0.5, so 250 streams stay within
   what two cores relay). One time scale a pair for its whole run; every specgate's time settings
-  at their defaults on the simulators' clock (kit.settings).
+  at their defaults on the simulators' clock (kit.settings). No prefix cache on the simulators
+  (--disable-radix-cache): every arm sends the same prompts, and a cache would hand the later arms
+  the earlier one's prefills.
 - Traffic: calibrate's: one-turn chat requests of the diverse prompts, 64 output tokens, seed
   1207, closed loop at each level (streams in flight): 1, 2, 5, 10, 30, 70, 100, 250.
 - Calibration: `loadtest calibrate --save` (the full sweep at those levels, 4 s simulated a level
@@ -25,8 +27,8 @@ other --pairs, --levels, --rounds or --window-s is a smoke test, not the protoco
   keeps what it learned. Round 0 climbs the levels, round 1 comes down them (2 rounds). At each
   level the arms run one after another on the same simulators (never at once), in an order
   rotated by one every level, so machine noise and the previous load fall on all alike.
-- A level, per arm: warm-up at least 4 s simulated (and until every stream finished a request),
-  then a 6 s window extended up to 30 s until it holds 10 good requests from at least half the
+- A level, per arm: warm-up at least 3 s simulated (and until every stream finished a request),
+  then a 4 s window extended up to 30 s until it holds 10 good requests from at least half the
   streams. Output tok/s and mean TPOT over the window, in simulated units.
 - Scoring (protocol.py): per level and round, each uncalibrated arm's output tok/s over
   calibrated threshold's. A level's figure: the median over its rounds. Unknown where any round
