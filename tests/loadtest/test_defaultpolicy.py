@@ -99,7 +99,7 @@ def test_each_arm_names_its_policy_and_only_calibrated_reads_the_file() -> None:
 
 def test_windows_are_simulated_seconds_and_figures_come_back_simulated() -> None:
     protocol, pair = Protocol(), Protocol().pairs[1]
-    args = sweep_args(protocol, pair, quiet=True)
+    args = sweep_args(protocol, pair)
     assert args.duration_s == pytest.approx(protocol.window_s / 0.5)
     assert args.prompts == "diverse" and args.max_tokens == protocol.max_tokens
     stats = LevelStats(

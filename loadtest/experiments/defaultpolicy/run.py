@@ -29,7 +29,7 @@ from .protocol import ADAPTIVE, ARMS, CALIBRATED, THRESHOLD, ArmLevel, PairRun, 
 POLICY = {CALIBRATED: "threshold", ADAPTIVE: "adaptive", THRESHOLD: "threshold"}
 
 
-def sweep_args(protocol: Protocol, pair: PairSpec, quiet: bool) -> argparse.Namespace:
+def sweep_args(protocol: Protocol, pair: PairSpec) -> argparse.Namespace:
     """calibrate's own load options (diverse one-turn prompts, chat), the windows on the pair's clock."""
     p = argparse.ArgumentParser()
     add_load_options(p)
@@ -41,7 +41,7 @@ def sweep_args(protocol: Protocol, pair: PairSpec, quiet: bool) -> argparse.Name
     args.warmup_s = protocol.wall(pair, protocol.warmup_s)
     args.duration_s = protocol.wall(pair, protocol.window_s)
     args.max_duration_s = protocol.wall(pair, protocol.max_window_s)
-    args.quiet = True
+    args.quiet = True  # no progress bar; the harness says a line a level
     return args
 
 
@@ -111,7 +111,7 @@ async def measure(
     after_each: Callable[[PairRun], None] | None = None,
 ) -> None:
     """Every (round, level) of the plan, the arms one after another in the plan's order."""
-    args = sweep_args(protocol, pair, quiet)
+    args = sweep_args(protocol, pair)
     async with make_session() as session:
         for r, level, order in plan(protocol, pair):
             args.concurrency = [level]
