@@ -11,6 +11,7 @@ from . import chaos, compare, demo, headtohead, overhead, scaleout, shift, slowl
 from .ablation import cli as ablation
 from .calibrate import command as calibrate
 from .experiments import affinityrule
+from .experiments.defaultpolicy import cli as defaultpolicy
 from .experiments.twoclass import cli as twoclass
 from .sweep import TargetUnreachable
 
@@ -29,6 +30,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "headtohead-classes": twoclass.cmd_headtohead_classes,
     "headtohead-affinity": affinityrule.cmd_headtohead_affinity,
     "ablation": ablation.cmd_ablation,
+    "defaultpolicy": defaultpolicy.cmd_defaultpolicy,
 }
 
 
@@ -39,6 +41,7 @@ def build_parser(prog: str = "python -m loadtest") -> argparse.ArgumentParser:
     for module in (calibrate, demo, chaos, overhead, shift, scaleout, slowloris, headtohead, twoclass, affinityrule):
         module.add_parser(sub)
     ablation.add_parser(sub)
+    defaultpolicy.add_parser(sub)
     parser.epilog = (
         "Ctrl-C (exit 130) or SIGTERM (143) stops a command and every process it started; sweep, compare, "
         "calibrate and demo then print the levels they completed."

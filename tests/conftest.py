@@ -44,6 +44,7 @@ MODULE_TIERS = {
     "test_classes": "inprocess",
     "test_cli": "inprocess",
     "test_config": "inprocess",
+    "test_defaultpolicy": "inprocess",
     # mkdocs builds the site in a process of its own.
     "test_docs": "loopback",
     "test_doctor_judge": "inprocess",

@@ -4,5 +4,6 @@ be run again. They are built on the same kit as the product's commands (`loadtes
 reached as subcommands of `python -m loadtest` all the same.
 
 - `twoclass`: `headtohead-classes`, two traffic classes on a shared-GPU pair or a pool (issue 28);
-- `affinityrule`: `headtohead-affinity`, cache affinity's rule among a role's servers.
+- `affinityrule`: `headtohead-affinity`, cache affinity's rule among a role's servers;
+- `defaultpolicy`: `defaultpolicy`, the policies without a calibration file against calibrated threshold.
 """
