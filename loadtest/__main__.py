@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from . import chaos, compare, demo, headtohead, overhead, scaleout, shift, slowloris
 from .ablation import cli as ablation
 from .calibrate import command as calibrate
-from .experiments import affinityrule
+from .experiments import affinityrule, quickcal
 from .experiments.twoclass import cli as twoclass
 from .sweep import TargetUnreachable
 
@@ -29,6 +29,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "headtohead-classes": twoclass.cmd_headtohead_classes,
     "headtohead-affinity": affinityrule.cmd_headtohead_affinity,
     "ablation": ablation.cmd_ablation,
+    "quickcal": quickcal.cmd_quickcal,
 }
 
 
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (calibrate, demo, chaos, overhead, shift, scaleout, slowloris, headtohead, twoclass, affinityrule):
         module.add_parser(sub)
     ablation.add_parser(sub)
+    quickcal.add_parser(sub)
     return parser
 
 
