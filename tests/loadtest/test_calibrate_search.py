@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from loadtest.calibrate import calibrate
 from loadtest.calibrate.measure import estimate
 from loadtest.calibrate.search import MAX_TRIES, Measured, Status, Step, next_level, plan_levels, status_of
+from loadtest.kit.sweeps import MAX_DURATION_REQUESTS, doubled
 from loadtest.stats import LevelStats
+from loadtest.sweep import LevelPlan
 
 GRID = [1, 2, 5, 10, 30, 70, 100, 250]
 
@@ -160,3 +162,16 @@ def test_the_estimate_is_a_range_from_the_plan() -> None:
     args.search, args.save = "full", "cal.json"
     text = estimate(args)
     assert "8 of the grid's 8 levels" in text and "x 2 sweeps" in text and "16.0 min with 30 s windows" in text
+
+
+def test_a_window_runs_on_to_three_times_the_warm_ups_longest_request_where_longer() -> None:
+    # At 8k-token prompts and 250 streams a request queued for the KV pool can outlast 10 windows.
+    plan = LevelPlan(duration_s=30.0, max_duration_s=300.0, max_duration_per_request=MAX_DURATION_REQUESTS)
+    assert plan.extends and plan.window_bound(50.0) == 300.0 and plan.window_bound(200.0) == 600.0
+    # An explicit --max-duration-s is a hard bound: no run-on by requests.
+    fixed = LevelPlan(duration_s=30.0, max_duration_s=30.0)
+    assert not fixed.extends and fixed.window_bound(200.0) == 30.0
+    # A level measured again: its window and bound doubled, its run-on rule kept.
+    again = doubled(plan, 1)
+    assert (again.duration_s, again.max_duration_s, again.max_duration_per_request) == (60.0, 600.0, 3.0)
+    assert doubled(plan, 0) is plan
