@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 from ..kit.sweeps import LevelSampler, level_runner, max_duration, sweep_targets
 from ..stats import LevelStats
-from .search import Measured, Search, next_level, plan_levels, status_of
+from .search import Measured, Search, most_left, next_level, plan_levels, status_of
 
 
 def _say(line: str) -> None:
@@ -18,7 +19,10 @@ def _say(line: str) -> None:
 
 
 async def measure_levels(
-    urls: Mapping[str, str], args: argparse.Namespace, samplers: Mapping[str, LevelSampler] | None = None
+    urls: Mapping[str, str],
+    args: argparse.Namespace,
+    samplers: Mapping[str, LevelSampler] | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> dict[str, list[LevelStats]]:
     """Both servers' levels, in increasing order of level; with --search bisect only those the
     search measured, each level's latest measurement (a level measured again replaces its first)."""
@@ -27,18 +31,31 @@ async def measure_levels(
     grid = list(args.concurrency)
     by_level: dict[int, dict[str, LevelStats]] = {}
     measured: list[Measured] = []
+    started = clock()
     async with level_runner(urls, args, samplers) as measure:
         while (step := next_level(grid, measured)).level is not None:
             _say(f"search: {step.level} streams: {step.why}")
             rows = await measure(step.level, step.tries)
             by_level[step.level] = rows
             measured.append(Measured(step.level, status_of(rows["speculative"], rows["baseline"])))
+            _say(_progress(grid, measured, clock() - started))
     levels = sorted(by_level)
     _say(
         f"search done: {step.why} ({len(measured)} measurements of {len(levels)} of the grid's {len(grid)} levels: "
         f"{', '.join(map(str, levels))})"
     )
     return {name: [by_level[c][name] for c in levels] for name in urls}
+
+
+def _progress(grid: Sequence[int], measured: Sequence[Measured], elapsed_s: float) -> str:
+    """After a level: what it was, the time so far, and the most left at this pace."""
+    last = measured[-1]
+    left = most_left(grid, measured)
+    line = f"search: {last.level} streams {last.status}; {len(measured)} measured in {_minutes(elapsed_s)}"
+    if left:
+        pace = elapsed_s / len(measured)
+        line += f", at most {left} more if each is conclusive (about {_minutes(left * pace)} at this pace)"
+    return line
 
 
 def _minutes(seconds: float) -> str:
@@ -66,7 +83,7 @@ def estimate(args: argparse.Namespace, targets: int = 2) -> str:
     lo = fewest * targets * sweeps * (args.duration_s + args.warmup_s)
     hi = most * targets * sweeps * (longest + args.warmup_s)
     return (
-        f"{head}: {_minutes(lo)} with {args.duration_s:g} s windows, up to {_minutes(hi)} where every window runs "
-        f"on to {longest:g} s; each level adds its warm-up and drain (about two requests' time), and a level "
-        "measured again doubles its window"
+        f"{head}: windows of {_minutes(lo)} in all at {args.duration_s:g} s each, up to {_minutes(hi)} where every "
+        f"window runs on to {longest:g} s, plus each level's warm-up and drain (about two requests' time each); a "
+        "level measured again doubles its window"
     )

@@ -159,8 +159,13 @@ def plan_levels(grid: Sequence[int], search: Search) -> tuple[int, int]:
     return min(counts), max(counts)
 
 
-def _simulate(grid: Sequence[int], first_behind: int) -> list[Measured]:
-    measured: list[Measured] = []
+def most_left(grid: Sequence[int], measured: Sequence[Measured]) -> int:
+    """The most levels the search may still measure after `measured`, if each is conclusive."""
+    return max(len(_simulate(grid, f, measured)) - len(measured) for f in range(len(grid) + 1))
+
+
+def _simulate(grid: Sequence[int], first_behind: int, start: Sequence[Measured] = ()) -> list[Measured]:
+    measured = list(start)
     while (step := next_level(grid, measured)).level is not None:
         status: Status = "behind" if grid.index(step.level) >= first_behind else "ahead"
         measured.append(Measured(step.level, status))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from loadtest.calibrate import calibrate
 from loadtest.calibrate.measure import estimate
-from loadtest.calibrate.search import MAX_TRIES, Measured, Status, Step, next_level, plan_levels, status_of
+from loadtest.calibrate.search import MAX_TRIES, Measured, Status, Step, most_left, next_level, plan_levels, status_of
 from loadtest.kit.sweeps import MAX_DURATION_REQUESTS, doubled
 from loadtest.stats import LevelStats
 from loadtest.sweep import LevelPlan
@@ -73,6 +73,12 @@ def test_a_bracket_across_a_level_inconclusive_every_time_is_no_bracket() -> Non
 def test_nothing_conclusive_ends_with_no_bracket() -> None:
     _, step = run([1, 2], first_behind=1, unknown={1: 9, 2: 9})
     assert not step.decided and "no level was measured conclusively" in step.why
+
+
+def test_the_most_left_counts_down_to_none() -> None:
+    assert most_left(GRID, []) == plan_levels(GRID, "bisect")[1] == 4
+    measured, _ = run(GRID, first_behind=GRID.index(70))
+    assert [most_left(GRID, measured[:k]) for k in range(len(measured) + 1)] == [4, 3, 2, 1, 0]
 
 
 def test_bad_input_is_refused() -> None:
@@ -158,10 +164,11 @@ def test_the_estimate_is_a_range_from_the_plan() -> None:
     args = argparse.Namespace(search="bisect", concurrency=GRID, save=None, prompt_tokens=[4096], requests=None,
                               duration_s=30.0, max_duration_s=None, warmup_s=0.0)  # fmt: skip
     text = estimate(args)
-    assert "2-4 of the grid's 8 levels" in text and "2.0 min with 30 s windows" in text and "40.0 min" in text
+    assert "2-4 of the grid's 8 levels" in text and "windows of 2.0 min in all at 30 s each" in text
+    assert "up to 40.0 min where every window runs on to 300 s" in text
     args.search, args.save = "full", "cal.json"
     text = estimate(args)
-    assert "8 of the grid's 8 levels" in text and "x 2 sweeps" in text and "16.0 min with 30 s windows" in text
+    assert "8 of the grid's 8 levels" in text and "x 2 sweeps" in text and "windows of 16.0 min in all" in text
 
 
 def test_a_window_runs_on_to_three_times_the_warm_ups_longest_request_where_longer() -> None:

@@ -87,6 +87,7 @@ def test_calibrate_bisects_the_default_grid_and_says_how_long_it_takes(simulator
     data = json.loads(out.read_text())
     assert [r["concurrency"] for r in data["sweeps"]["speculative"]] == [10, 30]
     assert "search done: bracketed: speculation ahead at 10 and behind at 30" in proc.stderr
+    assert "search: 10 streams ahead; 1 measured in" in proc.stderr and "at most 3 more" in proc.stderr
     rec = data["recommendation"]
     assert rec["verdict"] == "crosses" and 10 <= rec["high"] < 30
     assert f"SPECGATE_HIGH_WATERMARK={rec['high']}" in proc.stdout
