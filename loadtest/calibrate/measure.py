@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from ..kit.sweeps import LevelSampler, level_runner, max_duration, sweep_targets
+from ..kit.sweeps import MAX_DURATION_REQUESTS, LevelSampler, level_runner, max_duration, sweep_targets
 from ..stats import LevelStats
 from .search import Measured, Search, most_left, next_level, plan_levels, status_of
 
@@ -82,8 +82,14 @@ def estimate(args: argparse.Namespace, targets: int = 2) -> str:
     longest = max_duration(args) or args.duration_s
     lo = fewest * targets * sweeps * (args.duration_s + args.warmup_s)
     hi = most * targets * sweeps * (longest + args.warmup_s)
+    # By default a window may also run on to a multiple of its warm-up's longest request: unknown before the run.
+    by_request = (
+        ""
+        if args.max_duration_s is not None
+        else f" (or {MAX_DURATION_REQUESTS:g} x a level's longest request, where longer)"
+    )
     return (
         f"{head}: windows of {_minutes(lo)} in all at {args.duration_s:g} s each, up to {_minutes(hi)} where every "
-        f"window runs on to {longest:g} s, plus each level's warm-up and drain (about two requests' time each); a "
-        "level measured again doubles its window"
+        f"window runs on to {longest:g} s{by_request}, plus each level's warm-up and drain (about two requests' time "
+        "each); a level measured again doubles its window"
     )
