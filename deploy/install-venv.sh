@@ -11,4 +11,6 @@ python3 -m venv "$venv"
 "$venv/bin/pip" install --no-cache-dir --no-compile --disable-pip-version-check "$src[otel]"
 # Smoke check: the entry points import, the settings parse, and tracing has its exporter.
 "$venv/bin/python" -c "import proxy.app, proxy.config, loadtest.simulator.cli; proxy.config.Settings()"
+# The command users run, installed as a console script, with every subcommand's help.
+for command in serve doctor calibrate sweep compare demo; do "$venv/bin/specgate" "$command" --help >/dev/null; done
 "$venv/bin/python" -c "import opentelemetry.sdk.trace, opentelemetry.exporter.otlp.proto.http.trace_exporter"

@@ -33,14 +33,18 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
+def build_parser(prog: str = "python -m loadtest") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     compare.add_parsers(sub)
     for module in (calibrate, demo, chaos, overhead, shift, scaleout, slowloris, headtohead, twoclass, affinityrule):
         module.add_parser(sub)
     ablation.add_parser(sub)
     quickcal.add_parser(sub)
+    parser.epilog = (
+        "Ctrl-C (exit 130) or SIGTERM (143) stops a command and every process it started; sweep, compare, "
+        "calibrate and demo then print the levels they completed."
+    )
     return parser
 
 
@@ -59,8 +63,9 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _terminated)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest") -> int:
+    """Run one command; `prog` names the command in its help and usage (the `specgate` command's own)."""
+    args = build_parser(prog).parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except (TargetUnreachable, ValueError) as exc:

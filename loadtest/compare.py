@@ -7,6 +7,7 @@ import asyncio
 import re
 
 from .calibrate import crossovers
+from .kit.interrupt import reported_if_interrupted, tables_and_comparison
 from .kit.sweeps import add_load_options, default_prompts, settings_of, slo_of, sweep_targets
 from .report import class_table, compare_table, describe_crossover, level_table, plot_compare, write_json
 
@@ -47,7 +48,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     default_prompts(args)
-    sweeps = asyncio.run(sweep_targets({"target": args.url}, args))
+    with reported_if_interrupted(args, lambda sweep: level_table(f"sweep of {args.url}", sweep["target"])):
+        sweeps = asyncio.run(sweep_targets({"target": args.url}, args))
     print(level_table(f"sweep of {args.url}", sweeps["target"]))
     print("\n" + class_table("by traffic class", sweeps["target"], slo_of(args)))
     if args.out:
@@ -64,7 +66,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if name in urls:
             raise ValueError(f"--extra {name}= given twice")
         urls[name] = url
-    sweeps = asyncio.run(sweep_targets(urls, args))
+    with reported_if_interrupted(args, tables_and_comparison):
+        sweeps = asyncio.run(sweep_targets(urls, args))
     tp, lat = crossovers(sweeps["speculative"], sweeps["baseline"])
     for name, rows in sweeps.items():
         print(level_table(name, rows) + "\n")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .args import levels
 from .calibrate import EXIT_NO_RECOMMENDATION, calibrate
+from .kit.interrupt import comparison, reported_if_interrupted
 from .kit.settings import specgate_env
 from .kit.sweeps import add_load_options, default_prompts, settings_of, sweep_targets
 from .procs import Proc, free_port, pair_args, start
@@ -64,7 +65,9 @@ def _defaults(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     _defaults(args)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    return asyncio.run(_demo(args))
+    # Ctrl-C: the servers stop as the sweep unwinds (_demo's ExitStack), then the levels measured print.
+    with reported_if_interrupted(args, comparison):
+        return asyncio.run(_demo(args))
 
 
 async def _demo(args: argparse.Namespace) -> int:
@@ -99,12 +102,12 @@ async def _demo(args: argparse.Namespace) -> int:
     print(compare_table(sweeps))
     first = {name: rows[0] for name, rows in sweeps.items()}
     spec1, gate1 = first["speculative"], first["specgate"]
-    # ITL as a mean: chunks of a speculative server come in bursts (several tokens verified at
-    # once, sent as one event each), so most gaps are ~0 and the median jumps between ~0 and a step.
+    # Time per output token, not the gap between events (ITL): an event of a speculative server
+    # carries every token its step accepted, so ITL is per event, and TPOT what a user waits a token.
     print(
         f"\nat concurrency {spec1.concurrency}: specgate/speculative TTFT "
         f"{gate1.median_ttft_ms / spec1.median_ttft_ms:.3f} (median over median), "
-        f"ITL {gate1.mean_itl_ms / spec1.mean_itl_ms:.3f} (mean over mean)"
+        f"time per output token {gate1.mean_tpot_ms / spec1.mean_tpot_ms:.3f} (mean over mean)"
     )
     plot = out_dir / "compare.png"
     plot_compare(plot, sweeps, tp)

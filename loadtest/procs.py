@@ -126,15 +126,23 @@ def start(
         proc.reader = threading.Thread(target=_keep_lines, args=(popen.stderr, proc.stderr_lines), daemon=True)
         proc.reader.start()
     if ready_url is not None:
-        deadline = time.monotonic() + timeout_s
-        while http_status(ready_url, timeout_s=1.0) != 200:
-            if not proc.alive():
-                raise RuntimeError(proc.died("before it was ready"))
-            if time.monotonic() > deadline:
-                proc.stop()
-                raise RuntimeError(f"{name} was not ready at {ready_url} within {timeout_s:g} s")
-            time.sleep(0.05)
+        try:
+            _wait_ready(proc, ready_url, timeout_s)
+        except BaseException:
+            # Not ready, or Ctrl-C (SIGTERM) while waiting: the caller never got the process to stop.
+            proc.stop()
+            raise
     return proc
+
+
+def _wait_ready(proc: Proc, ready_url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while http_status(ready_url, timeout_s=1.0) != 200:
+        if not proc.alive():
+            raise RuntimeError(proc.died("before it was ready"))
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.name} was not ready at {ready_url} within {timeout_s:g} s")
+        time.sleep(0.05)
 
 
 def port_taken(exc: BaseException) -> bool:

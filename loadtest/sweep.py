@@ -241,16 +241,23 @@ async def measure_level(
     """One level: `concurrency` streams of `workload` warmed up, measured and drained."""
     level = _Level(session, target, concurrency, plan, workload, progress, min_requests)
     workers = [asyncio.create_task(level.worker(i)) for i in range(concurrency)]
-    await level.warm_up()
-    t0 = time.monotonic()
-    level.window.append(t0)
-    beside = None if during_window is None else asyncio.create_task(during_window(level.stop))
-    await level.measure(t0)
-    level.window.append(time.monotonic())
-    level.stop.set()
-    died = await _drain(workers, plan.max_wait_s)
-    if beside is not None:
-        await beside
+    beside: asyncio.Task[None] | None = None
+    try:
+        await level.warm_up()
+        t0 = time.monotonic()
+        level.window.append(t0)
+        beside = None if during_window is None else asyncio.create_task(during_window(level.stop))
+        await level.measure(t0)
+        level.window.append(time.monotonic())
+        level.stop.set()
+        died = await _drain(workers, plan.max_wait_s)
+        if beside is not None:
+            await beside
+    finally:
+        # Interrupted (Ctrl-C): the streams and the sampler stop now, their requests cut, rather than
+        # when the event loop closes; after a normal end every one of them is done already.
+        for task in (*workers, *([beside] if beside is not None else [])):
+            task.cancel()
     level.report("done")
     extended = level.window[1] - level.extending[0] if level.extending else 0.0
     return LevelRun(level.results, level.window[0], level.window[1], extended, died)

@@ -18,9 +18,10 @@ from .edge.protocol import edge_protocol
 from .observability.logs import configure
 
 
-def main() -> int:
+def main(env_file: str | None = ".env") -> int:
+    """Serve until SIGTERM or SIGINT; `env_file` is read for settings the environment does not set."""
     try:
-        settings = Settings()
+        settings = Settings(_env_file=env_file)
     except ValidationError as exc:
         print(f"specgate: invalid setting: {describe_error(exc)}", file=sys.stderr)
         return 2

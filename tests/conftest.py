@@ -44,9 +44,13 @@ MODULE_TIERS = {
     "test_quickcal": "inprocess",
     "test_calibration_file": "inprocess",
     "test_classes": "inprocess",
+    "test_cli": "inprocess",
     "test_config": "inprocess",
     # mkdocs builds the site in a process of its own.
     "test_docs": "loopback",
+    "test_doctor_judge": "inprocess",
+    "test_doctor_real": "real",
+    "test_doctor_sim": "loopback",
     "test_edge": "loopback",
     "test_engine_signal": "inprocess",
     "test_engines": "inprocess",
@@ -66,6 +70,7 @@ MODULE_TIERS = {
     "test_layers": "inprocess",
     "test_loadtest_cli": "loopback",
     "test_loadtest_connections": "loopback",
+    "test_loadtest_interrupt": "loopback",
     "test_logs": "inprocess",
     "test_model_stack": "inprocess",
     "test_overhead": "loopback",
@@ -89,6 +94,7 @@ MODULE_TIERS = {
     "test_sse_relay": "inprocess",
     "test_stack": "loopback",
     "test_stats": "inprocess",
+    "test_sweep_commands": "inprocess",
     "test_tally": "inprocess",
     "test_tokens": "inprocess",
     "test_topology": "inprocess",
@@ -101,6 +107,7 @@ MODULE_TIERS = {
 
 # Tests that start processes in modules that are otherwise in-process ("module::function").
 TEST_TIERS = {
+    "test_cli::test_serve_runs_the_gateway_from_its_env_file": "loopback",
     "test_responses::test_openai_sdk_responses_streamed_and_not_and_continued": "loopback",
     "test_responses::test_openai_sdk_responses_errors_and_a_client_that_leaves": "loopback",
     "test_calibration_file::test_save_writes_the_curves_acceptance_settings_and_recommendation": "loopback",

@@ -19,6 +19,7 @@ from proxy.policy.calibration import ModelFit, parse, to_json
 
 from ..acceptance import AcceptanceMeter, redact
 from ..args import sorted_ints
+from ..kit.interrupt import comparison, reported_if_interrupted
 from ..kit.sweeps import add_load_options, default_prompts, max_duration, settings_of, sweep_targets
 from ..report import calibration_text, compare_table, write_json
 from ..stats import LevelStats
@@ -86,7 +87,9 @@ def cmd_calibrate(args: argparse.Namespace, clock: Callable[[], float] = time.mo
     default_prompts(args)
     print(estimate(args), file=sys.stderr, flush=True)
     started = clock()
-    code = asyncio.run(_calibrate(args))
+    # Ctrl-C: the levels measured so far, as the comparison table (kit/interrupt.py).
+    with reported_if_interrupted(args, comparison):
+        code = asyncio.run(_calibrate(args))
     print(f"calibrate took {_took(clock() - started)}", flush=True)
     return code
 

@@ -13,7 +13,7 @@
 - `cells`: a cell's targets side by side, each a stack of its own, driven at once with the same
   sessions, and `figures`: one target's figures in a cell, in simulated time;
 - `sweeps`: the sweeping commands' (sweep, compare, calibrate, demo) load options and targets swept
-  level by level.
+  level by level, and `interrupt`: what they print of the levels completed when Ctrl-C stops them.
 
 One target's level (`loadtest.sweep`), its summary and the honest-sampling rule (`loadtest.stats`),
 verdicts and tables (`loadtest.report`) and the crossover rule (`loadtest.calibrate`) are the kit's too.

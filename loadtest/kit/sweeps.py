@@ -24,8 +24,11 @@ from ..stats import DEFAULT_MIN_REQUESTS, LevelStats
 from ..sweep import DuringWindow, LevelPlan, TargetUnreachable, first_model, make_session, run_level
 from ..textbank import TextBank
 from ..workload import WORKLOADS, Workload, WorkloadSpec, parse_class
+from .interrupt import measured_of
 
 DEFAULT_LEVELS = "1,2,5,10,30,70,100,250"
+# --specgate-headers: auto decides by the workload (sends_headers).
+SPECGATE_HEADERS = ("auto", "on", "off")
 # --max-duration-s by default: generous, since it is spent only on levels short of good requests
 # (the lowest, whose requests take longest), and a level cut short is thrown away.
 MAX_DURATION_FACTOR = 10.0
@@ -92,6 +95,16 @@ def add_load_options(p: argparse.ArgumentParser, levels: str = DEFAULT_LEVELS) -
         metavar="JSON",
         help="fields added to every request body, e.g. '{\"cache_prompt\": false}' (llama-server) or "
         "'{\"top_k\": 1}' (--real demo default: no prompt cache, so no target finds another's prompts cached)",
+    )
+    p.add_argument(
+        "--specgate-headers",
+        choices=SPECGATE_HEADERS,
+        default="auto",
+        help="send each request's traffic class as x-specgate-class and its session as x-session-id, the "
+        "headers specgate routes by (classes, cache affinity; servers ignore them). auto (default): on when the "
+        "workload has either to tell, --workload multiturn (conversations) or --class; off for one-turn requests "
+        "of one class, whose every request would be a session and a class 'all' of its own, which no real "
+        "client sends",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--out", default=None, help="write every figure and the settings as JSON here")
@@ -191,6 +204,17 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     )
 
 
+def sends_headers(args: argparse.Namespace) -> bool:
+    """Whether requests carry x-specgate-class and x-session-id (--specgate-headers). auto: when the
+    workload has sessions of several turns or classes of its own, what a client that knows them
+    would send (docs/routing.md); a single-turn workload of one class has neither, and naming each
+    request a session and class "all" would have specgate learn a class and remember conversations
+    that untagged traffic does not have."""
+    if args.specgate_headers != "auto":
+        return bool(args.specgate_headers == "on")
+    return bool(args.workload == "multiturn" or args.classes)
+
+
 def slo_of(args: argparse.Namespace) -> Slo:
     return Slo(args.slo_ttft_ms, args.slo_tpot_ms)
 
@@ -226,6 +250,7 @@ async def _target(url: str, args: argparse.Namespace) -> Target:
         max_tokens=args.max_tokens,
         ignore_eos=not args.no_ignore_eos,
         extra_body=args.extra_body or {},
+        tag_requests=sends_headers(args),
     )
 
 
@@ -275,6 +300,9 @@ async def level_runner(
             file=sys.stderr,
             flush=True,
         )
+    # Each level kept, as it completes, where the command can print it if interrupted (kit/interrupt.py).
+    measured = measured_of(args)
+    kept = measured.begin(targets) if measured is not None else None
     async with make_session() as session:
 
         async def measure(c: int, tries: int = 0) -> dict[str, LevelStats]:
@@ -284,6 +312,8 @@ async def level_runner(
                 beside = None if sampler is None else functools.partial(sampler, c)
                 workload = Workload(spec, bank)  # each level and target from the same start
                 out[name] = await _one_level(session, name, target, c, doubled(plan, tries), args, workload, beside)
+                if kept is not None:
+                    kept[name].append(out[name])
             return out
 
         yield measure
@@ -321,8 +351,11 @@ async def _one_level(
         bar.set_postfix_str(f"{phase}, {errors} errors, {client_errors} client errors", refresh=False)
         bar.update(done - bar.n)
 
-    stats, _ = await run_level(session, target, c, plan, workload, progress, args.min_requests, beside, slo_of(args))
-    bar.close()
+    slo = slo_of(args)
+    try:
+        stats, _ = await run_level(session, target, c, plan, workload, progress, args.min_requests, beside, slo)
+    finally:
+        bar.close()  # interrupted too: the interrupted report is not printed after a half-drawn bar
     window = f", window {stats.duration_s:.1f} s (extended +{stats.extended_s:.1f} s)" if stats.extended_s else ""
     print(
         f"{name:>11} c={c:<4} {stats.output_tok_s:>10,.1f} tok/s  {stats.completed} ok, "
@@ -336,8 +369,12 @@ async def _one_level(
 
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
-    """The command's settings for its JSON: every argument but the API key."""
-    return {k: v for k, v in vars(args).items() if k != "api_key"}
+    """The command's settings for its JSON: every argument but the API key, and whether the
+    requests carried specgate's headers (--specgate-headers auto resolved)."""
+    settings = {k: v for k, v in vars(args).items() if k not in ("api_key", "measured")}
+    if "specgate_headers" in settings:
+        settings["sent_specgate_headers"] = sends_headers(args)
+    return settings
 
 
 def default_prompts(args: argparse.Namespace, real: bool = False) -> None:

@@ -72,12 +72,13 @@ its engine is up and answers 503 once it died; llama-server answers 503 "Loading
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
 
 from . import promtext
-from .adapter import MAX_ACCEPT_LENGTH, MAX_COUNTER, Engine, EngineName
+from .adapter import MAX_ACCEPT_LENGTH, MAX_COUNTER, MAX_KV_TOKENS, MIN_ACCEPT_LENGTH, Engine, EngineName
 
 # What SPECGATE_ENGINE may say: one of ENGINES, or "auto" (each server's from its /metrics).
 EngineSetting = Literal["auto", "sglang", "vllm", "llamacpp"]
@@ -235,3 +236,92 @@ def describe_health(status: int, body: bytes) -> str:
         if isinstance(found, str):
             message = found[:120]
     return f"/health answered {status}" + (f": {message}" if message else "")
+
+
+# What a server says of itself beside /metrics, as `specgate doctor` reads it (the gateway does
+# not): `/v1/models` (every engine; `owned_by` names it; SGLang and vLLM give `max_model_len`, the
+# context length), SGLang's `/server_info` (older builds: `/get_server_info`; its ServerArgs, with
+# `speculative_algorithm` null when off, `context_length` null unless set, and the scheduler's
+# `max_total_num_tokens`, the KV pool, and `internal_states[i].avg_spec_accept_length` while
+# speculating), and llama-server's `/props` (`default_generation_settings.n_ctx`, one slot's
+# context, and `total_slots`: its KV cache is n_ctx a slot times the slots). These bodies hold
+# the server's settings, its API key among them: only the fields below are read.
+MODELS_PATH = "/v1/models"
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+PROPS_PATH = "/props"
+
+
+@dataclass(frozen=True)
+class LaunchFlags:
+    """What an operator sets on an engine's command line, for the advice `doctor` gives."""
+
+    metrics: str  # how /metrics is turned on
+    speculation: str  # how speculative decoding is turned on
+    served_name: str  # how the model's served name is set
+
+
+LAUNCH_FLAGS: dict[EngineName, LaunchFlags] = {
+    "sglang": LaunchFlags(
+        "--enable-metrics", "--speculative-algorithm EAGLE3 --speculative-draft-model-path D", "--served-model-name"
+    ),
+    "vllm": LaunchFlags(
+        "nothing: vLLM serves /metrics unless disabled", "--speculative-config '{...}'", "--served-model-name"
+    ),
+    "llamacpp": LaunchFlags("--metrics", "--spec-type (or --model-draft)", "--alias"),
+}
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What a server's own descriptions say; None where it does not say."""
+
+    models: tuple[str, ...] = ()
+    engine: EngineName | None = None  # as /v1/models' owned_by, /server_info or /props names it
+    context_len: int | None = None
+    kv_pool_tokens: int | None = None
+    # SGLang's /server_info: the configured algorithm ("" where it says speculation is off);
+    # None where the engine does not say.
+    speculative_algorithm: str | None = None
+    avg_accept_length: float | None = None  # since start, where the engine reports it
+
+
+def server_facts(models: Any, info: Any, props: Any) -> ServerFacts:
+    """The facts in a server's `/v1/models`, SGLang's `/server_info` and llama-server's `/props`
+    bodies (each parsed JSON, or None where absent)."""
+    cards = models.get("data") if isinstance(models, dict) else None
+    cards = [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []
+    names = tuple(c["id"] for c in cards if isinstance(c.get("id"), str))
+    owners = {c.get("owned_by") for c in cards}
+    engine: EngineName | None = next((e for e in ENGINES if e in owners), None)
+    context = next((n for c in cards if (n := _size(c.get("max_model_len"))) is not None), None)
+    pool, algorithm, accept = None, None, None
+    if isinstance(info, dict) and "internal_states" in info:  # SGLang's (vLLM's dev mode has a /server_info)
+        engine = engine or "sglang"
+        context = context or _size(info.get("context_length"))
+        pool = _size(info.get("max_total_num_tokens"))
+        found = info.get("speculative_algorithm")
+        algorithm = found if isinstance(found, str) else ""
+        states = info.get("internal_states")
+        if isinstance(states, list):
+            kept = [m for s in states if isinstance(s, dict) and (m := _mean(s.get("avg_spec_accept_length")))]
+            accept = sum(kept) / len(kept) if kept else None
+    if isinstance(props, dict):
+        engine = engine or "llamacpp"
+        settings = props.get("default_generation_settings")
+        per_slot = _size(settings.get("n_ctx")) if isinstance(settings, dict) else None
+        slots = _size(props.get("total_slots")) or 1
+        context = context or per_slot
+        pool = pool or (per_slot * slots if per_slot else None)
+    return ServerFacts(names, engine, context, pool, algorithm, accept)
+
+
+def _size(value: Any) -> int | None:
+    """A token count a server could report."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_KV_TOKENS
+    return value if ok else None
+
+
+def _mean(value: Any) -> float | None:
+    """An acceptance length a server could report."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if ok and MIN_ACCEPT_LENGTH <= value <= MAX_ACCEPT_LENGTH else None

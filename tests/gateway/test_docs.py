@@ -17,11 +17,11 @@ MODULE_MAP = DOCS / "architecture.md"
 REPORTS = DOCS / "benchmarks"
 REPORT_NAME = re.compile(r"^\d{4}-\d{2}-\d{2}-[a-z0-9-]+$")
 REPORT_MAX_LINES = 200
-PACKAGES = ("proxy", "loadtest")
+PACKAGES = ("specgate", "proxy", "loadtest")
 # A row of the module map: "| `proxy/relay/relay.py` | its job |".
-MAP_ROW = re.compile(r"^\| `((?:proxy|loadtest)/[\w/]+\.py)` \|")
+MAP_ROW = re.compile(r"^\| `((?:specgate|proxy|loadtest)/[\w/]+\.py)` \|")
 # A module's path anywhere in the prose (not `deploy/...`, nor an engine's own `.../engines.py`).
-MODULE_PATH = re.compile(r"(?<![\w/.-])((?:proxy|loadtest)/[\w/]+\.py)\b")
+MODULE_PATH = re.compile(r"(?<![\w/.-])((?:specgate|proxy|loadtest)/[\w/]+\.py)\b")
 
 
 def modules() -> set[str]:

@@ -95,3 +95,15 @@ def test_the_walk_sees_io_and_circles(tmp_path: Path) -> None:
     graph = package_graph(pkg, outside)
     assert "proxy.policy.a" in reaches(graph, "proxy.policy.a")
     assert "asyncio" in outside["proxy.policy.a"]
+
+
+def test_the_command_sits_above_both_packages() -> None:
+    """`specgate/` calls into the gateway and the load tester; neither imports it back, and the
+    gateway never imports the load tester (the image runs it without the load tester's extras)."""
+    for root in (PROXY, PROXY.parent / "loadtest"):
+        outside: dict[str, set[str]] = {}
+        package_graph(root, outside)
+        assert outside, root
+        assert not [m for m, tops in outside.items() if "specgate" in tops], f"{root.name} imports specgate"
+        if root == PROXY:
+            assert not [m for m, tops in outside.items() if "loadtest" in tops], "proxy imports loadtest"

@@ -1,9 +1,13 @@
 """The GPU-node stack, checked without a Docker engine or a GPU: compose.yaml under the real compose
-parser (the SGLang `gpu`, vLLM `vllm`, simulated `sim` and `adaptive` profiles, the GPU memory
-arithmetic of .env.example against the rendered flags, the start-up window), the Dockerfile under hadolint,
-Prometheus files under promtool, the image's install step, and a real Prometheus scraping a running
-proxy and simulators, where every dashboard and alert expression must return data (and the server
-panels also from vLLM's metric names)."""
+parser (the SGLang `gpu`, vLLM `vllm`, simulated `sim`, `adaptive` and `gateway` profiles, the GPU
+memory arithmetic of .env.example against the rendered flags, the start-up window, which settings
+reach specgate from a .env, the calibration mount), the Dockerfile under hadolint, Prometheus files
+under promtool, the image's install step, and a real Prometheus: on the targets its entry point
+writes from the server URLs, and scraping a running proxy and simulators, where every dashboard and
+alert expression must return data (and the server panels also from vLLM's metric names).
+
+compose renders the repository's compose.yaml with no .env (never the checkout's own), or a copy of
+the project in tmp_path with a .env written there."""
 
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loadtest.procs import Proc, free_port, http_status
+from proxy.config import DEPRECATED, Settings
+from proxy.fleet.topology import build as build_topology
 
 from ..conftest import StartStack
 from ..helpers import wait_for
@@ -47,16 +53,22 @@ def tool(name: str) -> str:
 
 
 def run(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "SPECGATE_"))}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "SPECGATE_", "OTEL_"))}
     return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=cwd, env={**clean, **(env or {})})
 
 
-def compose_config(*profiles: str, env: dict[str, str] | None = None, env_file: str | None = None) -> dict[str, Any]:
+def compose_config(
+    *profiles: str, env: dict[str, str] | None = None, env_file: str | None = None, project: Path | None = None
+) -> dict[str, Any]:
+    """`docker compose config` of this checkout, with no .env unless `env_file` names one (a .env
+    here is a developer's own); or of `project`, a copy (see `stack_copy`), with the .env written there."""
     flags = [f for p in profiles for f in ("--profile", p)]
+    if project is None and env_file is None:
+        env_file = os.devnull
     if env_file is not None:
         flags += ["--env-file", env_file]
-    proc = run(tool("docker-compose"), *flags, "config", "--format", "json", env=env)
-    assert proc.returncode == 0, proc.stderr
+    proc = run(tool("docker-compose"), *flags, "config", "--format", "json", env=env, cwd=project or ROOT)
+    assert proc.returncode == 0 and proc.stdout, proc.stderr  # some errors exit 0, printing nothing
     return json.loads(proc.stdout)  # type: ignore[no-any-return]
 
 
@@ -72,10 +84,12 @@ def flag(cmd: list[str], name: str) -> str:
     return values[0]
 
 
-@pytest.mark.parametrize("profiles", [(), ("sim",), ("gpu",), ("vllm",), ("adaptive",), ("gpu", "adaptive")])
+@pytest.mark.parametrize(
+    "profiles", [(), ("sim",), ("gpu",), ("vllm",), ("adaptive",), ("gpu", "adaptive"), ("gateway",)]
+)
 def test_compose_is_valid(profiles: tuple[str, ...]) -> None:
     flags = [f for p in profiles for f in ("--profile", p)]
-    proc = run(tool("docker-compose"), *flags, "config", "-q")
+    proc = run(tool("docker-compose"), *flags, "--env-file", os.devnull, "config", "-q")
     assert proc.returncode == 0, proc.stderr
 
 
@@ -144,8 +158,9 @@ def test_compose_gpu_profile() -> None:
         assert gate["depends_on"][dep]["condition"] == "service_healthy"
     reference = (ROOT / "docs" / "settings.md").read_text()  # the settings table
     settings = {line.split("`")[1] for line in reference.splitlines() if line.startswith("| `SPECGATE_")}
-    assert settings - {"SPECGATE_HOST", "SPECGATE_PORT"} <= set(gate["environment"])  # every setting passed
-    assert gate["environment"]["SPECGATE_ENGINE"] == "auto"  # tells SGLang and vLLM apart by /metrics
+    assert settings - {"SPECGATE_HOST", "SPECGATE_PORT"} <= set(gate["environment"])  # every setting listed
+    # Unset here, so not passed: specgate's own default (auto: SGLang and vLLM told apart by /metrics).
+    assert gate["environment"]["SPECGATE_ENGINE"] is None
     assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", services["prometheus"]["image"])
     assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", services["grafana"]["image"])
     home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
@@ -394,12 +409,160 @@ def test_compose_sim_profile_replaces_the_gpu_servers() -> None:
     assert "sglang-speculative" not in compose_config()["services"]
 
 
+# ----- servers you already run (`gateway`), and what reaches specgate from a .env -----
+
+GATEWAY = {"specgate", "prometheus", "grafana"}
+SERVER_PROFILES = {"gpu": SGLANG_PAIR, "vllm": VLLM_PAIR, "sim": {"sglang-sim"}, "adaptive": {"sglang-adaptive"}}
+COMPOSE_URLS = {
+    "SPECGATE_SPECULATIVE_URL": "http://sglang-speculative:30001",
+    "SPECGATE_BASELINE_URL": "http://sglang-baseline:30002",
+}
+# What the stack itself sets in specgate's container, whatever .env says (SPECGATE_PORT there is the
+# host port); SPECGATE_LOG_FORMAT too, unless .env sets it.
+FIXED = {"SPECGATE_HOST": "0.0.0.0", "SPECGATE_PORT": "8000", "SPECGATE_LOG_FORMAT": "json"}
+CALIBRATION_TARGET = "/etc/specgate/calibration.json"
+# Some settings, one of them deprecated, and a tracing variable: each must reach specgate as set.
+SOME_SETTINGS = {
+    "SPECGATE_POLICY": "adaptive",
+    "SPECGATE_HIGH_WATERMARK": "24",
+    "SPECGATE_API_KEYS": "key-1,key-2",
+    "SPECGATE_ADAPTIVE_MARGIN": "0.1",
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
+}
+THEIR_URLS = {
+    "SPECGATE_SPECULATIVE_URL": "a=http://gpu-node-1:30001,b=https://gpu-node-2:8443/sglang/",
+    "SPECGATE_BASELINE_URL": "http://gpu-node-1:30002,http://gpu-node-2:30002",
+}
+StackCopy = Callable[[dict[str, str]], Path]
+
+
+@pytest.fixture
+def stack_copy(tmp_path: Path) -> StackCopy:
+    """A copy of the project (compose.yaml and deploy/) in tmp_path with a .env of these values, as
+    a user has it: compose reads the .env beside compose.yaml, and relative paths start there."""
+    made = 0
+
+    def make(values: dict[str, str]) -> Path:
+        nonlocal made
+        made += 1
+        where = tmp_path / f"stack-{made}"
+        shutil.copytree(ROOT / "deploy", where / "deploy", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(ROOT / "compose.yaml", where / "compose.yaml")
+        (where / ".env").write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+        return where
+
+    return make
+
+
+def passed(environment: dict[str, str | None]) -> dict[str, str]:
+    """What a container gets: compose leaves a variable listed without a value, and unset, out (null)."""
+    return {k: v for k, v in environment.items() if v is not None}
+
+
+@pytest.mark.parametrize("with_env", [False, True], ids=["no-env", "env"])
+@pytest.mark.parametrize("profile", ["gateway", *SERVER_PROFILES])
+def test_only_the_settings_set_reach_specgate(profile: str, with_env: bool, stack_copy: StackCopy) -> None:
+    """Each profile, with and without values in .env: specgate gets what the stack fixes, and of the
+    rest exactly what .env sets (a set one present, an unset one absent), so its defaults are its
+    own. Prometheus gets the same server URLs; `gateway` starts no server and waits for none."""
+    values = {**SOME_SETTINGS, **(THEIR_URLS if profile == "gateway" else {})} if with_env else {}
+    services = compose_config(profile, project=stack_copy({"COMPOSE_PROFILES": profile, **values}))["services"]
+    servers = set() if profile == "gateway" else SERVER_PROFILES[profile]
+    assert set(services) == GATEWAY | servers
+    gate = services["specgate"]
+    assert passed(gate["environment"]) == {**FIXED, **COMPOSE_URLS, **values}
+    assert gate["environment"]["SPECGATE_ENGINE"] is None and gate["environment"]["SPECGATE_CALIBRATION"] is None
+    urls = {k: gate["environment"][k] for k in COMPOSE_URLS}
+    assert services["prometheus"]["environment"] == urls  # the same entries (anchors), nothing else
+    assert services["prometheus"]["entrypoint"] == ["/bin/sh", "/etc/prometheus/servers.sh", "/bin/prometheus"]
+    # Dependencies only on services this profile runs, or optional ones compose skips when absent.
+    for name, dep in gate.get("depends_on", {}).items():
+        assert name in services or dep["required"] is False, name
+    if profile == "gateway":
+        assert not set(gate.get("depends_on", {})) & set(services)
+    # The calibration placeholder, mounted where no setting points: harmless.
+    (mount,) = [v for v in gate["volumes"] if v["target"] == CALIBRATION_TARGET]
+    assert mount["source"].endswith("/deploy/no-calibration") and Path(mount["source"]).is_file()
+
+
+def test_every_setting_passes_through_when_set(stack_copy: StackCopy) -> None:
+    """compose.yaml lists every setting of proxy/config.py (the deprecated ones too) by name alone,
+    but what the stack must fix: no second copy of the defaults. Each one set in .env reaches
+    specgate with its value; the host and port inside the container stay the stack's."""
+    raw = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["specgate"]["environment"]
+    assert isinstance(raw, list)
+    names = {re.split(r"[=$]", entry, maxsplit=1)[0] for entry in raw if entry.startswith("SPECGATE_")}
+    settings = {f"SPECGATE_{name.upper()}" for name in Settings.model_fields}
+    assert names == settings and {f"SPECGATE_{n.upper()}" for n in DEPRECATED} <= names
+    explicit = {re.split(r"[=$]", e, maxsplit=1)[0] for e in raw if "=" in e or "$" in e}
+    assert explicit == {*FIXED, *COMPOSE_URLS, "SPECGATE_CALIBRATION"}
+    # SPECGATE_PORT in .env is the host port specgate is published on.
+    values = {name: f"value-of-{name.lower()}" for name in sorted(settings)} | {"SPECGATE_PORT": "9000"}
+    gate = compose_config("gateway", project=stack_copy(values))["services"]["specgate"]
+    expected = {**values, "SPECGATE_HOST": "0.0.0.0", "SPECGATE_PORT": "8000"}
+    assert {k: v for k, v in passed(gate["environment"]).items() if k.startswith("SPECGATE_")} == expected
+    assert [(p["published"], p["target"]) for p in gate["ports"]] == [("9000", 8000)]
+
+
+def test_calibration_file_is_mounted_from_env(stack_copy: StackCopy) -> None:
+    """SPECGATE_CALIBRATION_FILE, a path on the host (relative to the project), is mounted read-only
+    and SPECGATE_CALIBRATION points at it, with no override file; never a directory made in place of
+    a missing file. Unset, SPECGATE_CALIBRATION passes through as set (a mount of one's own)."""
+    project = stack_copy({"SPECGATE_CALIBRATION_FILE": "./calibration.json", "SPECGATE_CALIBRATION": "/ignored"})
+    (project / "calibration.json").write_text("{}")
+    gate = compose_config("gateway", project=project)["services"]["specgate"]
+    (mount,) = [v for v in gate["volumes"] if v["target"] == CALIBRATION_TARGET]
+    assert mount["type"] == "bind" and mount["source"] == str(project / "calibration.json")
+    assert mount["read_only"] is True and not mount.get("bind", {}).get("create_host_path")
+    assert gate["environment"]["SPECGATE_CALIBRATION"] == CALIBRATION_TARGET  # the file's mount wins
+    for values, expected in (
+        ({"SPECGATE_CALIBRATION_FILE": ""}, None),  # .env.example's empty value: unset
+        ({"SPECGATE_CALIBRATION": "/data/mine.json"}, "/data/mine.json"),
+    ):
+        gate = compose_config("gpu", project=stack_copy(values))["services"]["specgate"]
+        assert gate["environment"]["SPECGATE_CALIBRATION"] == expected
+        (mount,) = [v for v in gate["volumes"] if v["target"] == CALIBRATION_TARGET]
+        assert mount["source"].endswith("/deploy/no-calibration")
+
+
+def engine_targets(prom: str) -> list[dict[str, Any]]:
+    targets = httpx.get(prom + "/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+    return [t for t in targets if t["labels"]["job"] == "engines"]
+
+
+@pytest.mark.parametrize("profile", ["gateway", "gpu"])
+def test_prometheus_scrapes_the_servers_specgate_routes_to(
+    profile: str, stack_copy: StackCopy, prometheus: Launch
+) -> None:
+    """Prometheus started as compose starts it, with the URLs compose gives it: one target per
+    server specgate has (named as specgate names it), at the URL's /metrics; under `gpu` the compose
+    names, as the static targets were."""
+    values = THEIR_URLS if profile == "gateway" else {}
+    env = compose_config(profile, project=stack_copy(values))["services"]["prometheus"]["environment"]
+    spec, base = env["SPECGATE_SPECULATIVE_URL"], env["SPECGATE_BASELINE_URL"]
+    prom = prometheus(f"127.0.0.1:{free_port()}", spec, base)
+    topology = build_topology(spec, base, None)
+    expected = {(s.name, str(s.role), f"{s.url}/metrics") for s in topology.servers}
+    wait_for(lambda: len(engine_targets(prom)) == len(expected), timeout_s=30, interval_s=0.5)
+    got = {(t["labels"]["server"], t["labels"]["backend"], t["scrapeUrl"]) for t in engine_targets(prom)}
+    assert got == expected
+    if profile == "gpu":
+        assert got == {
+            ("speculative", "speculative", "http://sglang-speculative:30001/metrics"),
+            ("baseline", "baseline", "http://sglang-baseline:30002/metrics"),
+        }
+        instances = {t["labels"]["instance"] for t in engine_targets(prom)}
+        assert instances == {"sglang-speculative:30001", "sglang-baseline:30002"}
+    else:
+        assert ("b", "speculative", "https://gpu-node-2:8443/sglang/metrics") in got
+
+
 def test_dockerfile_passes_hadolint() -> None:
     proc = run(tool("hadolint"), "Dockerfile")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = (ROOT / "Dockerfile").read_text()
     assert text.count("FROM ") == 2 and re.search(r"FROM python:\d+\.\d+\.\d+-slim", text)
-    assert "USER 10001" in text and "HEALTHCHECK" in text and 'ENTRYPOINT ["python", "-m", "proxy"]' in text
+    assert "USER 10001" in text and "HEALTHCHECK" in text and 'ENTRYPOINT ["specgate", "serve"]' in text
 
 
 def test_install_step_of_the_image(tmp_path: Path) -> None:
@@ -420,6 +583,11 @@ def test_install_step_of_the_image(tmp_path: Path) -> None:
     # Run from elsewhere, so the installed package is what gets imported, not this checkout.
     bad = run(str(venv_python), "-m", "proxy", env={"SPECGATE_POLICY": "nope"}, cwd=tmp_path)
     assert bad.returncode == 2 and "SPECGATE_POLICY" in bad.stderr
+    # The image's entry point: the console script, the same settings, its commands' help.
+    specgate = str(tmp_path / "venv" / "bin" / "specgate")
+    bad = run(specgate, "serve", env={"SPECGATE_POLICY": "nope"}, cwd=tmp_path)
+    assert bad.returncode == 2 and "SPECGATE_POLICY" in bad.stderr
+    assert "SPECGATE_POLICY" in run(specgate, "serve", "--help", cwd=tmp_path).stdout
     where = run(str(venv_python), "-c", "import proxy; print(proxy.__file__)", cwd=tmp_path).stdout
     assert where.startswith(str(tmp_path / "venv"))
     assert run(str(venv_python), "-c", "import pytest", cwd=tmp_path).returncode != 0  # no dev tools in the image
@@ -493,20 +661,36 @@ def without_thresholds(expr: str) -> str:
     return _COMPARISON.sub(" > -Inf", expr.strip())
 
 
+Launch = Callable[[str, str, str], str]
+
+
 @pytest.fixture
-def prometheus(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+def prometheus(tmp_path: Path) -> Iterator[Launch]:
+    """launch(specgate's address, SPECGATE_SPECULATIVE_URL, SPECGATE_BASELINE_URL): a real Prometheus
+    on deploy/prometheus, started as compose starts it (through servers.sh, which writes the servers'
+    targets from the two URL settings); only the specgate target and the file paths change."""
     procs: list[Proc] = []
 
-    def launch(targets: dict[str, str]) -> str:
+    def launch(specgate: str, speculative: str, baseline: str) -> str:
+        servers = tmp_path / "servers.json"
         config = (ROOT / "deploy/prometheus/prometheus.yml").read_text()
-        for old, new in targets.items():  # only the targets change
-            config = config.replace(f'"{old}"', f'"{new}"')
+        assert config.count('"specgate:8000"') == 1 and config.count("files: [/prometheus/servers.json]") == 1
+        config = config.replace('"specgate:8000"', f'"{specgate}"')
+        config = config.replace("files: [/prometheus/servers.json]", f"files: [{servers}]")
         (tmp_path / "prometheus.yml").write_text(config)
         shutil.copy(ROOT / "deploy/prometheus/alerts.yml", tmp_path / "alerts.yml")
         port = free_port()
         binary = tool("prometheus")
+        env = {
+            **os.environ,
+            "SERVERS_FILE": str(servers),
+            "SPECGATE_SPECULATIVE_URL": speculative,
+            "SPECGATE_BASELINE_URL": baseline,
+        }
         proc = subprocess.Popen(
             [
+                "sh",
+                str(ROOT / "deploy/prometheus/servers.sh"),
                 binary,
                 f"--config.file={tmp_path / 'prometheus.yml'}",
                 f"--storage.tsdb.path={tmp_path / 'data'}",
@@ -514,13 +698,14 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, Path]]:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=env,
         )
         procs.append(Proc("prometheus", proc))
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: http_status(url + "/-/ready", timeout_s=1) == 200, timeout_s=30, interval_s=0.2)
         return url
 
-    yield launch  # type: ignore[misc]
+    yield launch
     for proc in procs:
         proc.stop()
 
@@ -540,15 +725,9 @@ def query(url: str, expr: str) -> list[Any]:
     return r["data"]["result"]  # type: ignore[no-any-return]
 
 
-def test_every_dashboard_and_alert_expression_returns_data(stack: StartStack, prometheus: Any) -> None:
+def test_every_dashboard_and_alert_expression_returns_data(stack: StartStack, prometheus: Launch) -> None:
     s = stack(sim_args=("--time-scale", "20"), spec_args=("--metrics-prefix", "sglang_"))  # both name styles
-    prom = prometheus(
-        {
-            "specgate:8000": s.url.removeprefix("http://"),
-            "sglang-speculative:30001": s.spec.url.removeprefix("http://"),
-            "sglang-baseline:30002": s.base.url.removeprefix("http://"),
-        }
-    )
+    prom = prometheus(s.url.removeprefix("http://"), s.spec.url, s.base.url)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True}
     deadline = time.monotonic() + 60
     with httpx.Client(timeout=30) as http:
@@ -623,13 +802,11 @@ def fake_vllm() -> Iterator[str]:
     server.server_close()
 
 
-def test_server_panels_read_vllm_names_too(fake_vllm: str, prometheus: Any) -> None:
+def test_server_panels_read_vllm_names_too(fake_vllm: str, prometheus: Launch) -> None:
     """Under the `vllm` profile the server panels must not go blank: each one that reads SGLang's
     names returns data from a vLLM server's metrics alone."""
     nobody = f"127.0.0.1:{free_port()}"  # no proxy here: its job must not add backend-less series
-    prom = prometheus(
-        {"specgate:8000": nobody, "sglang-speculative:30001": fake_vllm, "sglang-baseline:30002": fake_vllm}
-    )
+    prom = prometheus(nobody, f"http://{fake_vllm}", f"http://{fake_vllm}")
     server_exprs = [e for e in dashboard_exprs() if "sglang" in e]
     assert len(server_exprs) >= 5
     both = {"speculative", "baseline"}

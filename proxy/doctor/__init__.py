@@ -1,0 +1,1 @@
+"""`specgate doctor`: checks the servers specgate would route to and says what to set."""

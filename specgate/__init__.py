@@ -1,0 +1,1 @@
+"""The `specgate` command: the gateway and the tools a user runs around it, under one name."""
