@@ -1,5 +1,6 @@
-"""`python -m loadtest calibrate`: sweep both servers, find where speculation stops paying, recommend
-watermarks and, with --save, write the calibration specgate loads (SPECGATE_CALIBRATION)."""
+"""`python -m loadtest calibrate`: measure both servers at the levels the search picks (measure.py),
+find where speculation stops paying, recommend watermarks and, with --save, write the calibration
+specgate loads (SPECGATE_CALIBRATION)."""
 
 from __future__ import annotations
 
