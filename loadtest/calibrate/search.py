@@ -111,6 +111,10 @@ def next_level(grid: Sequence[int], measured: Sequence[Measured], max_tries: int
         why = f"{grid[i]} streams again, its window doubled: it was not measured conclusively and the bracket needs it"
     else:
         why = _why(grid, a, b)
+        unknown = [grid[j] for j in range(a + 1, b) if latest.get(j) == "inconclusive"]
+        if unknown:
+            # Say so: the honesty rule makes these no evidence, and the search goes round them.
+            why += f"; {', '.join(map(str, unknown))} not measured conclusively: widening round it first"
     return Step(grid[i], why, tries=done)
 
 

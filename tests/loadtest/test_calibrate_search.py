@@ -61,6 +61,7 @@ def test_an_inconclusive_level_in_the_bracket_is_measured_again_with_its_window_
     assert [m.level for m in measured] == [10, 30, 70, 30]
     assert step.decided and "behind at 30" in step.why
     assert next_level(GRID, measured[:3]).tries == 1
+    assert "30 not measured conclusively: widening round it first" in next_level(GRID, measured[:2]).why
 
 
 def test_a_bracket_across_a_level_inconclusive_every_time_is_no_bracket() -> None:
