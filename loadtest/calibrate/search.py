@@ -103,8 +103,8 @@ def next_level(grid: Sequence[int], measured: Sequence[Measured], max_tries: int
         target = max(0, b - max(1, s - b + 1))
     else:
         target = (a + b) / 2
-    # Levels not measured yet first (widening round an inconclusive one), nearest the target, lower
-    # (cheaper) on a tie; then the inconclusive ones again.
+    # Levels not measured yet first (widening round an inconclusive one), nearest the target, the
+    # lower on a tie; then the inconclusive ones again.
     i = min(candidates, key=lambda j: (tries.get(j, 0), abs(j - target), j))
     done = tries.get(i, 0)
     if done:
