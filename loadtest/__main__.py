@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from . import chaos, compare, demo, headtohead, overhead, scaleout, shift, slowloris
 from .ablation import cli as ablation
 from .calibrate import command as calibrate
-from .experiments import affinityrule
+from .experiments import affinityrule, quickcal
 from .experiments.defaultpolicy import cli as defaultpolicy
 from .experiments.twoclass import cli as twoclass
 from .sweep import TargetUnreachable
@@ -31,6 +31,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "headtohead-affinity": affinityrule.cmd_headtohead_affinity,
     "ablation": ablation.cmd_ablation,
     "defaultpolicy": defaultpolicy.cmd_defaultpolicy,
+    "quickcal": quickcal.cmd_quickcal,
 }
 
 
@@ -42,6 +43,7 @@ def build_parser(prog: str = "python -m loadtest") -> argparse.ArgumentParser:
         module.add_parser(sub)
     ablation.add_parser(sub)
     defaultpolicy.add_parser(sub)
+    quickcal.add_parser(sub)
     parser.epilog = (
         "Ctrl-C (exit 130) or SIGTERM (143) stops a command and every process it started; sweep, compare, "
         "calibrate and demo then print the levels they completed."

@@ -190,7 +190,8 @@ def describe_crossover(c: Crossover) -> str:
     }[c.verdict]
 
 
-def calibration_text(throughput: Crossover, latency: Crossover, rec: Recommendation) -> str:
+def calibration_text(throughput: Crossover, latency: Crossover, rec: Recommendation, env: str | None = None) -> str:
+    """The verdicts, the recommendation and the lines to paste: `env`, else the watermarks'."""
     text = (
         f"throughput (output tok/s):  {describe_crossover(throughput)}\n"
         f"per-request latency (TPOT): {describe_crossover(latency)}\n\n{rec.explanation}\n\n"
@@ -199,7 +200,7 @@ def calibration_text(throughput: Crossover, latency: Crossover, rec: Recommendat
         # Nothing was concluded to recommend from: printing watermarks to paste (specgate's defaults,
         # or 0) would pass an unknown off as a finding.
         return text + "Nothing to paste: no watermarks follow from these measurements.\n"
-    return text + f"Paste into specgate's environment:\n\n{rec.env_lines()}"
+    return text + f"Paste into specgate's environment:\n\n{rec.env_lines() if env is None else env}"
 
 
 def to_jsonable(obj: Any) -> Any:

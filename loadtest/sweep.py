@@ -49,11 +49,20 @@ class LevelPlan:
     # With duration_s: the window may run on past it, up to this long in all, until the level has
     # enough good requests (None: it never does).
     max_duration_s: float | None = None
+    # With duration_s: the window may also run on up to this many times the longest request of the
+    # warm-up, where that is longer than max_duration_s (0: never). At long contexts and many streams
+    # a request (queued for the KV pool) can take longer than any fixed bound made for short ones.
+    max_duration_per_request: float = 0.0
 
     @property
     def extends(self) -> bool:
         """Whether a window may run on past duration_s."""
-        return self.duration_s is not None and (self.max_duration_s or 0.0) > self.duration_s
+        longer = (self.max_duration_s or 0.0) > (self.duration_s or 0.0) or self.max_duration_per_request > 0
+        return self.duration_s is not None and longer
+
+    def window_bound(self, warmup_request_s: float) -> float:
+        """The longest a window may run, given the warm-up's longest request."""
+        return max(self.max_duration_s or 0.0, self.duration_s or 0.0, self.max_duration_per_request * warmup_request_s)
 
 
 def enough(concurrency: int, min_requests: int, good: int, streams: int, failed: int) -> bool:
@@ -196,11 +205,12 @@ class _Level:
                     break
                 await asyncio.sleep(0.01)
             return
+        bound = plan.window_bound(max((r.latency for r in self.results if r.ok and r.finished <= t0), default=0.0))
         await asyncio.sleep(plan.duration_s or 0.0)
         if plan.extends and not self.has_enough():
             self.extending.append(time.monotonic())
             self.report(self.phase())
-            while not self.has_enough() and time.monotonic() < t0 + (plan.max_duration_s or 0.0):  # noqa: ASYNC110
+            while not self.has_enough() and time.monotonic() < t0 + bound:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
 
 

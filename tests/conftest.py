@@ -40,6 +40,8 @@ MODULE_TIERS = {
     "test_forecast": "inprocess",
     "test_affinity": "inprocess",
     "test_calibrate": "inprocess",
+    "test_calibrate_search": "inprocess",
+    "test_quickcal": "inprocess",
     "test_calibration_file": "inprocess",
     "test_classes": "inprocess",
     "test_cli": "inprocess",

@@ -232,6 +232,35 @@ def recommend(
     )
 
 
+def class_env_lines(rec: Recommendation, save: str | None) -> str:
+    """What to paste when the traffic has classes (--class): a policy that prices them, and how
+    specgate tells them apart (docs/routing.md, Traffic classes). `threshold` ignores acceptance,
+    so its watermarks would treat a class accepting 1.3 as one accepting 3; `adaptive` with the
+    calibration file knows each class's acceptance from its first request and both servers' curves.
+    With the file, its watermarks apply; without it, the recommended ones are adaptive's start."""
+    if not rec.made:
+        return ""
+    lines = ["SPECGATE_POLICY=adaptive"]
+    if save:
+        lines.append(f"SPECGATE_CALIBRATION={save}")
+    else:
+        lines += [f"SPECGATE_HIGH_WATERMARK={rec.high}", f"SPECGATE_LOW_WATERMARK={rec.low}"]
+    lines.append("SPECGATE_CLASS_KEY=header")
+    note = [
+        "",
+        "# Classes: clients name theirs in x-specgate-class (SPECGATE_CLASS_KEY=header); with clients you do",
+        "# not trust, SPECGATE_CLASS_KEY=api_key and SPECGATE_API_KEYS, a key per class. adaptive (or model,",
+        "# where the file has a speed model) prices each class by its acceptance: in a pooled topology",
+        "# (SPECGATE_TOPOLOGY=pooled) a class's request goes where the pool gains most; in a pair the mode",
+        "# decides for all at the classes' mixed acceptance. threshold would ignore the classes.",
+    ]
+    if not save:
+        note.append(
+            "# Without --save, a class's acceptance is unknown until its first streams end: save a calibration."
+        )
+    return "\n".join(lines + note) + "\n"
+
+
 _MEASURE_AGAIN = (
     " No watermarks are recommended: measure those levels again (a longer --max-duration-s, or see their "
     "errors); specgate's watermarks stay as they are until then."

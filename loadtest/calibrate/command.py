@@ -1,5 +1,6 @@
-"""`python -m loadtest calibrate`: sweep both servers, find where speculation stops paying, recommend
-watermarks and, with --save, write the calibration specgate loads (SPECGATE_CALIBRATION)."""
+"""`python -m loadtest calibrate`: measure both servers at the levels the search picks (measure.py),
+find where speculation stops paying, recommend watermarks and, with --save, write the calibration
+specgate loads (SPECGATE_CALIBRATION)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -30,8 +32,11 @@ from . import (
     calibrate,
     calibration_file,
     class_acceptance,
+    class_env_lines,
     model_fit,
 )
+from .measure import estimate, measure_levels
+from .search import SEARCHES
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -39,6 +44,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--speculative", required=True, metavar="URL")
     p.add_argument("--baseline", required=True, metavar="URL")
     add_load_options(p)
+    p.add_argument(
+        "--search",
+        choices=SEARCHES,
+        default="bisect",
+        help="which levels of --concurrency (the grid) to measure. bisect (default): start at the grid's middle "
+        "level, step up the grid 1, 2, 4... levels while speculation is ahead (down while behind), then bisect "
+        "between the highest level ahead and the lowest behind, and stop when they are adjacent levels of the grid "
+        "(the crossover within one level), speculation is behind at the lowest level or ahead at the highest; "
+        "an inconclusive level is never evidence: its neighbours are tried, then it is measured again with its "
+        "window doubled, and a bracket across it is no bracket. full: every level of the grid",
+    )
     p.add_argument(
         "--save",
         default=None,
@@ -68,11 +84,19 @@ def _lengths(raw: str) -> list[int]:
     return sorted_ints(raw, 16, too_small, "a comma list of integers, or none")
 
 
-def cmd_calibrate(args: argparse.Namespace) -> int:
+def cmd_calibrate(args: argparse.Namespace, clock: Callable[[], float] = time.monotonic) -> int:
     default_prompts(args)
+    print(estimate(args), file=sys.stderr, flush=True)
+    started = clock()
     # Ctrl-C: the levels measured so far, as the comparison table (kit/interrupt.py).
     with reported_if_interrupted(args, comparison):
-        return asyncio.run(_calibrate(args))
+        code = asyncio.run(_calibrate(args))
+    print(f"calibrate took {_took(clock() - started)}", flush=True)
+    return code
+
+
+def _took(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min ({seconds:.0f} s)"
 
 
 async def _sweep(
@@ -91,7 +115,7 @@ async def _sweep(
             _not_measured(meter.reason)
     try:
         samplers = {"speculative": meter.during_window} if meter is not None and meter.engine else None
-        return await sweep_targets(urls, args, samplers), meter, models
+        return await measure_levels(urls, args, samplers), meter, models
     finally:
         if meter is not None:
             await meter.close()
@@ -102,7 +126,8 @@ async def _calibrate(args: argparse.Namespace) -> int:
     sweeps, meter, models = await _sweep(args, urls)
     tp, lat, rec = calibrate(sweeps["speculative"], sweeps["baseline"])
     print(compare_table(sweeps) + "\n")
-    print(calibration_text(tp, lat, rec))
+    env = class_env_lines(rec, args.save) if args.classes else None
+    print(calibration_text(tp, lat, rec, env))
     if args.out:
         write_json(
             args.out, {"settings": settings_of(args), "sweeps": sweeps, "crossover": [tp, lat], "recommendation": rec}
@@ -140,6 +165,7 @@ async def _model_sweeps(
             more.workload, more.classes, more.prompts = "longctx", [], None
             more.prompt_tokens_mean, more.prompt_tokens_spread = tokens, 0.0
             more.prompt_tokens_max = max(tokens, args.prompt_tokens_max)
+            more.concurrency = [r.concurrency for r in sweeps["speculative"]]  # the levels the search measured
             extra.by_level = {}
             samplers = {"speculative": extra.during_window} if extra.engine else None
             swept = await sweep_targets(urls, more, samplers)
@@ -181,6 +207,7 @@ def _calibration_settings(
         "ignore_eos": not args.no_ignore_eos,
         "extra_body": args.extra_body or {},
         "levels": list(args.concurrency),
+        "search": args.search,
         "duration_s": None if args.requests else args.duration_s,
         "max_duration_s": max_duration(args),
         "requests": args.requests,

@@ -160,6 +160,8 @@ def calibrate_fresh_pair(
             sys.executable, "-m", "loadtest", "calibrate", "--speculative", spec, "--baseline", base,
             *(["--prompts", prompts] if prompts else []), "--concurrency", ",".join(map(str, levels)),
             "--duration-s", f"{duration_s:g}", *extra, "--save", str(path),
+            # Curves over every level asked for: the adaptive and model policies read them whole.
+            "--search", "full",
             # Most scenarios route by watermarks, not by the speed model: no sweeps for it.
             "--prompt-tokens", prompt_tokens,
             "--out", str(out_dir / "calibration-sweep.json"), "--quiet",

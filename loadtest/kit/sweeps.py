@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import functools
 import sys
-from collections.abc import Callable, Coroutine, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -30,6 +32,9 @@ SPECGATE_HEADERS = ("auto", "on", "off")
 # --max-duration-s by default: generous, since it is spent only on levels short of good requests
 # (the lowest, whose requests take longest), and a level cut short is thrown away.
 MAX_DURATION_FACTOR = 10.0
+# ... or, by default, this many times the level's longest warm-up request where that is longer: a
+# request at long contexts and many streams (queued for the KV pool) can outlast any fixed bound.
+MAX_DURATION_REQUESTS = 3.0
 
 
 def _json_object(raw: str) -> dict[str, Any]:
@@ -52,7 +57,9 @@ def add_load_options(p: argparse.ArgumentParser, levels: str = DEFAULT_LEVELS) -
         type=float,
         default=None,
         help=f"a level's window runs on past --duration-s, up to this long, until it has the good requests "
-        f"--min-requests asks for from at least half its streams (default {MAX_DURATION_FACTOR:g} x --duration-s)",
+        f"--min-requests asks for from at least half its streams (default {MAX_DURATION_FACTOR:g} x --duration-s, or "
+        f"{MAX_DURATION_REQUESTS:g} x the level's longest warm-up request where that is longer, so that long "
+        "contexts at many streams conclude)",
     )
     p.add_argument(
         "--warmup-s",
@@ -229,6 +236,7 @@ def _plan(args: argparse.Namespace) -> LevelPlan:
         requests=args.requests,
         warmup_s=args.warmup_s,
         max_duration_s=max_duration(args),
+        max_duration_per_request=MAX_DURATION_REQUESTS if args.max_duration_s is None else 0.0,
     )
 
 
@@ -254,6 +262,25 @@ async def sweep_targets(
     urls: Mapping[str, str], args: argparse.Namespace, samplers: Mapping[str, LevelSampler] | None = None
 ) -> dict[str, list[LevelStats]]:
     """Every target at each level in turn (levels outer), so machine drift hits all of them alike."""
+    out: dict[str, list[LevelStats]] = {name: [] for name in urls}
+    async with level_runner(urls, args, samplers) as measure:
+        for c in args.concurrency:
+            for name, stats in (await measure(c)).items():
+                out[name].append(stats)
+    return out
+
+
+# Measures every target at one level, back to back; the window doubled `tries` times (a level
+# measured again, as calibrate's search does with one it could not conclude).
+class MeasureLevel(Protocol):
+    async def __call__(self, c: int, tries: int = 0) -> dict[str, LevelStats]: ...
+
+
+@contextlib.asynccontextmanager
+async def level_runner(
+    urls: Mapping[str, str], args: argparse.Namespace, samplers: Mapping[str, LevelSampler] | None = None
+) -> AsyncIterator[MeasureLevel]:
+    """`measure(c, tries=0)`: every target at `c` streams in turn, each from the same workload start."""
     targets = {}
     for name, url in urls.items():
         try:
@@ -264,23 +291,45 @@ async def sweep_targets(
     bank = TextBank(spec.seed) if spec.kind != "single" else None
     plan = _plan(args)
     if plan.extends and args.min_requests > 0:
+        k = plan.max_duration_per_request
+        by_request = f", or {k:g} x its longest warm-up request where longer," if k else ""
         print(
-            f"each level measures {plan.duration_s:g} s, extended up to {plan.max_duration_s:g} s (--max-duration-s) "
-            f"until it has {args.min_requests} good requests (--min-requests) from at least half its streams",
+            f"each level measures {plan.duration_s:g} s, extended up to {plan.max_duration_s:g} s (--max-duration-s)"
+            f"{by_request} until it has {args.min_requests} good requests (--min-requests) from at least half its "
+            "streams",
             file=sys.stderr,
             flush=True,
         )
-    # Kept where the command can print it if interrupted (kit/interrupt.py), else here alone.
+    # Each level kept, as it completes, where the command can print it if interrupted (kit/interrupt.py).
     measured = measured_of(args)
-    out = measured.begin(targets) if measured is not None else {name: [] for name in targets}
+    kept = measured.begin(targets) if measured is not None else None
     async with make_session() as session:
-        for c in args.concurrency:
+
+        async def measure(c: int, tries: int = 0) -> dict[str, LevelStats]:
+            out = {}
             for name, target in targets.items():
                 sampler = (samplers or {}).get(name)
                 beside = None if sampler is None else functools.partial(sampler, c)
                 workload = Workload(spec, bank)  # each level and target from the same start
-                out[name].append(await _one_level(session, name, target, c, plan, args, workload, beside))
-    return out
+                out[name] = await _one_level(session, name, target, c, doubled(plan, tries), args, workload, beside)
+                if kept is not None:
+                    kept[name].append(out[name])
+            return out
+
+        yield measure
+
+
+def doubled(plan: LevelPlan, times: int) -> LevelPlan:
+    """The plan with its window (and its bound, or its requests) doubled `times` times."""
+    if times <= 0:
+        return plan
+    k = 2**times
+    return dataclasses.replace(
+        plan,
+        duration_s=None if plan.duration_s is None else plan.duration_s * k,
+        max_duration_s=None if plan.max_duration_s is None else plan.max_duration_s * k,
+        requests=None if plan.requests is None else plan.requests * k,
+    )
 
 
 async def _one_level(

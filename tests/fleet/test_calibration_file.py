@@ -69,8 +69,10 @@ def test_save_writes_the_curves_acceptance_settings_and_recommendation(simulator
         assert fit.a + fit.b > 0 and fit.points >= 4
     assert "speed model, baseline: step =" in proc.stdout
 
-    # The levels measured conclusively make the curves; the others are named, none lost.
-    assert sorted([*cal.levels, *cal.inconclusive_levels]) == LEVELS
+    # The levels the search measured (10 ahead, 30 behind: the crossover at 20 bracketed without 1)
+    # make the curves, conclusive ones; the others are named, none lost. specgate loads such a file.
+    assert sorted([*cal.levels, *cal.inconclusive_levels]) == [10, 30]
+    assert "search: 10 streams" in proc.stderr and cal.settings["search"] == "bisect"
     assert cal.levels
     n = len(cal.levels)
     for curve in (cal.speculative, cal.baseline):

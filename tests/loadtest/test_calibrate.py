@@ -6,7 +6,15 @@ import math
 
 import pytest
 
-from loadtest.calibrate import Crossover, calibrate, calibration_file, find_crossover, inconclusive_levels, recommend
+from loadtest.calibrate import (
+    Crossover,
+    calibrate,
+    calibration_file,
+    class_env_lines,
+    find_crossover,
+    inconclusive_levels,
+    recommend,
+)
 from loadtest.report import calibration_text
 from loadtest.stats import LevelStats
 from proxy.policy.base import hysteresis_low
@@ -199,3 +207,16 @@ def test_a_refused_recommendation_is_never_saved() -> None:
     _, _, rec = calibrate(spec, base)
     with pytest.raises(ValueError, match="no recommendation"):
         calibration_file(spec, base, rec, {}, {}, "2026-12-04T00:00:00Z")
+
+
+def test_with_classes_the_lines_to_paste_name_a_policy_that_prices_them() -> None:
+    rec = recommend(Crossover("t", "crosses", 18.46), Crossover("l", "crosses", 25.0), max_level=70)
+    saved = class_env_lines(rec, "calibration.json")
+    assert "SPECGATE_POLICY=adaptive\nSPECGATE_CALIBRATION=calibration.json\nSPECGATE_CLASS_KEY=header\n" in saved
+    assert "threshold would ignore the classes" in saved and "SPECGATE_HIGH_WATERMARK" not in saved
+    # Without a file: adaptive starts from the recommended watermarks and learns the classes live.
+    live = class_env_lines(rec, None)
+    assert "SPECGATE_HIGH_WATERMARK=18\nSPECGATE_LOW_WATERMARK=" in live and "SPECGATE_CALIBRATION" not in live
+    assert "first streams end" in live
+    unknown = recommend(Crossover("t", "unknown", above=10), Crossover("l", "crosses", 25.0), max_level=70)
+    assert class_env_lines(unknown, "calibration.json") == ""

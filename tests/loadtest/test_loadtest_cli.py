@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -69,6 +70,39 @@ def test_calibrate_says_when_speculation_never_pays(simulator: StartSim, tmp_pat
     assert data["recommendation"]["verdict"] == "never_pays"
     assert "SPECGATE_HIGH_WATERMARK=0" in stdout
     assert "never paid" in stdout
+
+
+def test_calibrate_bisects_the_default_grid_and_says_how_long_it_takes(simulator: StartSim, tmp_path: Path) -> None:
+    args = ("--profile", "crossover", "--time-scale", "4")
+    spec, base = simulator("speculative", *args), simulator("baseline", *args)
+    out = tmp_path / "cal.json"
+    proc = loadtest("calibrate", "--speculative", spec.url, "--baseline", base.url, "--endpoint", "completions",
+                    "--prompts", "fixed", *QUICK, "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    # Before the run, from the plan; after it, the time it took.
+    assert "estimate: 2-4 of the grid's 8 levels (--search bisect" in proc.stderr
+    assert proc.stderr.index("estimate:") < proc.stderr.index("search: 10 streams")
+    assert re.search(r"calibrate took \d+\.\d s", proc.stdout), proc.stdout
+    # The profile crosses at 20: ahead at 10, behind at 30, adjacent levels of the grid; 1 and 250 never run.
+    data = json.loads(out.read_text())
+    assert [r["concurrency"] for r in data["sweeps"]["speculative"]] == [10, 30]
+    assert "search done: bracketed: speculation ahead at 10 and behind at 30" in proc.stderr
+    assert "search: 10 streams ahead; 1 measured in" in proc.stderr and "at most 3 more" in proc.stderr
+    rec = data["recommendation"]
+    assert rec["verdict"] == "crosses" and 10 <= rec["high"] < 30
+    assert f"SPECGATE_HIGH_WATERMARK={rec['high']}" in proc.stdout
+
+
+def test_calibrate_with_classes_prints_a_policy_that_prices_them(simulator: StartSim, tmp_path: Path) -> None:
+    args = ("--profile", "crossover", "--time-scale", "4", "--accept-from-prompt")
+    spec, base = simulator("speculative", *args), simulator("baseline", *args)
+    proc = loadtest("calibrate", "--speculative", spec.url, "--baseline", base.url, "--concurrency", "1,10,30",
+                    "--class", "chat:0.5:diverse", "--class", "code:0.5:repetitive", *QUICK)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    pasted = proc.stdout[proc.stdout.index("Paste into") :]
+    assert "SPECGATE_POLICY=adaptive" in pasted and "SPECGATE_CLASS_KEY=header" in pasted
+    assert "SPECGATE_POLICY=threshold" not in proc.stdout
+    assert "x-specgate-class" in pasted and "threshold would ignore the classes" in pasted
 
 
 def test_extra_body_reaches_the_server(simulator: StartSim, tmp_path: Path) -> None:

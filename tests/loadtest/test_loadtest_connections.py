@@ -141,8 +141,9 @@ def test_calibrate_recommends_nothing_from_a_level_with_too_few_good_requests(
 ) -> None:
     spec, base = misleading_pair
     out = tmp_path / "cal.json"
+    # The full sweep: the bisect search would start at 4 and never measure 1.
     proc = loadtest("calibrate", "--speculative", spec, "--baseline", base, "--concurrency", "1,4,40",
-                    "--max-tokens", "16", *QUICK, "--out", str(out))  # fmt: skip
+                    "--search", "full", "--max-tokens", "16", *QUICK, "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     one = data["sweeps"]["speculative"][0]
