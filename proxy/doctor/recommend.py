@@ -13,11 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from ..config import Settings
 from ..fleet.topology import TopologyName
 from ..policy.base import PolicyName
 from .judge import Finding
-
-DEFAULT_POLICY: PolicyName = "threshold"  # Settings.policy's default
 
 
 @dataclass(frozen=True)
@@ -68,20 +67,25 @@ def topology(setup: Setup) -> tuple[TopologyName, str]:
     )
 
 
-def policy(setup: Setup) -> tuple[PolicyName, str]:
+def policy(setup: Setup, topo: TopologyName) -> tuple[PolicyName, str]:
+    """As docs/choosing.md's table: a pair's one mode follows its calibrated watermarks; a pool's
+    roles are priced by the curves (or the speed model), which classes need."""
     if setup.calibration is None:
-        return DEFAULT_POLICY, (
-            "the gateway's default, on its default watermarks; run `specgate calibrate --save calibration.json` "
-            "to measure where speculation stops paying on your servers"
+        default: PolicyName = Settings.model_fields["policy"].default
+        return default, (
+            "the gateway's default, on its default watermarks, a guess; run `specgate calibrate --save "
+            "calibration.json` to measure where speculation stops paying on your servers"
         )
+    if topo == "paired":
+        return "threshold", "a pair sharing a GPU has one mode: the calibration file's watermarks decide it"
     if setup.calibration_has_model:
-        return "model", "the calibration file holds a speed model: the model policy routes by it"
-    return "adaptive", "the calibration file's curves seed the adaptive policy, which keeps them current from traffic"
+        return "model", "the calibration file holds a speed model: the model policy prices the pool's roles by it"
+    return "adaptive", "the calibration file's curves price the pool's roles, kept current from traffic"
 
 
 def recommend(setup: Setup) -> Recommendation:
     topo, topo_why = topology(setup)
-    chosen, policy_why = policy(setup)
+    chosen, policy_why = policy(setup, topo)
     lines = [
         f"SPECGATE_SPECULATIVE_URL={_listed(setup.speculative)}",
         f"SPECGATE_BASELINE_URL={_listed(setup.baseline)}",

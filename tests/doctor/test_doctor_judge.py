@@ -148,8 +148,10 @@ def test_recommended_topology_and_policy() -> None:
     assert unequal.topology == "pooled" and "unequal" in unequal.topology_why
     assert "SPECGATE_BASELINE_URL=http://gpu1:2,b2=http://gpu1:3" in unequal.settings
     calibrated = recommend(setup(calibration="cal.json"))
-    assert calibrated.policy == "adaptive" and "SPECGATE_CALIBRATION=cal.json" in calibrated.settings
-    assert recommend(setup(calibration="cal.json", calibration_has_model=True)).policy == "model"
+    assert calibrated.policy == "threshold" and "SPECGATE_CALIBRATION=cal.json" in calibrated.settings
+    pooled = recommend(setup(calibration="cal.json", shared_gpu=False))
+    assert (pooled.topology, pooled.policy) == ("pooled", "adaptive")
+    assert recommend(setup(calibration="cal.json", shared_gpu=False, calibration_has_model=True)).policy == "model"
     conflict = recommend(setup(topology_set="paired", baseline=[(None, "http://gpu2:30002")]))
     assert [f.level for f in conflict.findings] == ["warning"]
     secret = recommend(setup(api_key_set=True, credentials_left_out=True))
