@@ -4,6 +4,7 @@ names blocks with its line."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from loadtest.procs import free_port
 from proxy.doctor.cli import main
 
 from ..conftest import ROOT, Sim, StartSim
+from ..helpers import wait_for
 
 SIM = ("--profile", "crossover", "--time-scale", "20")
 
@@ -122,3 +124,35 @@ def test_json_report_and_the_module_entry_point(pair: tuple[Sim, Sim], tmp_path:
         [sys.executable, "-m", "proxy.doctor", "--speculative", "nope"], capture_output=True, env=env, cwd=tmp_path
     )  # fmt: skip
     assert bad.returncode == 2 and b"SPECGATE_SPECULATIVE_URL" in bad.stderr and b"Traceback" not in bad.stderr
+
+
+def test_a_server_still_warming_up_blocks(simulator: StartSim, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = simulator("speculative", *SIM)
+    # /health answers 503 for its warm-up (SGLang's while it loads): listening, not ready.
+    base = simulator("baseline", *SIM, "--warmup-s", "3600", wait_ready=False)
+    wait_for(lambda: _listening(base.port), timeout_s=30)
+    code, out = doctor(capsys, spec.url, base.url)
+    assert code == 1
+    assert problems(out) == [
+        f"ERROR baseline {base.url}: not ready (/health answered 503): wait until /health answers 200"
+    ]
+
+
+def test_an_engine_setting_the_metrics_contradict_blocks(
+    pair: tuple[Sim, Sim], capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec, base = pair
+    code, out = doctor(capsys, spec.url, base.url, "--engine", "vllm")
+    assert code == 1
+    lines = problems(out)
+    for sim, role in ((spec, "speculative"), (base, "baseline")):
+        want = f"ERROR {role} {sim.url}: SPECGATE_ENGINE=vllm but its /metrics are sglang's: set SPECGATE_ENGINE=auto"
+        assert want in lines, out
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
