@@ -5,14 +5,10 @@ plot's latency panel plots."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import orjson
 import pytest
-from aiohttp import web
 
 from loadtest.__main__ import build_parser
 from loadtest.calibrate import Crossover
@@ -22,42 +18,7 @@ from loadtest.kit.sweeps import default_prompts, settings_of, sweep_targets
 from loadtest.report import compare_panels, plot_compare
 from loadtest.stats import LevelStats, summarize
 
-
-class HeaderRecorder:
-    """A chat server in the test's loop that answers every request with three tokens and records
-    each request's class and session headers and its number of messages."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str | None, str | None, int]] = []
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.seen.append(
-            (request.headers.get("x-specgate-class"), request.headers.get("x-session-id"), len(body["messages"]))
-        )
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for piece in ("a", "b", "c"):
-            event = {"choices": [{"index": 0, "delta": {"content": piece}}]}
-            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
-        usage = {"prompt_tokens": 10, "completion_tokens": 3}
-        await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-
-@contextlib.asynccontextmanager
-async def serving(rec: HeaderRecorder) -> AsyncIterator[str]:
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", rec.chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+from ..recorder import Recorder, serving
 
 
 def sweep_args(url: str, *flags: str) -> argparse.Namespace:
@@ -73,7 +34,7 @@ MULTITURN = ["--workload", "multiturn", "--turns", "2", "--system-tokens", "20",
 
 @pytest.mark.anyio
 async def test_a_multiturn_sweep_with_classes_sends_each_requests_class_and_session_by_default() -> None:
-    rec = HeaderRecorder()
+    rec = Recorder()
     async with serving(rec) as url:
         args = sweep_args(url, *MULTITURN)
         await sweep_targets({"target": url}, args)
@@ -100,7 +61,7 @@ async def test_a_multiturn_sweep_with_classes_sends_each_requests_class_and_sess
     ],
 )
 async def test_the_headers_follow_the_option(flags: list[str], sent: bool) -> None:
-    rec = HeaderRecorder()
+    rec = Recorder()
     async with serving(rec) as url:
         args = sweep_args(url, *flags)
         await sweep_targets({"target": url}, args)

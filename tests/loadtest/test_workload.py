@@ -6,8 +6,6 @@ loopback test against the simulator (TEST_TIERS)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -21,9 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import aiohttp
-import orjson
 import pytest
-from aiohttp import web
 
 from loadtest.__main__ import build_parser, main
 from loadtest.classes import Slo, summarise_by_class
@@ -45,6 +41,7 @@ from loadtest.workload import (
 )
 
 from ..conftest import StartSim
+from ..recorder import Recorder, serving
 
 CHAT = TrafficClass("chat", 0.7, "diverse")
 CODE = TrafficClass("code", 0.3, "repetitive")
@@ -389,56 +386,6 @@ def test_usage_cached_tokens_are_read_when_reported() -> None:
         fresh = RequestResult(started=0.0)
         read_usage(fresh, usage)
         assert fresh.cached_tokens is None and fresh.prompt_tokens == 5
-
-
-class Recorder:
-    """A chat server in the test's loop: streams a reply naming the request's number and length, a
-    usage chunk with cached_tokens, and records every request body."""
-
-    def __init__(self, cached: bool = True, piece_s: float = 0.0, malformed: int = 0) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        self.sessions: list[str | None] = []  # each request's x-session-id
-        self.cached = cached
-        # Seconds between the reply's pieces; the request of this number (from 1) answers a first
-        # event that is valid JSON but no object (0: none does).
-        self.piece_s = piece_s
-        self.malformed = malformed
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        self.sessions.append(request.headers.get("x-session-id"))
-        n = len(self.bodies)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        if n == self.malformed:
-            await resp.write(b"data: [1]\n\n")
-        for piece in (f"reply {n}", f" to {len(body['messages'])} messages", "\n"):
-            await resp.write(
-                b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"content": piece}}]}) + b"\n\n"
-            )
-            if self.piece_s:
-                await asyncio.sleep(self.piece_s)
-        usage: dict[str, Any] = {"prompt_tokens": 40 * len(body["messages"]), "completion_tokens": 3}
-        if self.cached:
-            usage["prompt_tokens_details"] = {"cached_tokens": 40 * (len(body["messages"]) - 1)}
-        await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-
-@contextlib.asynccontextmanager
-async def serving(rec: Recorder) -> AsyncIterator[str]:
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", rec.chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
 
 
 @pytest.fixture
