@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from ..args import names
-from ..kit.command import say
+from ..kit.command import add_protocol_run_options, say
 from ..report import to_jsonable, write_json
 from .protocol import (
     CELL_NAMES,
@@ -89,10 +89,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help=f"smoke tests only (default {','.join(map(str, SEEDS))}: the protocol)")  # fmt: skip
     p.add_argument("--window-s", type=float, default=WINDOW_S,
                    help=f"smoke tests only: simulated seconds (default {WINDOW_S:g}: the protocol)")  # fmt: skip
-    p.add_argument("--calibrations", default=None, metavar="DIR", help="reuse an earlier run's calibrations")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and start nothing")
-    p.add_argument("--out-dir", default="ablation-results")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_protocol_run_options(p, "ablation-results")
 
 
 def protocol_of(args: argparse.Namespace) -> Protocol:

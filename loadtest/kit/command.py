@@ -63,6 +63,14 @@ def add_run_options(p: argparse.ArgumentParser, needs: str, out_dir: str) -> Non
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
+def add_protocol_run_options(p: argparse.ArgumentParser, out_dir: str) -> None:
+    """The options a fixed-protocol benchmark ends with: none of them changes what it measures."""
+    p.add_argument("--calibrations", default=None, metavar="DIR", help="reuse an earlier run's calibrations")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and start nothing")
+    p.add_argument("--out-dir", default=out_dir)
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
 def conclude(
     out_dir: Path,
     name: str,

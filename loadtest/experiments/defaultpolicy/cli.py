@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from ...args import level_tuple, names, positive
-from ...kit.command import add_command, say
+from ...kit.command import add_command, add_protocol_run_options, say
 from ...report import to_jsonable, write_json
 from .protocol import (
     ADAPTIVE,
@@ -86,10 +86,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help=f"smoke tests only (default {Protocol.rounds}: the protocol)")  # fmt: skip
     p.add_argument("--window-s", type=positive, default=Protocol.window_s,
                    help=f"smoke tests only: simulated (default {Protocol.window_s:g}: the protocol)")  # fmt: skip
-    p.add_argument("--calibrations", default=None, metavar="DIR", help="reuse an earlier run's calibrations")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and start nothing")
-    p.add_argument("--out-dir", default="defaultpolicy-results")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_protocol_run_options(p, "defaultpolicy-results")
 
 
 def protocol_of(args: argparse.Namespace) -> Protocol:
