@@ -10,11 +10,9 @@ speculating server shows it; its text is read only for its token and event count
 from __future__ import annotations
 
 import asyncio
-import base64
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -32,6 +30,7 @@ from ..fleet.engines import (
 )
 from ..fleet.topology import ServerSpec
 from ..relay import sseframe
+from ..transport.pool import url_credentials
 from .judge import Observation, Probe
 
 PROBE_TOKENS = 48
@@ -63,11 +62,8 @@ def auth_header(url: str, api_key: str | None) -> dict[str, str]:
     """As the gateway sends it (transport/pool.py): the API key, else the URL's user and password."""
     if api_key:
         return {"Authorization": f"Bearer {api_key}"}
-    parts = urlsplit(url)
-    if parts.username is None:
-        return {}
-    basic = base64.b64encode(f"{parts.username}:{parts.password or ''}".encode("latin-1")).decode()
-    return {"Authorization": f"Basic {basic}"}
+    basic = url_credentials(url)
+    return {} if basic is None else {"Authorization": basic.decode("latin-1")}
 
 
 async def observe(session: aiohttp.ClientSession, server: ServerSpec, api_key: str | None = None) -> Observation:

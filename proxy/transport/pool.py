@@ -28,6 +28,14 @@ class Limits:
     keepalive_s: float
 
 
+def url_credentials(url: str) -> bytes | None:
+    """The `Authorization` value for a URL's own user and password (Basic), or None without them."""
+    parts = urlsplit(url)
+    if parts.username is None:
+        return None
+    return b"Basic " + base64.b64encode(f"{parts.username}:{parts.password or ''}".encode("latin-1"))
+
+
 class ServerPool:
     """One server: where it is, and its pool of keep-alive connections."""
 
@@ -40,9 +48,8 @@ class ServerPool:
         self.port = parts.port or (443 if self.tls is not None else 80)
         self.prefix = parts.path.rstrip("/").encode("latin-1")
         self.netloc = parts.netloc.rsplit("@", 1)[-1].encode("latin-1")
-        if auth is None and parts.username is not None:
-            basic = f"{parts.username}:{parts.password or ''}".encode("latin-1")
-            auth = b"Basic " + base64.b64encode(basic)
+        if auth is None:
+            auth = url_credentials(url)
         self.auth = b"authorization: " + auth + b"\r\n" if auth else b""
         self.connect_timeout_s = limits.connect_timeout_s
         self.read_timeout_s = limits.read_timeout_s
