@@ -4,7 +4,9 @@ prints it beside the hop's cost; `python -m loadtest.decisions` alone.
 
 One decision is what ingress and the relay do for every request before anything is sent upstream:
 the prompt's token estimate, the conversation key and the class name (when on), the class book's
-and the affinity table's lookups, the routing decision, and the lease taken and released. The
+and the affinity table's lookups, the client's speculation switch (with classes: the header read and
+the classes' defaults, SWITCH_DEFAULTS, so that half the requests ask for on or off), the routing
+decision, and the lease taken and released. The
 requests are a 10-message chat of a few hundred tokens, 1,000 conversations in 4 classes of known
 acceptance (1.3 to 3.0), against a pool of two healthy servers (SPECGATE_TOPOLOGY=pooled, where
 classes are routed apart) with 17 requests in flight, the adaptive and model policies starting
@@ -29,6 +31,7 @@ from proxy.fleet.servers import servers_of
 from proxy.observability.metrics import Metrics
 from proxy.policy.base import Role
 from proxy.policy.calibration import Calibration, Curve, ModelFit, StepFit
+from proxy.routing import switch
 from proxy.routing.affinity import AffinityTable, conversation_key
 from proxy.routing.classes import ClassBook, class_of
 from proxy.routing.fleet import Fleet
@@ -40,9 +43,12 @@ POLICIES: tuple[str, ...] = ("threshold", "adaptive", "model")
 CONVERSATIONS = 1000
 CLASSES = ("code", "chat", "agent", "batch-eval")
 CLASS_ACCEPT = (3.0, 1.3, 2.2, 1.8)
+# SPECGATE_CLASS_SPECULATION with classes on: two of the four classes ask for a side.
+SWITCH_DEFAULTS = "code=on,batch-eval=off"
 # The calibration the adaptive policy starts from: the `crossover` profile's curves, equal at 20
 # streams at acceptance 3; the model policy's fit, step times of an 8B model's shape on one GPU.
 PROFILE = "crossover"
+NOT_IN_BODY: tuple[bool, None] = (False, None)
 CALIBRATED_ACCEPT = 3.0
 
 
@@ -105,6 +111,7 @@ def measure(
     cal = _calibration()
     metrics = Metrics(topology.names(), [])
     fleet = Fleet(topology, servers, settings.policy_config(cal), metrics, settings.adaptive_config(), cal)
+    defaults = switch.class_defaults(SWITCH_DEFAULTS) if classes else {}
     book = ClassBook(settings.max_classes)
     for name, accept in zip(CLASSES, CLASS_ACCEPT, strict=True):
         book.tracked(name, time.monotonic())
@@ -122,15 +129,18 @@ def measure(
         body = bodies[i % CONVERSATIONS]
         key = conversation_key(None, body, "chat") if affinity else None
         klass = None
+        asked = None
         if classes:
             name = class_of("header", headers[i % len(headers)], body, b"")
+            asked = switch.asked(switch.from_header(None), NOT_IN_BODY, name, defaults)[0]
             if name is not None:
                 now = time.monotonic()
                 tracked = book.tracked(name, now)
                 klass = (book.gains_most(tracked, now), book.accept(tracked))
         held = table.get(key) if key is not None else None
         tokens = estimates[i % CONVERSATIONS] if prompt_tokens is None else prompt_tokens
-        return fleet.decide(can_probe=True, held=held, klass=klass, prompt_tokens=tokens), key
+        placed = fleet.decide(can_probe=True, held=held, klass=klass, prompt_tokens=tokens, speculation=asked)
+        return placed, key
 
     def request(i: int) -> None:
         tokens = ratio.scaled(prompt_estimate(bodies[i % CONVERSATIONS], "chat"))
@@ -169,7 +179,7 @@ def run(policies: Sequence[str] = POLICIES, n: int = 20_000, reps: int = 5, base
 def report(costs: Sequence[DecisionCost]) -> str:
     lines = [
         "per-request decision, CPU us (median of repetitions): the decision alone / with estimate and lease",
-        f"  {'policy':<10} {'plain':>15} {'+classes+affinity':>19}",
+        f"  {'policy':<10} {'plain':>15} {'+classes+affinity+switch':>26}",
     ]
     by_policy: dict[str, dict[bool, DecisionCost]] = {}
     for c in costs:
@@ -179,7 +189,7 @@ def report(costs: Sequence[DecisionCost]) -> str:
         for on in (False, True):
             found = v.get(on)
             cells.append("-" if found is None else f"{found.decision_us:6.1f} / {found.request_us:5.1f}")
-        lines.append(f"  {policy:<10} {cells[0]:>15} {cells[1]:>19}")
+        lines.append(f"  {policy:<10} {cells[0]:>15} {cells[1]:>26}")
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ from .policy.beliefs import AdaptiveConfig
 from .policy.calibration import MAX_WATERMARK, Calibration, CalibrationError
 from .policy.calibration import load as load_calibration
 from .routing.classes import ClassKey
+from .routing.switch import Switch, class_defaults
 
 # The inference routes a client may reach on a server (proxy/edge/paths.py): each engine's admin routes
 # (SGLang's /update_weights_from_disk, /flush_cache; vLLM's /v1/load_lora_adapter) are not among them.
@@ -177,6 +178,8 @@ class Settings(BaseSettings):
     # Traffic classes (proxy/routing/classes.py): what names a request's class, and how many are tracked.
     class_key: ClassKey = "header"
     max_classes: int = Field(32, ge=1, le=1000)
+    # Each class's speculation where its client asks none (proxy/routing/switch.py): `code=on,creative=off`.
+    class_speculation: str = ""
     max_connections_per_backend: int = Field(1024, ge=1)
     shutdown_grace_s: float = Field(30.0, ge=0)
 
@@ -185,6 +188,8 @@ class Settings(BaseSettings):
 
     # Built once, by the validator that checks the URL settings.
     _topology: Topology | None = PrivateAttr(None)
+    # class_speculation as a mapping, by its validator (ingress reads it on every request).
+    _class_switches: dict[str, Switch] = PrivateAttr(default_factory=dict)
 
     @field_validator("api_keys", "admin_keys", "allowed_paths", "trusted_proxies", mode="before")
     @classmethod
@@ -234,6 +239,17 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError(f"{net!r} is not an IP address or network") from None
         return value
+
+    @field_validator("class_speculation")
+    @classmethod
+    def _check_class_speculation(cls, value: str) -> str:
+        class_defaults(value)
+        return value
+
+    @property
+    def class_switches(self) -> dict[str, Switch]:
+        """SPECGATE_CLASS_SPECULATION as {class: on|off} (a class set to auto is not in it)."""
+        return self._class_switches
 
     @field_validator("calibration")
     @classmethod
@@ -323,6 +339,9 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"SPECGATE_KV_SPILL_ROOM ({self.kv_spill_room}) must be <= SPECGATE_KV_SPILL_AT ({self.kv_spill_at})"
             )
+        self._class_switches = class_defaults(self.class_speculation)
+        if self._class_switches and self.class_key == "none":
+            raise ValueError("SPECGATE_CLASS_SPECULATION names classes: it needs SPECGATE_CLASS_KEY other than none")
         if self.protect_metrics and not self.admin_keys:
             raise ValueError("SPECGATE_PROTECT_METRICS needs SPECGATE_ADMIN_KEYS")
         if self.low_watermark > self.high_watermark:

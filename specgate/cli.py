@@ -45,7 +45,9 @@ def _settings_table(settings: type) -> str:
     lines = []
     for name, field in fields.items():
         default = field.default
-        shown = "unset" if default in (None, ()) else ",".join(default) if isinstance(default, tuple) else str(default)
+        shown = (
+            "unset" if default in (None, (), "") else ",".join(default) if isinstance(default, tuple) else str(default)
+        )
         lines.append(f"  {'SPECGATE_' + name.upper():<{width}}{shown}{'  (deprecated)' if name in deprecated else ''}")
     return "\n".join(lines)
 

@@ -20,6 +20,8 @@ class Recorder:
         self.bodies: list[dict[str, Any]] = []
         self.sessions: list[str | None] = []  # each request's x-session-id
         self.classes: list[str | None] = []  # each request's x-specgate-class
+        self.raw: list[bytes] = []  # each request's body as it came
+        self.header_names: list[set[str]] = []  # each request's header names, lower-cased
         self.cached = cached
         # Seconds between the reply's pieces; the request of this number (from 1) answers a first
         # event that is valid JSON but no object (0: none does).
@@ -32,6 +34,8 @@ class Recorder:
         return [(c, s, len(b["messages"])) for c, s, b in zip(self.classes, self.sessions, self.bodies, strict=True)]
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.raw.append(await request.read())
+        self.header_names.append({k.lower() for k in request.headers})
         body = await request.json()
         self.bodies.append(body)
         self.sessions.append(request.headers.get("x-session-id"))
@@ -55,10 +59,15 @@ class Recorder:
         return resp
 
 
+async def _healthy(request: web.Request) -> web.Response:
+    return web.Response()
+
+
 @contextlib.asynccontextmanager
 async def serving(rec: Recorder) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", rec.chat)
+    app.router.add_get("/health", _healthy)  # a gateway in front of it counts it up
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..kinds import Endpoint
+from ..routing.switch import Source, Switch
 
 if TYPE_CHECKING:
     from ..observability.tracing import RequestTrace
@@ -46,3 +47,6 @@ class ProxyCall:
     affinity: bytes | None = None
     # Its traffic class (classes.class_of); None: none.
     traffic_class: str | None = None
+    # What it asks of speculation, and where that came from (routing/switch.py); None: auto.
+    speculation: Switch | None = None
+    speculation_source: Source | None = None

@@ -24,6 +24,7 @@ from ..observability.metrics import code_class
 from ..observability.tracing import RequestTrace
 from ..policy.base import LEARNING
 from ..relay.relay import RelayResponse
+from ..routing import switch
 from ..routing.affinity import conversation_key
 from ..routing.classes import class_of
 from ..routing.tokens import prompt_estimate
@@ -38,7 +39,7 @@ _EXACT: dict[str, Endpoint] = {
 }
 _JSON_TYPES = (b"application/json",)
 # The request headers specgate decides by: each must come once (a repeated one is refused, 400).
-OWN_HEADERS = frozenset({b"x-specgate-priority", b"x-specgate-class", b"x-session-id"})
+OWN_HEADERS = frozenset({b"x-specgate-priority", b"x-specgate-class", b"x-session-id", switch.HEADER})
 _TRACE_CONTEXT = (b"traceparent", b"tracestate")
 
 
@@ -100,8 +101,10 @@ async def _accept(
         # specgate would read one copy and the server perhaps the other.
         shown = ", ".join(sorted(h.decode("latin-1") for h in twice))
         raise ApiError(400, f"Send each of specgate's headers once; repeated: {shown}.", code="repeated_header")
+    by_header = switch.from_header(headers.get(switch.HEADER))
     body = await read_body(receive, headers.get(b"content-length"), settings)
     payload = _json_object(body, headers)
+    body, by_body = _switch_in_body(payload, body)
     if trace is not None:
         trace.model(payload.get("model"))
     # Fields specgate need not understand go on as sent, for the server to judge: a `stream` that is
@@ -135,6 +138,8 @@ async def _accept(
         previous = after if isinstance(after, str) else None
         stores = payload.get("store") is not False
     estimate = prompt_estimate(payload, endpoint)
+    traffic_class = _class(settings, headers, payload, endpoint)
+    asked, source = switch.asked(by_header, by_body, traffic_class, settings.class_switches)
     return ProxyCall(
         target,
         endpoint,
@@ -155,12 +160,25 @@ async def _accept(
         affinity=(
             conversation_key(headers.get(b"x-session-id"), payload, endpoint) if settings.affinity_entries else None
         ),
-        traffic_class=(
-            class_of(settings.class_key, headers.get(b"x-specgate-class"), payload, headers.get(b"authorization", b""))
-            if endpoint in CLASSED
-            else None
-        ),
+        traffic_class=traffic_class,
+        speculation=asked,
+        speculation_source=source,
     )
+
+
+def _switch_in_body(payload: dict[str, Any], body: bytes) -> tuple[bytes, tuple[bool, switch.Switch | None]]:
+    """(the body to send on, (whether it held the speculation switch, what it asked)): the switch
+    is specgate's to answer, never a server's (no engine reads it), so it is removed from both."""
+    if switch.FIELD not in payload:
+        return body, (False, None)
+    asked = switch.from_body(payload.pop(switch.FIELD))
+    return without_field(body, switch.FIELD), (True, asked)
+
+
+def _class(settings: Settings, headers: dict[bytes, bytes], payload: dict[str, Any], endpoint: Endpoint) -> str | None:
+    if endpoint not in CLASSED:
+        return None
+    return class_of(settings.class_key, headers.get(b"x-specgate-class"), payload, headers.get(b"authorization", b""))
 
 
 def _json_object(body: bytes, headers: dict[bytes, bytes]) -> dict[str, Any]:
@@ -226,6 +244,20 @@ def ask_for_usage(payload: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
 
 
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
+
+
+def without_field(body: bytes, name: str) -> bytes:
+    """The body without its top-level field `name`, re-encoded by the standard library (which keeps
+    integers of any size and floats to the bit, as ask_for_usage says); ApiError 400 where even
+    that cannot (nesting past its recursion limit), since the field must not go on."""
+    try:
+        exact = json.loads(body)
+        exact.pop(name, None)
+        return json.dumps(exact, separators=(",", ":"), ensure_ascii=False).encode()
+    except (ValueError, RecursionError):
+        raise ApiError(
+            400, f"The body is nested too deeply to remove its {name!r} field.", param=name, code="invalid_json"
+        ) from None
 
 
 async def read_body(receive: Receive, declared: bytes | None, settings: Settings) -> bytes:

@@ -21,6 +21,7 @@ from ..policy.base import ROLES, Role
 from ..routing.router import Router
 from ..routing.steps.pipeline import describe as describe_steps
 from ..routing.steps.spill import spill_on
+from ..routing.switch import SOURCES, SWITCHES
 
 router = APIRouter()
 
@@ -100,6 +101,9 @@ def describe(gate: Gate) -> dict[str, Any]:
             # The traffic's acceptance by its classes, and the share of the traffic that stands for.
             "mix": _mix(gate.classes.mix(first.now())),
         },
+        # The clients' switch (routing/switch.py): the classes' defaults, and the requests that
+        # asked for each, honoured or not (those not honoured went where the decision's reason says).
+        "speculation": _speculation(gate),
         "watermarks": {"high": first.cfg.high_watermark, "low": first.cfg.low_watermark},
         "calibration": s.calibration,
         "spillover_limit": s.spillover_limit,
@@ -110,6 +114,18 @@ def describe(gate: Gate) -> dict[str, Any]:
         # The model policy's step-time model (speedmodel.py); absent without a fit (adaptive rules).
         **({"model": first.speed.describe()} if first.speed is not None else {}),
     }
+
+
+def _speculation(gate: Gate) -> dict[str, Any]:
+    tally = gate.metrics.speculation_switch
+    asked = {
+        switch: {
+            outcome: sum(tally.value(switch, source, flag) for source in SOURCES)
+            for outcome, flag in (("honoured", "true"), ("not_honoured", "false"))
+        }
+        for switch in SWITCHES
+    }
+    return {"class_defaults": gate.settings.class_switches, "asked": asked}
 
 
 def _servers(gate: Gate) -> dict[str, dict[str, Any]]:

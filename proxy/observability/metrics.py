@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from ..fleet.servers import Server
 from ..kinds import ENDPOINTS, ERROR_KINDS, REJECTIONS
 from ..policy.base import REASONS, ROLES, other
+from ..routing.switch import SOURCES, SWITCHES
 
 # Requests the proxy answered itself (auth, size, no backend) carry backend="none".
 REQUEST_BACKENDS = (*ROLES, "none")
@@ -245,6 +246,14 @@ class Metrics:
             ["class"],
             registry=r,
         )
+        # A client's speculation switch (routing/switch.py): by what it asked, where that came from
+        # (header, body, class), and whether the request went where it asked.
+        self.speculation_switch = Tally(
+            "specgate_speculation_switch",
+            "Requests that asked for speculation on or off, by where that came from and whether it was honoured.",
+            ["switch", "source", "honoured"],
+            r,
+        )
         self.failovers = Counter(
             "specgate_failovers", "Requests retried on the other backend.", ["from", "to"], registry=r
         )
@@ -329,6 +338,10 @@ class Metrics:
             for ep in ENDPOINTS:
                 self.duration.labels(b, ep)
         self.decisions.prime("none", "no_healthy_backend")
+        for asked in SWITCHES:
+            for source in SOURCES:
+                for honoured in ("true", "false"):
+                    self.speculation_switch.prime(asked, source, honoured)
         for why in REJECTIONS:
             self.client_rejections.labels(why)
         for label in REQUEST_BACKENDS:

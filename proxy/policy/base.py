@@ -50,6 +50,8 @@ LoadSignal = Literal["local", "engine", "max"]
 # Which rule keeps a turn on its server among a role's servers (affinity.py): the priced one, the one
 # by requests in flight, or both (a turn moves only where each would move it).
 AffinityRule = Literal["priced", "in_flight", "both"]
+# What a client asked of speculation (proxy/routing/switch.py): None is auto.
+Switch = Literal["on", "off"]
 Reason = Literal[
     "light_load",  # speculative: the load is below the high watermark / spillover limit
     "heavy_load",  # baseline: the load reached the high watermark
@@ -66,6 +68,8 @@ Reason = Literal[
     "affinity",  # between the watermarks: the role of the server that holds the conversation's cache
     "class",  # where speculation has room for part of the traffic: by whether the class gains most from it
     "kv_spill",  # speculative: every baseline KV pool is full, and the speculative role's has room
+    "client_on",  # speculative: the client asked for speculation (x-specgate-speculation, its class's default)
+    "client_off",  # baseline: the client asked for none
     "no_healthy_backend",
 ]
 REASONS: tuple[Reason, ...] = (
@@ -84,6 +88,8 @@ REASONS: tuple[Reason, ...] = (
     "affinity",
     "class",
     "kv_spill",
+    "client_on",
+    "client_off",
     "no_healthy_backend",
 )
 

@@ -155,12 +155,16 @@ class _Relay:
             held=held,
             klass=klass,
             prompt_tokens=call.prompt_tokens,
+            speculation=call.speculation,
         )
         outcome: Outcome | None = None
         if call.affinity is not None and placed.decision.reason != "stored_response":
             outcome = placed.affinity or "miss"
             self._count_affinity(outcome)
         decision, self.router = placed.decision, placed.router
+        if call.speculation is not None:
+            honoured = decision.reason in ("client_on", "client_off")
+            gate.metrics.speculation_switch.inc(call.speculation, call.speculation_source or "", str(honoured).lower())
         if call.trace is not None:
             call.trace.decided(decision, placed.router.group.name, call.previous is not None, stored, outcome)
         if decision.shadow and gate.prober is not None and not gate.prober.start(call, placed.router):

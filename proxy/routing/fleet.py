@@ -23,6 +23,7 @@ from .affinity import Held, Outcome, keep
 from .classes import ClassBook
 from .leases import InflightTracker
 from .router import Router
+from .switch import Switch
 
 
 class Placement(NamedTuple):
@@ -101,19 +102,23 @@ class Fleet:
         held: Held | None = None,
         klass: tuple[bool | None, float | None] | None = None,
         prompt_tokens: int = 0,
+        speculation: Switch | None = None,
     ) -> Placement:
         """Where a new request goes; `server`: where it must go if that server is up (it holds what
         the request continues); `batch`: a batch request (Router.decide); `held`: where its
         conversation's last turn went (affinity.py's rule, group first, then role, then server);
         `klass`: its traffic class's rank and acceptance, when it has a class (ClassPricing.view);
-        `prompt_tokens`: its prompt's (the model policy's context)."""
+        `prompt_tokens`: its prompt's (the model policy's context); `speculation`: what its client
+        asked of speculation (switch.py)."""
         if server is not None:
             router = self._router_of.get(server)
             if router is not None and router.server_healthy(server):
                 return Placement(router.pinned(server), router, server)
         if held is None:
             router = self.choose()
-            return Placement(router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens), router)
+            return Placement(
+                router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens, 0, speculation), router
+            )
         mine = self._router_of.get(held.server)
         if mine is not None and prompt_tokens:
             mine.kv.note_turn(prompt_tokens - held.tokens)
@@ -122,17 +127,17 @@ class Fleet:
         cached = min(held.tokens, prompt_tokens) if prompt_tokens > 0 else held.tokens
         if mine is None or not mine.server_healthy(held.server):
             router = self.choose()
-            decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens)
+            decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens, 0, speculation)
             return Placement(decision, router, affinity="break_down")
         if len(self.routers) > 1:
             others = [r for r in self.routers if r is not mine and any(r.loads.healthy_map().values())]
             least = min((r.loads.group_placement_load() for r in others), default=math.inf)
             if not keep(mine.loads.group_placement_load(), least, cached, self.affinity_slack):
                 router = self.choose(others)
-                decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens)
+                decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens, 0, speculation)
                 return Placement(decision, router, affinity="break_load")
         role = mine.role_of(held.server)
-        decision = mine.decide(can_probe, batch, role, _view(mine, klass), prompt_tokens, cached)
+        decision = mine.decide(can_probe, batch, role, _view(mine, klass), prompt_tokens, cached, speculation)
         if decision.backend != role:
             return Placement(decision, mine, affinity="break_mode")
         peers = [s for s in mine.group.of(role) if s != held.server and mine.server_healthy(s)]

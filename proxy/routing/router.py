@@ -51,6 +51,7 @@ from .steps.base import Ask, Here
 from .steps.classes import ClassPricing
 from .steps.pipeline import run, steps_for
 from .steps.probe import probe_returned, shadow_unsent
+from .switch import Switch
 
 log = logging.getLogger("specgate.routing")
 
@@ -176,6 +177,7 @@ class Router:
         klass: ClassView | None = None,
         prompt_tokens: int = 0,
         cached_tokens: int = 0,
+        speculation: Switch | None = None,
     ) -> Decision:
         """The backend for a new request (steps/base.Ask says what each argument is)."""
         if self.speed is not None and not batch:
@@ -186,7 +188,7 @@ class Router:
             cfg = dataclasses.replace(cfg, probe_s=0.0)
         margin = self.switch_margin() if self.learning.switch_per_token else 0.0
         snapshot = self.loads.snapshot(self._clock(), self._spec_idle_since, margin)
-        ask = Ask(can_probe, batch, held, klass, prompt_tokens, cached_tokens)
+        ask = Ask(can_probe, batch, held, klass, prompt_tokens, cached_tokens, speculation)
         decision = run(self.steps, ask, Here(snapshot, cfg, self.state, self.pooled, self))
         if decision.state is not self.state:
             self._set_state(decision.state)

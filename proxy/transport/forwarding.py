@@ -30,6 +30,8 @@ _NOT_FORWARDED_UP = HOP_BY_HOP | {
     b"x-request-id",
     b"expect",
     b"content-type",
+    # The client's speculation switch is where specgate sends the request (proxy/routing/switch.py).
+    b"x-specgate-speculation",
 }
 _NOT_RETURNED = HOP_BY_HOP | {b"server", b"date"}
 # W3C trace context: with tracing on, the server gets specgate's (`traced`), not the client's.

@@ -42,6 +42,25 @@ def test_openai_sdk_chat_and_completions_streaming_and_not(stack: StartStack) ->
     assert "_created" not in httpx.get(s.url + "/metrics").text
 
 
+def test_the_openai_sdk_switches_speculation_by_extra_body_and_header(stack: StartStack) -> None:
+    s = stack(SPECGATE_CLASS_SPECULATION="creative=off")
+    c = client(s.url)
+    cases = [
+        ({"extra_body": {"speculation": "off"}}, ("baseline", "client_off")),
+        ({"extra_body": {"speculation": True}}, ("speculative", "client_on")),
+        ({"extra_headers": {"x-specgate-speculation": "off"}}, ("baseline", "client_off")),
+        ({"extra_headers": {"x-specgate-class": "creative"}}, ("baseline", "client_off")),
+        ({}, ("speculative", "light_load")),
+    ]
+    for extra, expected in cases:
+        raw = c.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=4, **extra)  # type: ignore[arg-type]
+        assert (raw.headers["x-specgate-backend"], raw.headers["x-specgate-reason"]) == expected, extra
+        assert raw.parse().choices[0].message.content == token_text(0, 4)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="m", messages=CHAT, max_tokens=4, extra_body={"speculation": "sometimes"})
+    assert err.value.code == "invalid_speculation"
+
+
 def test_sigterm_lets_running_streams_finish(stack: StartStack) -> None:
     s = stack(sim_args=("--time-scale", "1"))
     body = {"prompt": "p", "max_tokens": 40, "stream": True}  # ~0.5 s at the seed profile's speed

@@ -404,3 +404,21 @@ def test_calibrate_against_the_real_pair_counts_no_client_errors(llama: Pair, tm
     # How many complete in the window is this machine's speed, not the point: that some did.
     assert all(lv["completed"] >= 1 for lv in levels), levels
     assert "SPECGATE_HIGH_WATERMARK=" in done.stdout
+
+
+def test_the_speculation_switch_picks_llama_servers_drafting_or_not(gateway: Gateway) -> None:
+    # No llama-server takes a per-request switch that specgate could pass on: the switch is which
+    # server answers, and the body field never reaches either (llama-server ignores unknown fields,
+    # so its answer cannot show that: the in-process tests read what reached the server).
+    c = client(gateway.url)
+    drafted: dict[str, int] = {}
+    for switch, headers, body in (("off", {}, {"speculation": False}), ("on", {"x-specgate-speculation": "on"}, {})):
+        raw = c.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": f"Repeat this: {REPETITIVE}"}], max_tokens=32,
+            temperature=0, extra_headers=headers, extra_body=body,
+        )  # fmt: skip
+        assert raw.headers["x-specgate-reason"] == f"client_{switch}"
+        assert raw.headers["x-specgate-backend"] == ("speculative" if switch == "on" else "baseline")
+        timings = raw.parse().model_dump()["timings"]
+        drafted[switch] = timings.get("draft_n", 0)
+    assert drafted["off"] == 0 and drafted["on"] > 0, drafted

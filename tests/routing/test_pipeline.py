@@ -44,8 +44,15 @@ def test_every_policy_comes_from_the_factory_and_names_itself() -> None:
 
 def test_the_steps_run_in_order_and_give_only_their_own_reasons() -> None:
     steps = steps_for(policy_for("adaptive"))
-    assert [s.name for s in steps] == ["priority", "mode", "probe", "health", "class", "affinity", "kv_spill"]
-    assert [s.name for s in steps_for(policy_for("threshold"), pooled=False)] == ["priority", "mode", "health"]
+    assert [s.name for s in steps] == [
+        "priority", "mode", "switch", "probe", "health", "class", "affinity", "kv_spill",
+    ]  # fmt: skip
+    assert [s.name for s in steps_for(policy_for("threshold"), pooled=False)] == [
+        "priority",
+        "mode",
+        "switch",
+        "health",
+    ]
     given = [r for s in steps for r in s.reasons]
     assert set(given) <= set(REASONS)
     # Each reason is one step's, but the pooled class rule's affinity tie-break, which is the class
@@ -90,7 +97,7 @@ async def test_routing_shows_the_pipeline_in_order(gateway: StartGateway) -> Non
     page = await gw.routing()
     # A pair: its classes and turns follow the mode, so neither step runs there.
     assert [s["step"] for s in page["pipeline"]] == [
-        "stored_response", "priority", "mode", "probe", "health", "kv_spill",
+        "stored_response", "priority", "mode", "switch", "probe", "health", "kv_spill",
     ]  # fmt: skip
     assert page["pipeline"][0]["reasons"] == ["stored_response"]
     assert "light_load" in page["pipeline"][2]["reasons"]

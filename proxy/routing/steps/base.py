@@ -5,7 +5,17 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
-from ...policy.base import ClassView, Decision, LoadSnapshot, PolicyConfig, PolicyState, PoolGains, Reason, Role
+from ...policy.base import (
+    ClassView,
+    Decision,
+    LoadSnapshot,
+    PolicyConfig,
+    PolicyState,
+    PoolGains,
+    Reason,
+    Role,
+    Switch,
+)
 
 
 class Ask(NamedTuple):
@@ -22,6 +32,8 @@ class Ask(NamedTuple):
     klass: ClassView | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # What the client asked of speculation (switch.py; None: auto).
+    speculation: Switch | None = None
 
 
 class GroupReads(Protocol):

@@ -4,6 +4,7 @@ loaded). Then, in its group:
 
     priority   batch            a batch request to the baseline
     mode       light_load ...   the policy's role for the rest
+    switch     client_on/off    what the client asked of speculation
     probe      probe            a probe of the idle speculative server, or a shadow copy
     health     only_healthy     never a role that is down
     class      class            a pool's classes by what each gains
@@ -29,6 +30,7 @@ from .mode import Mode
 from .priority import Priority
 from .probe import Probe
 from .spill import KvSpill
+from .switch import ClientSwitch
 
 
 def steps_for(policy: Policy, pooled: bool = True) -> tuple[Step, ...]:
@@ -36,7 +38,7 @@ def steps_for(policy: Policy, pooled: bool = True) -> tuple[Step, ...]:
     learning policy, a class and a turn's role only where the roles are on disjoint GPUs). The
     decision runs for every request, and a step that always passes costs each of them its call."""
     acts = {"probe": policy.learns, "kv_spill": policy.learns, "class": pooled, "affinity": pooled}
-    every = (Priority(), Mode(policy), Probe(), Health(), TrafficClass(), Affinity(), KvSpill())
+    every = (Priority(), Mode(policy), ClientSwitch(), Probe(), Health(), TrafficClass(), Affinity(), KvSpill())
     return tuple(s for s in every if acts.get(s.name, True))
 
 
