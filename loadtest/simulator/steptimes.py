@@ -196,9 +196,15 @@ class StepTimes:
 
 # ----- SGLang's --speculative-adaptive -----
 
-# v0.5.19's defaults (speculative/adaptive_spec_params.py): candidate steps by the smallest batch
-# size of each tier; newer releases add 5 to the first tier.
-ADAPTIVE_TIERS: tuple[tuple[int, tuple[int, ...]], ...] = ((1, (1, 3, 7)), (8, (0, 1, 3)), (32, (0, 1)), (64, (0,)))
+# v0.5.23's defaults (speculative/adaptive_spec_params.py): candidate steps by the smallest batch
+# size of each tier. v0.5.19's first tier was (1, 3, 7); 5 now sits between 3 and 7, so a request
+# mix that keeps about four drafts accepted settles at 5 steps instead of 7.
+ADAPTIVE_TIERS: tuple[tuple[int, tuple[int, ...]], ...] = (
+    (1, (1, 3, 5, 7)),
+    (8, (0, 1, 3)),
+    (32, (0, 1)),
+    (64, (0,)),
+)
 # The batch sizes SGLang captures CUDA graphs for (a batch runs padded up to the next one).
 CUDA_GRAPH_BATCHES: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, *range(32, 257, 8))
 
@@ -209,8 +215,10 @@ class AdaptiveSteps:
     warm-up iterations, every 5th it moves down a candidate while the EMA is at most the lower
     candidate less 0.5 (0.5 to reach 0 steps; 0.25 lower still in the first tier), else up while
     it exceeds the current one less 0.5; from 0 steps it probes the next candidate up. The batch
-    size is padded to a captured CUDA-graph size before its tier is looked up. Mirrored from
-    `AdaptiveStepSlot` (SGLang, speculative/adaptive_spec_params.py); tiers of v0.5.19."""
+    size is padded to a captured CUDA-graph size before its tier is looked up (a batch above the largest
+    captured size keeps its own). Mirrored from `AdaptiveStepSlot` (SGLang,
+    speculative/adaptive_spec_params.py, its default EMA strategy) and the batch-size routing of
+    speculative/adaptive_step_router.py; tiers of v0.5.23."""
 
     EMA_ALPHA = 0.2
     WARMUP = 10

@@ -134,8 +134,8 @@ def drive(rule: AdaptiveSteps, batch: int, accept_at: dict[int, float], iteratio
 
 
 def test_the_adaptive_tiers_by_batch_size() -> None:
-    high = {s: accept_at_steps(3.8, 3, s) for s in (0, 1, 3, 7)}
-    low = {s: 1.0 for s in (0, 1, 3, 7)}
+    high = {s: accept_at_steps(3.8, 3, s) for s in (0, 1, 3, 5, 7)}
+    low = {s: 1.0 for s in (0, 1, 3, 5, 7)}
     # 64 and more (and 57-63, padded to a captured 64): never drafts.
     for batch in (58, 64, 200):
         assert set(drive(AdaptiveSteps(), batch, high, 100)) == {0}
@@ -151,6 +151,37 @@ def test_the_adaptive_tiers_by_batch_size() -> None:
     assert drive(AdaptiveSteps(), 16, high, 100)[-1] == 3
     # 32-63: at most one step.
     assert set(drive(AdaptiveSteps(), 40, high, 100)) <= {0, 1}
+
+
+def test_the_first_tier_climbs_through_5_steps_as_v0_5_23_does() -> None:
+    # v0.5.23 put 5 between 3 and 7 in the first tier: from 3 steps it goes to 5 first, and only
+    # then to 7 when the drafts keep being accepted.
+    high = {s: accept_at_steps(3.8, 3, s) for s in (1, 3, 5, 7)}
+    steps = drive(AdaptiveSteps(), 1, high, 100)
+    assert steps[:10] == [3] * 10
+    assert 5 in steps and steps.index(5) < steps.index(7)
+    assert steps[-1] == 7
+
+
+def test_the_first_tier_settles_at_5_steps_where_about_four_drafts_are_accepted() -> None:
+    # Four drafts accepted whatever the depth (fewer when fewer are drafted): the smoothed count
+    # goes to 4, above 3 steps' rise threshold (2.5) and below 5 steps' (4.5), so it stays at 5,
+    # where v0.5.19's tiers (1, 3, 7) went on to 7.
+    four = {s: 1.0 + min(s, 4) for s in (1, 3, 5, 7)}
+    steps = drive(AdaptiveSteps(), 4, four, 200)
+    assert steps[-100:] == [5] * 100
+
+
+def test_the_first_tier_steps_down_from_7_to_5_before_3() -> None:
+    rule = AdaptiveSteps()
+    for _ in range(60):  # every draft accepted: it reaches 7 steps
+        rule.observe(2, rule.choose(2), 1.0 + rule.choose(2))
+    assert rule.choose(2) == 7
+    # Two drafts accepted: the smoothed count falls below 4.25 (7 -> 5) at an update before it
+    # reaches 2.25 (5 -> 3), so the way down passes through 5.
+    chosen = drive(rule, 2, {s: 3.0 for s in (1, 3, 5, 7)}, 100)
+    assert chosen.index(5) < chosen.index(3)
+    assert chosen[-1] == 3
 
 
 def test_the_adaptive_choice_waits_out_its_warm_up_and_has_hysteresis() -> None:
