@@ -18,6 +18,7 @@ from .policy.beliefs import AdaptiveConfig
 from .policy.calibration import MAX_WATERMARK, Calibration, CalibrationError
 from .policy.calibration import load as load_calibration
 from .routing.classes import ClassKey
+from .routing.homogeneous import AdaptivePlacement
 from .routing.switch import Switch, class_defaults
 
 # The inference routes a client may reach on a server (proxy/edge/paths.py): each engine's admin routes
@@ -79,6 +80,10 @@ class Settings(BaseSettings):
     # A base URL, or a comma list of them, each optionally `NAME=URL` (proxy/fleet/topology.py).
     speculative_url: str = "http://127.0.0.1:30001"
     baseline_url: str = "http://127.0.0.1:30002"
+    # Servers that draft adaptively in the engine (SGLang --speculative-adaptive), beside the pair or
+    # pool, or alone with the two above set empty; how a request picks one: homogeneous.py.
+    adaptive_url: str = ""
+    adaptive_placement: AdaptivePlacement = "least_loaded"
     # paired: the i-th servers of both lists share GPUs (a group each); pooled: two pools on
     # disjoint GPUs. Unset: paired when the lists are as long.
     topology: TopologyName | None = None
@@ -198,12 +203,12 @@ class Settings(BaseSettings):
             return tuple(k.strip() for k in value.split(",") if k.strip())
         return value
 
-    @field_validator("speculative_url", "baseline_url")
+    @field_validator("speculative_url", "baseline_url", "adaptive_url")
     @classmethod
     def _check_urls(cls, value: str) -> str:
         found = entries(value)
         if not found:
-            raise ValueError("must be a server's base URL, or a comma list of them")
+            return ""  # none of the role: the topology says whether that is allowed
         # Userinfo needs an @: without one nothing here is secret, and a bad URL is shown to help
         # fix it. With one, a password may hold any of `,/?#@:`, so the comma split or the URL
         # parser may have cut it anywhere: a URL that fails is named by its place, never shown.
@@ -265,7 +270,7 @@ class Settings(BaseSettings):
     def routing_topology(self) -> Topology:
         """The servers and groups SPECGATE_SPECULATIVE_URL, _BASELINE_URL and _TOPOLOGY describe."""
         if self._topology is None:
-            self._topology = build_topology(self.speculative_url, self.baseline_url, self.topology)
+            self._topology = build_topology(self.speculative_url, self.baseline_url, self.topology, self.adaptive_url)
         return self._topology
 
     def load_calibration(self) -> Calibration | None:
@@ -309,6 +314,7 @@ class Settings(BaseSettings):
             affinity_slack=self.affinity_slack,
             affinity_rule=self.affinity_rule,
             kv_spill_at=self.kv_spill_at,
+            adaptive_placement=self.adaptive_placement,
             kv_spill_room=min(KV_SPILL_ROOM, self.kv_spill_at) if self.kv_spill_room is None else self.kv_spill_room,
         )
 
@@ -334,7 +340,9 @@ class Settings(BaseSettings):
         try:
             self.routing_topology()
         except ValueError as exc:
-            raise ValueError(f"SPECGATE_SPECULATIVE_URL / SPECGATE_BASELINE_URL: {exc}") from None
+            raise ValueError(
+                f"SPECGATE_SPECULATIVE_URL / SPECGATE_BASELINE_URL / SPECGATE_ADAPTIVE_URL: {exc}"
+            ) from None
         if self.kv_spill_at > 0 and self.kv_spill_room is not None and self.kv_spill_room > self.kv_spill_at:
             raise ValueError(
                 f"SPECGATE_KV_SPILL_ROOM ({self.kv_spill_room}) must be <= SPECGATE_KV_SPILL_AT ({self.kv_spill_at})"

@@ -12,6 +12,11 @@ configured ones). Unnamed servers are called by their role when a role has one s
   total load; within the role, the least-loaded healthy server, chosen at random among near-ties.
 
 One server of each role is one paired group: the simple case, as before.
+
+`SPECGATE_ADAPTIVE_URL` lists servers that draft adaptively in the engine (SGLang's
+`--speculative-adaptive`), each on GPUs of its own: they form one more group, `adaptive`, beside
+the pair or pool, or alone (the speculative and baseline URLs set empty: topology `adaptive`).
+Which of them a request goes to is proxy/routing/homogeneous.py's rule.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from typing import Literal
 from ..policy.base import ROLES, Role
 
 TopologyName = Literal["paired", "pooled"]
+# A fleet of adaptive servers alone has no pair or pool.
+TopologyKind = Literal["paired", "pooled", "adaptive"]
+ADAPTIVE_GROUP = "adaptive"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
 
@@ -42,12 +50,17 @@ class Group:
     servers: dict[Role, tuple[str, ...]]
 
     def of(self, role: Role) -> tuple[str, ...]:
-        return self.servers[role]
+        return self.servers.get(role, ())
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether this is the group of adaptive servers (whose engines choose how far to draft)."""
+        return Role.ADAPTIVE in self.servers
 
 
 @dataclass(frozen=True)
 class Topology:
-    kind: TopologyName
+    kind: TopologyKind
     servers: tuple[ServerSpec, ...]
     groups: tuple[Group, ...]
 
@@ -71,41 +84,60 @@ def entries(raw: str) -> list[tuple[str | None, str]]:
     return out
 
 
-def build(speculative: str, baseline: str, kind: TopologyName | None) -> Topology:
+def build(speculative: str, baseline: str, kind: TopologyName | None, adaptive: str = "") -> Topology:
     """The topology the settings describe; ValueError naming what is wrong."""
     lists: dict[Role, list[tuple[str | None, str]]] = {
         Role.SPECULATIVE: entries(speculative),
         Role.BASELINE: entries(baseline),
+        Role.ADAPTIVE: entries(adaptive),
     }
-    servers: list[ServerSpec] = []
-    for role in ROLES:
-        found = lists[role]
-        if not found:
-            raise ValueError(f"no {role} server given")
-        for i, (name, url) in enumerate(found):
-            if name is None:
-                name = role if len(found) == 1 else f"{role}-{i}"
-            elif not _NAME.fullmatch(name):
-                raise ValueError(f"server name {name!r}: letters, digits, '.', '_' and '-' only, at most 63")
-            servers.append(ServerSpec(name, role, url.rstrip("/")))
+    paired_roles = lists[Role.SPECULATIVE] or lists[Role.BASELINE]
+    if not paired_roles and not lists[Role.ADAPTIVE]:
+        raise ValueError("no server given")
+    if paired_roles:
+        for role in ROLES:
+            if not lists[role]:
+                raise ValueError(
+                    f"no {role} server given: a pair or pool needs both roles (servers that draft adaptively in "
+                    "the engine go in SPECGATE_ADAPTIVE_URL)"
+                )
+    servers = [spec for role in Role for spec in _specs(role, lists[role])]
     names = [s.name for s in servers]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"server names must be unique: {', '.join(dupes)}")
-    spec = tuple(s.name for s in servers if s.role == Role.SPECULATIVE)
-    base = tuple(s.name for s in servers if s.role == Role.BASELINE)
-    if kind is None:
-        kind = "paired" if len(spec) == len(base) else "pooled"
-    if kind == "paired":
-        if len(spec) != len(base):
-            raise ValueError(
-                f"SPECGATE_TOPOLOGY=paired needs as many speculative as baseline servers ({len(spec)} and "
-                f"{len(base)}): the i-th of each share GPUs"
-            )
-        groups = tuple(
-            Group(f"group-{i}", {Role.SPECULATIVE: (s,), Role.BASELINE: (b,)})
-            for i, (s, b) in enumerate(zip(spec, base, strict=True))
+    by_role = {role: tuple(s.name for s in servers if s.role == role) for role in Role}
+    spec, base = by_role[Role.SPECULATIVE], by_role[Role.BASELINE]
+    groups: tuple[Group, ...] = ()
+    found: TopologyKind = "adaptive"
+    if paired_roles:
+        found = kind or ("paired" if len(spec) == len(base) else "pooled")
+        groups = _groups(found, spec, base)
+    if by_role[Role.ADAPTIVE]:
+        groups += (Group(ADAPTIVE_GROUP, {Role.ADAPTIVE: by_role[Role.ADAPTIVE]}),)
+    return Topology(found, tuple(servers), groups)
+
+
+def _specs(role: Role, found: list[tuple[str | None, str]]) -> list[ServerSpec]:
+    out = []
+    for i, (name, url) in enumerate(found):
+        if name is None:
+            name = role if len(found) == 1 else f"{role}-{i}"
+        elif not _NAME.fullmatch(name):
+            raise ValueError(f"server name {name!r}: letters, digits, '.', '_' and '-' only, at most 63")
+        out.append(ServerSpec(name, role, url.rstrip("/")))
+    return out
+
+
+def _groups(kind: TopologyName, spec: tuple[str, ...], base: tuple[str, ...]) -> tuple[Group, ...]:
+    if kind == "pooled":
+        return (Group("pool", {Role.SPECULATIVE: spec, Role.BASELINE: base}),)
+    if len(spec) != len(base):
+        raise ValueError(
+            f"SPECGATE_TOPOLOGY=paired needs as many speculative as baseline servers ({len(spec)} and "
+            f"{len(base)}): the i-th of each share GPUs"
         )
-    else:
-        groups = (Group("pool", {Role.SPECULATIVE: spec, Role.BASELINE: base}),)
-    return Topology(kind, tuple(servers), groups)
+    return tuple(
+        Group(f"group-{i}", {Role.SPECULATIVE: (s,), Role.BASELINE: (b,)})
+        for i, (s, b) in enumerate(zip(spec, base, strict=True))
+    )

@@ -17,7 +17,7 @@ from ..config import redact_url
 from ..edge import access
 from ..errors import ApiError
 from ..gate import Gate
-from ..policy.base import ROLES, Role
+from ..policy.base import ALL_ROLES, Role
 from ..routing.router import Router
 from ..routing.steps.pipeline import describe as describe_steps
 from ..routing.steps.spill import spill_on
@@ -48,7 +48,7 @@ async def health() -> Response:
 @router.get("/ready")
 async def ready(request: Request) -> Response:
     gate: Gate = request.app.state.gate
-    up = [b for b in ROLES if gate.health.role_healthy(b)]
+    up = [b for b in ALL_ROLES if gate.health.role_healthy(b)]
     servers = [n for n, s in gate.health.servers.items() if s.healthy]
     return _json({"ready": bool(up), "healthy_backends": up, "healthy_servers": servers}, 200 if up else 503)
 
@@ -169,8 +169,10 @@ def _backends(gate: Gate, servers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     `servers`); with several, a summary."""
     tracker = gate.fleet.tracker
     backends: dict[str, Any] = {}
-    for b in ROLES:
+    for b in ALL_ROLES:
         names = [n for n, srv in gate.health.servers.items() if srv.role == b]
+        if not names:
+            continue
         if len(names) == 1:
             backends[b] = {k: v for k, v in servers[names[0]].items() if k not in ("role", "group")}
         else:
@@ -207,7 +209,7 @@ def _group(g: Router) -> dict[str, Any]:
         "kv_forecast_growth_tok_s": None if g.kv.footprint is None else round(max(0.0, g.kv.footprint.rate())),
         "watermarks_in_effect": {"high": g.policy_cfg().high_watermark, "low": g.policy_cfg().low_watermark},
         "kv_spill": _spill(g),
-        "servers": {role: list(g.group.of(role)) for role in ROLES},
+        "servers": {role: list(names) for role, names in g.group.servers.items()},
         **({"adaptive": g.adaptive.describe(g.now())} if g.adaptive is not None else {}),
         **({"model": g.speed.describe()} if g.speed is not None else {}),
     }

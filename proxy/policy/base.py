@@ -28,19 +28,25 @@ from typing import Final, Literal, NamedTuple, Protocol
 
 
 class Role(enum.StrEnum):
-    """What a server is for: speculative decoding, or plain decoding (the baseline). Its value is
-    what metrics, headers and /routing say."""
+    """What a server is for: speculative decoding, plain decoding (the baseline), or drafting as its
+    engine decides batch by batch (adaptive: SGLang's --speculative-adaptive). Its value is what
+    metrics, headers and /routing say."""
 
     SPECULATIVE = "speculative"
     BASELINE = "baseline"
+    ADAPTIVE = "adaptive"
 
 
-ROLES: tuple[Role, ...] = tuple(Role)
+# The two roles a group's mode chooses between (a pair's, a pool's); adaptive servers form a group
+# of their own, whose engines choose (proxy/routing/homogeneous.py).
+ROLES: tuple[Role, ...] = (Role.SPECULATIVE, Role.BASELINE)
+ALL_ROLES: tuple[Role, ...] = tuple(Role)
 # The roles as module constants: in Python 3.11 an enum member read off its class is a slow lookup
 # (the enum metaclass defines __getattr__), 48 ns a time against 5 for a global, measured with
 # timeit, and the per-request decision names them a few dozen times (loadtest/decisions.py).
 SPECULATIVE: Final = Role.SPECULATIVE
 BASELINE: Final = Role.BASELINE
+ADAPTIVE: Final = Role.ADAPTIVE
 Mode = Role
 PolicyName = Literal["threshold", "spillover", "adaptive", "model"]
 # The policies that learn from live traffic: `model` is adaptive's rule with watermarks from the
@@ -70,6 +76,7 @@ Reason = Literal[
     "kv_spill",  # speculative: every baseline KV pool is full, and the speculative role's has room
     "client_on",  # speculative: the client asked for speculation (x-specgate-speculation, its class's default)
     "client_off",  # baseline: the client asked for none
+    "in_engine",  # adaptive: servers whose engines choose how far to draft, batch by batch
     "no_healthy_backend",
 ]
 REASONS: tuple[Reason, ...] = (
@@ -90,6 +97,7 @@ REASONS: tuple[Reason, ...] = (
     "kv_spill",
     "client_on",
     "client_off",
+    "in_engine",
     "no_healthy_backend",
 )
 
@@ -99,6 +107,10 @@ NEAR_TIE = 0.5
 
 
 def other(backend: Role) -> Role:
+    """Where a request goes when its role cannot take it: the group's other role (an adaptive
+    group's one role is its own other: another of its servers)."""
+    if backend is ADAPTIVE:
+        return ADAPTIVE
     return BASELINE if backend == SPECULATIVE else SPECULATIVE
 
 
@@ -140,6 +152,8 @@ class PolicyConfig:
     # module's F and R: SPECGATE_KV_SPILL_AT, 0 off, and SPECGATE_KV_SPILL_ROOM), as fractions.
     kv_spill_at: float = 0.0
     kv_spill_room: float = 0.0
+    # Which adaptive server a request goes to (SPECGATE_ADAPTIVE_PLACEMENT: proxy/routing/homogeneous.py).
+    adaptive_placement: Literal["homogeneous", "least_loaded"] = "least_loaded"
 
 
 class Curves(NamedTuple):

@@ -41,6 +41,11 @@ from .sseframe import ends_with_done
 log = logging.getLogger("specgate.relay")
 
 
+# The roles whose streams show a class's acceptance: speculative servers, and adaptive ones, whose
+# steps say what their engine drafted for the class (what ranks it for homogeneous.py's halves).
+_DRAFTING = (Role.SPECULATIVE, Role.ADAPTIVE)
+
+
 class RelayResponse:
     """The ASGI response of one proxied request (a plain class: a Starlette Response would build
     headers of its own on every request, to be thrown away)."""
@@ -316,9 +321,10 @@ class _Relay:
         out.append(TokenCounts(gate.metrics, backend))
         cls = self.traffic_class
         if up.status == 200:
-            per_event = (self.router.engine_accept_of(lease.server) if backend == Role.SPECULATIVE else None) or 1.0
+            drafts = backend in _DRAFTING
+            per_event = (self.router.engine_accept_of(lease.server) if drafts else None) or 1.0
             mark = generated_mark(call.endpoint)
-            if cls is not None and backend == Role.SPECULATIVE:
+            if cls is not None and drafts:
                 # A stream of one event a decode step shows its steps; else the body may report them.
                 in_stream = call.stream and self.router.learning.counts_steps()
                 learn = ClassLearning(

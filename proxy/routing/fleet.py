@@ -16,7 +16,7 @@ from typing import NamedTuple
 from ..fleet.servers import Server
 from ..fleet.topology import Topology
 from ..observability.metrics import Metrics
-from ..policy.base import ROLES, SPECULATIVE, ClassView, Decision, PolicyConfig, least_loaded
+from ..policy.base import ADAPTIVE, ALL_ROLES, SPECULATIVE, ClassView, Decision, PolicyConfig, least_loaded
 from ..policy.beliefs import AdaptiveConfig
 from ..policy.calibration import Calibration
 from .affinity import Held, Outcome, keep
@@ -79,7 +79,11 @@ class Fleet:
             )
             for g in topology.groups
         )
-        self._router_of = {s: r for r in self.routers for role in ROLES for s in r.group.of(role)}
+        self._router_of = {s: r for r in self.routers for role in ALL_ROLES for s in r.group.of(role)}
+        self._sizes = {r.group.name: sum(len(names) for names in r.group.servers.values()) for r in self.routers}
+        self._uneven = len(set(self._sizes.values())) > 1
+        # The groups a client's switch can be honoured in (a pair or pool: not the adaptive servers').
+        self._switchable = tuple(r for r in self.routers if not r.group.adaptive)
         self._bind_gauges(servers)
 
     def router_of(self, server: str) -> Router:
@@ -90,9 +94,36 @@ class Fleet:
         if among is None and len(self.routers) == 1:
             return self.routers[0]
         candidates = self.routers if among is None else among
-        up = [(r.group.name, r.loads.group_placement_load()) for r in candidates if any(r.loads.healthy_map().values())]
+        up = [(r.group.name, self._group_load(r)) for r in candidates if any(r.loads.healthy_map().values())]
         name = least_loaded(up, self._rng.random())
         return next((r for r in self.routers if r.group.name == name), self.routers[0])
+
+    def _group_load(self, router: Router) -> float:
+        """A group's load as groups are compared: its servers' summed, or, where groups differ in
+        size (a pool or pair beside the adaptive servers), per server."""
+        load = router.loads.group_placement_load()
+        return load / self._sizes[router.group.name] if self._uneven else load
+
+    def _fresh(
+        self,
+        among: Sequence[Router] | None,
+        can_probe: bool,
+        batch: bool,
+        klass: tuple[bool | None, float | None] | None,
+        prompt_tokens: int,
+        speculation: Switch | None,
+    ) -> tuple[Router, Decision, str | None]:
+        """A request with no server to return to: its group (a client's switch picks among the
+        groups with a pair or pool, which have the server it asks for), its decision there, and,
+        among adaptive servers, which (Router.pick)."""
+        if speculation is not None and among is None and self._switchable:
+            among = self._switchable
+        router = self.choose(among)
+        decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens, 0, speculation)
+        server = None
+        if decision.backend is ADAPTIVE:
+            server = router.pick(decision.backend, None if klass is None else klass[0])
+        return router, decision, server
 
     def decide(
         self,
@@ -115,10 +146,8 @@ class Fleet:
             if router is not None and router.server_healthy(server):
                 return Placement(router.pinned(server), router, server)
         if held is None:
-            router = self.choose()
-            return Placement(
-                router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens, 0, speculation), router
-            )
+            router, decision, picked = self._fresh(None, can_probe, batch, klass, prompt_tokens, speculation)
+            return Placement(decision, router, picked)
         mine = self._router_of.get(held.server)
         if mine is not None and prompt_tokens:
             mine.kv.note_turn(prompt_tokens - held.tokens)
@@ -126,16 +155,14 @@ class Fleet:
         # short, or another with the same opening), under every rule.
         cached = min(held.tokens, prompt_tokens) if prompt_tokens > 0 else held.tokens
         if mine is None or not mine.server_healthy(held.server):
-            router = self.choose()
-            decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens, 0, speculation)
-            return Placement(decision, router, affinity="break_down")
+            router, decision, picked = self._fresh(None, can_probe, batch, klass, prompt_tokens, speculation)
+            return Placement(decision, router, picked, "break_down")
         if len(self.routers) > 1:
             others = [r for r in self.routers if r is not mine and any(r.loads.healthy_map().values())]
-            least = min((r.loads.group_placement_load() for r in others), default=math.inf)
-            if not keep(mine.loads.group_placement_load(), least, cached, self.affinity_slack):
-                router = self.choose(others)
-                decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens, 0, speculation)
-                return Placement(decision, router, affinity="break_load")
+            least = min((self._group_load(r) for r in others), default=math.inf)
+            if not keep(self._group_load(mine), least, cached, self.affinity_slack):
+                router, decision, picked = self._fresh(others, can_probe, batch, klass, prompt_tokens, speculation)
+                return Placement(decision, router, picked, "break_load")
         role = mine.role_of(held.server)
         decision = mine.decide(can_probe, batch, role, _view(mine, klass), prompt_tokens, cached, speculation)
         if decision.backend != role:
@@ -168,7 +195,7 @@ class Fleet:
             m.child(m.server_tokens, name).set_function(lambda load=server.load: load.tokens)
         for r in routers:
             m.child(m.group_load, r.group.name).set_function(lambda r=r: r.last_load)
-        for role in ROLES:
+        for role in ALL_ROLES:
             m.child(m.inflight, role).set_function(lambda role=role: sum(r.loads.role_count(role) for r in routers))
         m.load.set_function(lambda: sum(r.last_load for r in routers))
         # The share of groups in speculative mode: 1 or 0 as with one group, between with several.

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 
 from ..fleet.servers import ServerView
 from ..fleet.topology import Group
-from ..policy.base import ROLES, LoadSignal, LoadSnapshot, Role, backend_load
+from ..policy.base import ALL_ROLES, ROLES, LoadSignal, LoadSnapshot, Role, backend_load
 from .leases import InflightTracker
 
 
@@ -27,7 +27,9 @@ class GroupLoads:
         # Each role's servers with their views and in-flight counters, for the per-request snapshot
         # (the group's membership is fixed, as is each server's counters object).
         self._members = tuple(
-            (role, tuple((s, servers[s], tracker.load_of(s)) for s in group.of(role))) for role in ROLES
+            (role, tuple((s, servers[s], tracker.load_of(s)) for s in group.of(role)))
+            for role in ALL_ROLES
+            if role in ROLES or group.of(role)
         )
         self._by_role = dict(self._members)
 
@@ -50,7 +52,7 @@ class GroupLoads:
         return sum(v.healthy for _, v, _ in members) or len(members)
 
     def healthy_map(self) -> dict[Role, bool]:
-        return {role: any(self._servers[s].healthy for s in self.group.of(role)) for role in ROLES}
+        return {role: any(self._servers[s].healthy for s in self.group.of(role)) for role in ALL_ROLES}
 
     def engine_loads(self) -> dict[Role, int | None]:
         """Each role's engine load: the others' requests as last read plus ours now (None: unknown)."""
@@ -87,7 +89,7 @@ class GroupLoads:
         return self.tracker.others_balance(server) + local
 
     def group_placement_load(self) -> float:
-        return sum(self.placement_load(s) for role in ROLES for s in self.group.of(role))
+        return sum(self.placement_load(s) for role in ALL_ROLES for s in self.group.of(role))
 
     def interactive(self) -> tuple[int, int]:
         """(streams, tokens) of this gateway's interactive requests in flight on the group's

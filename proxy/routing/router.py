@@ -23,6 +23,7 @@ from ..fleet.servers import ServerView
 from ..fleet.topology import Group
 from ..observability.metrics import Metrics
 from ..policy.base import (
+    ADAPTIVE,
     BASELINE,
     SPECULATIVE,
     ClassView,
@@ -43,6 +44,7 @@ from ..policy.factory import policy_for
 from .affinity import ServerChoice
 from .capacity import Capacity
 from .classes import ClassBook
+from .homogeneous import homogeneous_choice
 from .learning import Learning
 from .leases import InflightTracker, Lease
 from .loads import GroupLoads
@@ -95,7 +97,7 @@ class Router:
         self.state = PolicyState()  # no dwell before the first switch
         self.tracker = tracker
         self.policy = policy_for(cfg.policy)
-        self.steps = steps_for(self.policy, pooled)
+        self.steps = steps_for(self.policy, pooled, group.adaptive)
         self.loads = GroupLoads(group, servers, tracker, cfg.load_signal)
         self._spec_idle_since: float | None = clock()
         self.learning = Learning(cfg, self.policy, group, servers, adaptive, calibration, classes, clock, pooled)
@@ -201,14 +203,19 @@ class Router:
         self._metrics.decisions.inc(decision.backend or "none", decision.reason)
         return decision
 
-    def pick(self, backend: Role) -> str:
+    def pick(self, backend: Role, gains: bool | None = None) -> str:
         """The group's server for a role: the least loaded healthy one, at random among near-ties
-        (a paired group has one)."""
+        (a paired group has one); an adaptive server as SPECGATE_ADAPTIVE_PLACEMENT says, for a
+        request of a class ranked `gains` (homogeneous.py)."""
         servers = self.group.of(backend)
         if len(servers) == 1:
             return servers[0]
         up = [s for s in servers if self._servers[s].healthy] or list(servers)
-        chosen = least_loaded([(s, self.loads.placement_load(s)) for s in up], self._rng.random())
+        loads = [(s, self.loads.placement_load(s)) for s in up]
+        if backend is ADAPTIVE and self.cfg.adaptive_placement == "homogeneous":
+            chosen = homogeneous_choice(servers, loads, gains, self._rng.random())
+        else:
+            chosen = least_loaded(loads, self._rng.random())
         assert chosen is not None
         return chosen
 

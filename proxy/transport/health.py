@@ -36,7 +36,7 @@ from ..fleet.adapter import Engine
 from ..fleet.engines import ENGINES, describe_health
 from ..fleet.servers import Server, of_role
 from ..observability.metrics import Metrics
-from ..policy.base import ROLES, Role
+from ..policy.base import ALL_ROLES, Role
 from .upstream import Upstream
 
 log = logging.getLogger("specgate.health")
@@ -101,7 +101,7 @@ class HealthMonitor:
         # the timeouts would have taken to mark it down.
         self.alive_window_s = TIMEOUTS_BEFORE_DOWN * (settings.health_interval_s + settings.health_timeout_s)
         self.servers = servers
-        self._roles = {role: of_role(servers, role) for role in ROLES}
+        self._roles = {role: of_role(servers, role) for role in ALL_ROLES}
         self._polls = _Outage("the /health poll of the servers")
         self._scrapes = _Outage("the /metrics scrape of the servers")
 

@@ -142,7 +142,7 @@ async def _post(gw: Any, body: dict[str, Any], headers: dict[str, str] | None = 
 @pytest.mark.anyio
 async def test_the_gateway_honours_the_switch_and_counts_it(gateway: StartGateway) -> None:
     gw = await gateway(class_speculation="code=on,creative=off", high_watermark=64, low_watermark=32)
-    cases = [
+    cases: list[tuple[dict[str, str], dict[str, Any], tuple[str, str]]] = [
         ({"x-specgate-speculation": "off"}, {}, ("baseline", "client_off")),
         ({"x-specgate-speculation": "on"}, {}, ("speculative", "client_on")),
         ({}, {"speculation": False}, ("baseline", "client_off")),
@@ -169,7 +169,7 @@ async def test_the_gateway_honours_the_switch_and_counts_it(gateway: StartGatewa
 @pytest.mark.anyio
 async def test_bad_switches_are_400s_that_leave_nothing_behind(gateway: StartGateway) -> None:
     gw = await gateway()
-    bad = [
+    bad: list[tuple[dict[str, str], dict[str, Any], str]] = [
         ({"x-specgate-speculation": "maybe"}, {}, "invalid_speculation"),
         ({}, {"speculation": 1}, "invalid_speculation"),
         ({}, {"speculation": None}, "invalid_speculation"),
@@ -182,7 +182,7 @@ async def test_bad_switches_are_400s_that_leave_nothing_behind(gateway: StartGat
     r = await gw.client.post(
         "/v1/chat/completions",
         json=CHAT,
-        headers=[("x-specgate-speculation", "on"), ("x-specgate-speculation", "on")],  # type: ignore[arg-type]
+        headers=[("x-specgate-speculation", "on"), ("x-specgate-speculation", "on")],
     )
     assert (r.status_code, r.json()["error"]["code"]) == (400, "repeated_header")
     assert (await gw.routing())["inflight"] == 0

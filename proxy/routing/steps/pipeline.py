@@ -11,8 +11,9 @@ loaded). Then, in its group:
     affinity   affinity         a pooled turn stays on its cache's role between the watermarks
     kv_spill   kv_spill         a full baseline spills to speculation's room
 
-and, at the fleet, the server of the role: the one holding the conversation's cache unless it is
-loaded past what the cache is worth (proxy/routing/affinity.py), else the least loaded.
+(the group of adaptive servers has one step, engine.py's), and, at the fleet, the server of the
+role: the one holding the conversation's cache unless it is loaded past what the cache is worth
+(proxy/routing/affinity.py), else the least loaded (an adaptive server: homogeneous.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from . import stored
 from .affinity import Affinity
 from .base import Ask, Here, Step
 from .classes import TrafficClass
+from .engine import InEngine
 from .health import Health
 from .mode import Mode
 from .priority import Priority
@@ -33,10 +35,13 @@ from .spill import KvSpill
 from .switch import ClientSwitch
 
 
-def steps_for(policy: Policy, pooled: bool = True) -> tuple[Step, ...]:
+def steps_for(policy: Policy, pooled: bool = True, adaptive: bool = False) -> tuple[Step, ...]:
     """A group's steps, in order: only those that can act in it (a probe and the spill under a
-    learning policy, a class and a turn's role only where the roles are on disjoint GPUs). The
-    decision runs for every request, and a step that always passes costs each of them its call."""
+    learning policy, a class and a turn's role only where the roles are on disjoint GPUs; in the
+    group of adaptive servers, one). The decision runs for every request, and a step that always
+    passes costs each of them its call."""
+    if adaptive:
+        return (InEngine(),)
     acts = {"probe": policy.learns, "kv_spill": policy.learns, "class": pooled, "affinity": pooled}
     every = (Priority(), Mode(policy), ClientSwitch(), Probe(), Health(), TrafficClass(), Affinity(), KvSpill())
     return tuple(s for s in every if acts.get(s.name, True))
