@@ -104,7 +104,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--cells", type=cell_list, default=default_cells(), metavar="LIST",
                    help="N:TRAFFIC:CONTEXT:SESSIONS_A_GPU, comma-separated (default: the protocol's)")  # fmt: skip
     p.add_argument("--configs", type=names, default=FieldPlan.configs, metavar="LIST",
-                   help=f"some of the configurations, {REFERENCE} among them (default all)")  # fmt: skip
+                   help=f"some configurations (default all; without {REFERENCE} every ratio is unknown)")  # fmt: skip
     p.add_argument("--seeds", type=count, default=FieldPlan.seeds, help="seeds a cell (default 5)")
     p.add_argument("--seed", type=int, default=FieldPlan.seed, help="the first seed (default 0)")
     p.add_argument("--turns", type=count, default=FieldPlan.turns)

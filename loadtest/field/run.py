@@ -41,6 +41,7 @@ def calibrations(plan: FieldPlan, out_dir: Path, reuse: Path | None, quiet: bool
 def at_cell_scale(plan: FieldPlan, path: Path, cell: Cell, scale: float, out_dir: Path) -> Path:
     """The context's calibration in the cell's wall seconds (kit.processes.at_time_scale)."""
     where = out_dir / f"calibration-{context_label(cell.context)}" / f"at-{scale:g}.json"
+    where.parent.mkdir(parents=True, exist_ok=True)  # absent where --calibrations gave the file
     measured = calibration_scale_of(calibration_plan(plan), path, cell.context)
     return at_time_scale(path, measured, scale, where)
 
