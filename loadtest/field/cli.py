@@ -36,14 +36,14 @@ Cells (N GPUs, traffic, mean context, sessions a GPU), 5 seeds each (0-4), 30 ru
   N=2 and N=4, each:  AB 1k 64/GPU, AB 8k 64/GPU, A 1k 64/GPU.
 Sized on two cores, where relayed tokens set a run's wall time (1k at 64 sessions a GPU relays 22
 times what 8k does): with the three configurations runnable before SPECGATE_ADAPTIVE_URL, a run
-of N=4 1k took 75 s, N=4 8k 38 s, a context's calibration 27-50 s; with all six about twice as
+of N=4 1k took 75 s, N=4 8k 38 s, N=2 1k 41 s, N=2 8k 25 s, a context's calibration 27-50 s; with all six about twice as
 long at 1k. So only the heavy load (64 a GPU, past the batch where the adaptive engines stop
 drafting) is measured, one class only at 1k (where half of specgate-pool's servers draft for a
 class that gains little), and 8k two-class keeps its cell because there the classes diverge most.
 Estimated: ~25 minutes with three configurations, ~48 with six. Windows: 2 simulated seconds (on
 to 20 until every configuration has --min-requests good requests), one for all configurations of
 a run; first sessions staggered over 2 s. Each cell's time scale holds the configurations'
-estimated output near 16,000 tokens a wall second together (~6,700 relayed in fact: 50-58% of
+estimated output near 16,000 tokens a wall second together (~6,700 relayed in fact: 50-70% of
 two cores with three configurations).
 
 Scoring per cell, in simulated time: goodput (requests a second finishing in the window within

@@ -56,7 +56,7 @@ LOADS = {"light": 16, "heavy": 64}  # sessions per GPU
 # estimate of a GPU's output: each cell's time scale holds the stacks' expected output near it.
 # Tokens relayed, not the time scale, set a run's CPU, so a cell's wall time is its simulated
 # seconds' tokens over this. The estimate is 2.4x what a GPU gave at 1k and 64 sessions, so this
-# relays ~6,700 a second: 50-58% of two cores with three configurations (9,000 gave 41%).
+# relays ~6,700 a second: 50-70% of two cores with three configurations (9,000 gave 41%).
 MACHINE_TOK_S = 16000.0
 
 
