@@ -13,6 +13,7 @@ from .calibrate import command as calibrate
 from .experiments import affinityrule, quickcal
 from .experiments.defaultpolicy import cli as defaultpolicy
 from .experiments.twoclass import cli as twoclass
+from .field import cli as field
 from .sweep import TargetUnreachable
 
 # Each command's module defines its subparser and runs it; the order is that of `--help`.
@@ -32,6 +33,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ablation": ablation.cmd_ablation,
     "defaultpolicy": defaultpolicy.cmd_defaultpolicy,
     "quickcal": quickcal.cmd_quickcal,
+    "field": field.cmd_field,
 }
 
 
@@ -44,6 +46,7 @@ def build_parser(prog: str = "python -m loadtest") -> argparse.ArgumentParser:
     ablation.add_parser(sub)
     defaultpolicy.add_parser(sub)
     quickcal.add_parser(sub)
+    field.add_parser(sub)
     parser.epilog = (
         "Ctrl-C (exit 130) or SIGTERM (143) stops a command and every process it started; sweep, compare, "
         "calibrate and demo then print the levels they completed."

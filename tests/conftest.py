@@ -38,6 +38,8 @@ MODULE_TIERS = {
     "test_adaptive": "inprocess",
     "test_adaptive_stack": "inprocess",
     "test_forecast": "inprocess",
+    "test_field": "inprocess",
+    "test_field_run": "loopback",
     "test_affinity": "inprocess",
     "test_calibrate": "inprocess",
     "test_calibrate_search": "inprocess",

@@ -78,10 +78,13 @@ def unknown_runs(runs: Sequence[ClassCell], target: str) -> int:
     return sum(1 for c in runs if not all(c.targets[n].conclusive for n in (target, *FIXED) if n in c.targets))
 
 
-def bootstrap_interval(known: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+def bootstrap_interval(
+    known: Sequence[tuple[float, float]], min_runs: int = POOLED_MIN_RUNS
+) -> tuple[float, float] | None:
     """pooled_interval's bootstrap of sum(a) / sum(b) over (a, b) pairs, b >= 0 (a draw of b's
-    that sum to 0 is an infinite ratio)."""
-    if len(known) < POOLED_MIN_RUNS:
+    that sum to 0 is an infinite ratio); None with fewer than `min_runs` pairs (the field benchmark
+    fixes its own count of seeds)."""
+    if len(known) < min_runs:
         return None
     rng, n = random.Random(0), len(known)
     draws = []

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from ...classes import summarise_class
+from ...classes import Slo, summarise_class
 from ...client import RequestResult
 from ...kit.cells import Servers, run_stacks, say_goodput
 from ...kit.command import say
@@ -20,7 +20,9 @@ from ...kit.multiturn import calibration_flags, context_label, sizes_for
 from ...kit.processes import Fleet, at_time_scale, calibrate_fresh_pair, calibrate_options, fresh_start
 from ...kit.settings import settings_env, specgate_env
 from ...procs import free_port
+from ...production import WorkloadRun
 from ...report import write_json
+from ...workload import TrafficClass
 from .plan import (
     CONTROL,
     DIRECT,
@@ -194,18 +196,13 @@ def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, qu
     returned: dict[str, float | None] = {}
     for name in plan.targets:
         run = cap.runs[name]
-        stats = run.stats(slo, plan.min_requests)
-        everything = summarise_class("all", run.results, run.t0, run.t1, slo)
-        targets[name] = target_cell(name, stats, everything, t, cap.mean_queued(name))
+        targets[name], per_class[name] = target_figures(name, run, slo, t, plan.min_requests, plan.traffic())
+        targets[name] = dataclasses.replace(targets[name], mean_queued=cap.mean_queued(name))
         wrong = misrouted(name, run.results) if plan.gated_fixed else 0
         if wrong:
             # Not the fixed choice it stands for: nothing is concluded from it.
             targets[name] = dataclasses.replace(targets[name], conclusive=False)
             say(f"    warning: {wrong} of {name}'s requests reached the role its gate is not pinned to", quiet)
-        per_class[name] = {c.name: (s.goodput_req_s or 0.0) / t for c in plan.traffic()
-                           if (s := stats.classes.get(c.name)) is not None}  # fmt: skip
-        for c in plan.traffic():
-            per_class[name].setdefault(c.name, 0.0)
         oracle[name] = oracle_hit_rate(run.results, run.t0, run.t1, system)
         returned[name] = returned_share(run.results, run.t0, run.t1)
     cell = ClassCell(
@@ -213,6 +210,18 @@ def run_cell(plan: ClassPlan, context: int, sessions: int, calibration: Path, qu
     )
     say_goodput(targets, cpu, quiet)
     return cell
+
+
+def target_figures(
+    name: str, run: WorkloadRun, slo: Slo, time_scale: float, min_requests: int, classes: Sequence[TrafficClass]
+) -> tuple[TargetCell, dict[str, float]]:
+    """A target's figures in simulated time (kit.figures.target_cell, no queue gauge) and each
+    class's goodput in requests a simulated second (0 for a class with none in the window)."""
+    stats = run.stats(slo, min_requests)
+    everything = summarise_class("all", run.results, run.t0, run.t1, slo)
+    per_class = {c.name: (s.goodput_req_s or 0.0) / time_scale if (s := stats.classes.get(c.name)) else 0.0
+                 for c in classes}  # fmt: skip
+    return target_cell(name, stats, everything, time_scale), per_class
 
 
 def context_calibration(
