@@ -20,8 +20,9 @@ Configurations, each a fleet of its own of N simulators, one alone on each simul
                  specgate in front of N adaptive servers through SPECGATE_ADAPTIVE_URL (speculative
                  and baseline URLs empty), classes and affinity on, SPECGATE_ADAPTIVE_PLACEMENT=
                  homogeneous and least_loaded;
-  specgate-mixed specgate in front of a mixed fleet (N=2: one speculative and one adaptive; N=4:
-                 one speculative, one baseline, two adaptive), pooled, calibrated as specgate-pool.
+  specgate-mixed specgate in front of a mixed fleet (N=4: one speculative, one baseline, two
+                 adaptive; none at N=2, where a pool's two roles leave no GPU), pooled, calibrated as
+                 specgate-pool.
 
 The last three need SPECGATE_ADAPTIVE_URL: where the installed specgate's Settings has no
 adaptive_url they are skipped, and the run says so. Every specgate gets SPECGATE_SLO_TTFT_MS and

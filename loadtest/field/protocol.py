@@ -100,10 +100,17 @@ def roles(config: str, gpus: int) -> tuple[str, ...]:
     if config == POOL:
         return ("speculative",) * (gpus // 2) + ("baseline",) * (gpus // 2)
     if config == MIXED:
-        # Every kind of server once where there is room: the fleet a user grows from today's pool.
-        rest = ("adaptive",) if gpus == 2 else ("baseline",) + ("adaptive",) * (gpus - 2)
-        return ("speculative", *rest)
+        # Every kind of server once, and adaptive ones on the rest: the fleet a user grows from
+        # today's pool (a pool needs both its roles, so there is none on two GPUs: fits).
+        if gpus < 4:
+            raise ValueError(f"{MIXED} needs 4 GPUs or more: a pool's two roles and adaptive servers")
+        return ("speculative", "baseline") + ("adaptive",) * (gpus - 2)
     raise ValueError(f"{config!r} is not a configuration ({', '.join(CONFIGS)})")
+
+
+def fits(config: str, gpus: int) -> bool:
+    """Whether the configuration has a fleet on `gpus` GPUs (roles)."""
+    return config != MIXED or gpus >= 4
 
 
 def gate_settings(config: str) -> dict[str, object]:
@@ -178,7 +185,8 @@ class FieldPlan:
             if c.per_gpu < 1:
                 raise ValueError("sessions a GPU must be at least 1")
             for config in self.configs:
-                roles(config, c.gpus)
+                if fits(config, c.gpus):
+                    roles(config, c.gpus)
             sizes_for(c.context, self.turns, self.max_tokens)
 
     @property

@@ -18,7 +18,7 @@ from ..kit.processes import Fleet, at_time_scale, fresh_start
 from ..kit.settings import settings_env, specgate_env
 from ..procs import free_port, simulator_args
 from ..report import write_json
-from .protocol import SMG, TRAFFICS, Cell, CellRun, FieldPlan, calibrated, gate_settings, roles
+from .protocol import SMG, TRAFFICS, Cell, CellRun, FieldPlan, calibrated, fits, gate_settings, roles
 from .score import FieldRun
 
 
@@ -142,9 +142,10 @@ def run_all(
     cals = calibrations(plan, out_dir, reuse, quiet)
     runs: list[FieldRun] = []
     for cell in plan.cells:
-        scaled = at_cell_scale(plan, cals[cell.context], cell, plan.time_scale(cell, len(configs)), out_dir)
+        here = tuple(c for c in configs if fits(c, cell.gpus))
+        scaled = at_cell_scale(plan, cals[cell.context], cell, plan.time_scale(cell, len(here)), out_dir)
         for seed in plan.seed_list():
-            one = functools.partial(run_one, plan, cell, seed, configs, scaled, smg, fields, quiet)
+            one = functools.partial(run_one, plan, cell, seed, here, scaled, smg, fields, quiet)
             runs.append(fresh_start(one, quiet))
             write_json(out_dir / "field.json", {"settings": plan, "runs": runs})
     return runs

@@ -72,7 +72,8 @@ def test_a_plan_that_cannot_run_is_refused(change: dict[str, object], message: s
 def test_each_configuration_puts_its_servers_one_a_gpu() -> None:
     assert roles(REFERENCE, 4) == ("adaptive",) * 4 and roles(SMG_BASELINE, 2) == ("baseline",) * 2
     assert roles(POOL, 4) == ("speculative", "speculative", "baseline", "baseline")
-    assert roles(MIXED, 2) == ("speculative", "adaptive")
+    with pytest.raises(ValueError, match="4 GPUs"):
+        roles(MIXED, 2)
     assert roles(MIXED, 4) == ("speculative", "baseline", "adaptive", "adaptive")
     assert roles(ADAPTIVE, 2) == roles(BALANCED, 2) == ("adaptive", "adaptive")
 
