@@ -185,6 +185,9 @@ class Settings(BaseSettings):
     max_classes: int = Field(32, ge=1, le=1000)
     # Each class's speculation where its client asks none (proxy/routing/switch.py): `code=on,creative=off`.
     class_speculation: str = ""
+    # The SLOs a pooled class's request is placed to meet (routing/steps/classes.py), in ms; unset: none.
+    slo_ttft_ms: float | None = Field(None, gt=0)
+    slo_tpot_ms: float | None = Field(None, gt=0)
     max_connections_per_backend: int = Field(1024, ge=1)
     shutdown_grace_s: float = Field(30.0, ge=0)
 
@@ -315,6 +318,7 @@ class Settings(BaseSettings):
             affinity_rule=self.affinity_rule,
             kv_spill_at=self.kv_spill_at,
             adaptive_placement=self.adaptive_placement,
+            slo_tpot_ms=self.slo_tpot_ms,
             kv_spill_room=min(KV_SPILL_ROOM, self.kv_spill_at) if self.kv_spill_room is None else self.kv_spill_room,
         )
 

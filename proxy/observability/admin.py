@@ -104,6 +104,8 @@ def describe(gate: Gate) -> dict[str, Any]:
         # The clients' switch (routing/switch.py): the classes' defaults, and the requests that
         # asked for each, honoured or not (those not honoured went where the decision's reason says).
         "speculation": _speculation(gate),
+        # The SLOs the pooled class rule keeps each request within where it can (steps/classes.py).
+        "slo": {"ttft_ms": s.slo_ttft_ms, "tpot_ms": s.slo_tpot_ms},
         "watermarks": {"high": first.cfg.high_watermark, "low": first.cfg.low_watermark},
         "calibration": s.calibration,
         "spillover_limit": s.spillover_limit,

@@ -77,6 +77,7 @@ Reason = Literal[
     "client_on",  # speculative: the client asked for speculation (x-specgate-speculation, its class's default)
     "client_off",  # baseline: the client asked for none
     "in_engine",  # adaptive: servers whose engines choose how far to draft, batch by batch
+    "slo",  # a pooled class's request on the other role: its own would miss SPECGATE_SLO_TPOT_MS, the other not
     "no_healthy_backend",
 ]
 REASONS: tuple[Reason, ...] = (
@@ -98,6 +99,7 @@ REASONS: tuple[Reason, ...] = (
     "client_on",
     "client_off",
     "in_engine",
+    "slo",
     "no_healthy_backend",
 )
 
@@ -152,6 +154,9 @@ class PolicyConfig:
     # module's F and R: SPECGATE_KV_SPILL_AT, 0 off, and SPECGATE_KV_SPILL_ROOM), as fractions.
     kv_spill_at: float = 0.0
     kv_spill_room: float = 0.0
+    # A stream's time per output token the pooled class rule keeps each request within where it can
+    # (SPECGATE_SLO_TPOT_MS; None: no SLO): routing/steps/classes.py.
+    slo_tpot_ms: float | None = None
     # Which adaptive server a request goes to (SPECGATE_ADAPTIVE_PLACEMENT: proxy/routing/homogeneous.py).
     adaptive_placement: Literal["homogeneous", "least_loaded"] = "least_loaded"
 

@@ -16,6 +16,9 @@ engine's reading, else the traffic's):
             = the held role                 if G_other - G_held <= slack * c / 1000 * A_h * v_h(n+1)
                                                                                       (reason affinity)
             = speculative if G_spec >= G_base, else baseline                          (reason class)
+            = the other role, where SPECGATE_SLO_TPOT_MS is set, the role above would decode the
+              request slower than it (1000 / (A_r * v_r(n+1)) ms a token) and the other would not,
+              is up and (the speculative role) has room                              (reason slo)
 
 where a conversation's cache is held (c its tokens cached there, A_h * v_h(n+1) the turn's own
 speed on the held role, slack SPECGATE_AFFINITY_SLACK): the other role must gain more than `slack`
@@ -68,6 +71,7 @@ from ...policy.base import (
     Role,
     backend_load,
     marginal_gain,
+    other,
 )
 from ...policy.beliefs import Adaptive
 from ...policy.speedmodel import StepModel
@@ -85,7 +89,7 @@ _RANKED: dict[bool | None, ClassView] = {g: ClassView(g) for g in (None, True, F
 
 class TrafficClass:
     name: Final = "class"
-    reasons: Final[tuple[Reason, ...]] = ("class", "affinity")
+    reasons: Final[tuple[Reason, ...]] = ("class", "affinity", "slo")
 
     def place(self, ask: Ask, here: Here, decision: Decision | None) -> Decision | None:
         klass = ask.klass
@@ -153,9 +157,21 @@ def _gained_choice(
             gain_held, speed_held = gains.of(held)
             if gains.of(choice)[0] - gain_held <= cfg.affinity_slack * cached_tokens / 1000 * speed_held:
                 choice, reason = held, "affinity"
+        if cfg.slo_tpot_ms is not None and _misses(gains, choice, cfg.slo_tpot_ms):
+            alt = other(choice)
+            full = alt is SPECULATIVE and cfg.capacity is not None and spec_load >= cfg.capacity
+            if not full and healthy.get(alt, False) and not _misses(gains, alt, cfg.slo_tpot_ms):
+                choice, reason = alt, "slo"
     if not healthy.get(choice, False):
         return decision
     return Decision(choice, reason, decision.state, decision.load)
+
+
+def _misses(gains: PoolGains, role: Role, slo_tpot_ms: float) -> bool:
+    """Whether a stream of the class on `role` would decode slower than the SLO: its speed there
+    (tokens/s, the curves' or the fit's at the role's load with it) under 1000 / SLO."""
+    speed = gains.of(role)[1]
+    return speed * slo_tpot_ms < 1000.0
 
 
 def _ranked_choice(decision: Decision, gains: bool | None, cfg: PolicyConfig, healthy: Mapping[Role, bool]) -> Decision:
