@@ -1,7 +1,7 @@
 #!/bin/sh
-# Prometheus's entry point in compose.yaml: writes the servers specgate routes to, from the same two
-# variables specgate reads (SPECGATE_SPECULATIVE_URL, SPECGATE_BASELINE_URL), to a file_sd target
-# file, then runs its arguments (Prometheus and its flags). prometheus.yml's `engines` job reads that
+# Prometheus's entry point in compose.yaml: writes the servers specgate routes to, from the same
+# variables specgate reads (SPECGATE_SPECULATIVE_URL, SPECGATE_BASELINE_URL, SPECGATE_ADAPTIVE_URL),
+# to a file_sd target file, then runs its arguments (Prometheus and its flags). prometheus.yml's `engines` job reads that
 # file and its relabelling splits each URL into scheme, address and metrics path (the URL's path
 # + /metrics, where specgate reads it too). POSIX sh and sed only: the Prometheus image is busybox.
 #
@@ -57,6 +57,7 @@ add() { # role, comma list
 
 add speculative "${SPECGATE_SPECULATIVE_URL:-}"
 add baseline "${SPECGATE_BASELINE_URL:-}"
+add adaptive "${SPECGATE_ADAPTIVE_URL:-}"
 printf '[%s]\n' "$groups" >"$out.tmp"
 mv "$out.tmp" "$out"
 exec "$@"

@@ -472,7 +472,8 @@ def test_only_the_settings_set_reach_specgate(profile: str, with_env: bool, stac
     gate = services["specgate"]
     assert passed(gate["environment"]) == {**FIXED, **COMPOSE_URLS, **values}
     assert gate["environment"]["SPECGATE_ENGINE"] is None and gate["environment"]["SPECGATE_CALIBRATION"] is None
-    urls = {k: gate["environment"][k] for k in COMPOSE_URLS}
+    # The adaptive servers' list passes through by name, as the other settings do.
+    urls = {k: gate["environment"][k] for k in (*COMPOSE_URLS, "SPECGATE_ADAPTIVE_URL")}
     assert services["prometheus"]["environment"] == urls  # the same entries (anchors), nothing else
     assert services["prometheus"]["entrypoint"] == ["/bin/sh", "/etc/prometheus/servers.sh", "/bin/prometheus"]
     # Dependencies only on services this profile runs, or optional ones compose skips when absent.
