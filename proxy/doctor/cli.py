@@ -47,6 +47,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--speculative", metavar="URL[,URL]", help="the speculative server(s) (SPECGATE_SPECULATIVE_URL)")
     p.add_argument("--baseline", metavar="URL[,URL]", help="the baseline server(s) (SPECGATE_BASELINE_URL)")
+    p.add_argument(
+        "--adaptive",
+        metavar="URL[,URL]",
+        help="servers that draft adaptively in the engine (SPECGATE_ADAPTIVE_URL); with them alone, pass "
+        "--speculative '' --baseline ''",
+    )
     p.add_argument("--api-key", help="the servers' --api-key (SPECGATE_UPSTREAM_API_KEY); never printed")
     p.add_argument("--engine", choices=("auto", "sglang", "vllm", "llamacpp"), help="SPECGATE_ENGINE")
     p.add_argument("--load-signal", choices=("local", "engine", "max"), help="SPECGATE_LOAD_SIGNAL")
@@ -77,6 +83,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     given: dict[str, Any] = {
         "speculative_url": args.speculative,
         "baseline_url": args.baseline,
+        "adaptive_url": args.adaptive,
         "upstream_api_key": args.api_key,
         "engine": args.engine,
         "load_signal": args.load_signal,
@@ -91,11 +98,16 @@ def diagnose(settings: Settings, shared_gpu: bool | None, timeout_s: float) -> r
     observations = asyncio.run(probe.observe_all(topology.servers, key, timeout_s))
     verdicts = [judge.judge_server(o, settings.engine, settings.load_signal) for o in observations]
     calibration = settings.load_calibration()
-    raw = {Role.SPECULATIVE: settings.speculative_url, Role.BASELINE: settings.baseline_url}
+    raw = {
+        Role.SPECULATIVE: settings.speculative_url,
+        Role.BASELINE: settings.baseline_url,
+        Role.ADAPTIVE: settings.adaptive_url,
+    }
     shown = {role: [(name, redact_url(url)) for name, url in entries(raw[role])] for role in raw}
     setup = Setup(
         speculative=shown[Role.SPECULATIVE],
         baseline=shown[Role.BASELINE],
+        adaptive=shown[Role.ADAPTIVE],
         shared_gpu=shared_gpu,
         calibration=settings.calibration,
         calibration_has_model=calibration is not None and calibration.model is not None,

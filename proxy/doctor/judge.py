@@ -203,12 +203,25 @@ def judge_server(obs: Observation, setting: EngineSetting, load_signal: LoadSign
 def _speculation(obs: Observation, accept: Acceptance, flag: str) -> list[Finding]:
     who = f"{obs.role} {obs.url}"
     shown = f" (acceptance {accept.value:.2f})" if accept.value is not None else ""
+    adaptive = obs.facts.speculative_adaptive
+    if obs.role == Role.SPECULATIVE and adaptive:
+        return [
+            Finding(
+                "warning",
+                f"{who}: drafts adaptively in the engine (--speculative-adaptive), and stops drafting under "
+                "load: list it in SPECGATE_ADAPTIVE_URL, or start it without that flag",
+            )
+        ]
+    if obs.role == Role.ADAPTIVE and adaptive is False:
+        return [Finding("error", f"{who}: does not draft adaptively: start it with --speculative-adaptive")]
     if accept.speculates is None:
         return [Finding("warning", f"{who}: whether it speculates is {accept.how}")]
     if obs.role == Role.BASELINE and accept.speculates:
         return [Finding("error", f"{who}: speculates{shown}: start it without {flag.split()[0]}")]
     if obs.role == Role.SPECULATIVE and not accept.speculates:
         return [Finding("error", f"{who}: does not speculate{shown}: start it with {flag}")]
+    if obs.role == Role.ADAPTIVE and not accept.speculates:
+        return [Finding("warning", f"{who}: did not draft for a one-stream probe{shown}: is it speculating?")]
     return []
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ..config import Settings
-from ..fleet.topology import TopologyName
+from ..fleet.topology import TopologyKind, TopologyName
 from ..policy.base import PolicyName
 from .judge import Finding
 
@@ -32,11 +32,13 @@ class Setup:
     topology_set: TopologyName | None  # SPECGATE_TOPOLOGY as set
     api_key_set: bool
     credentials_left_out: bool  # a URL held credentials, not shown
+    # Servers that draft adaptively in the engine (SPECGATE_ADAPTIVE_URL).
+    adaptive: Sequence[tuple[str | None, str]] = ()
 
 
 @dataclass(frozen=True)
 class Recommendation:
-    topology: TopologyName
+    topology: TopologyKind
     topology_why: str
     policy: PolicyName
     policy_why: str
@@ -48,8 +50,13 @@ def host(url: str) -> str:
     return (urlsplit(url).hostname or url).lower()
 
 
-def topology(setup: Setup) -> tuple[TopologyName, str]:
+def topology(setup: Setup) -> tuple[TopologyKind, str]:
     spec, base = setup.speculative, setup.baseline
+    if not spec and not base:
+        return (
+            "adaptive",
+            "adaptive servers alone: their engines choose how far to draft, specgate where each request goes",
+        )
     if len(spec) != len(base):
         return "pooled", f"{len(spec)} speculative and {len(base)} baseline servers: lists of unequal length are pooled"
     if setup.shared_gpu is True:
@@ -67,7 +74,7 @@ def topology(setup: Setup) -> tuple[TopologyName, str]:
     )
 
 
-def policy(setup: Setup, topo: TopologyName) -> tuple[PolicyName, str]:
+def policy(setup: Setup, topo: TopologyKind) -> tuple[PolicyName, str]:
     """As docs/choosing.md's table: a pair's one mode follows its calibrated watermarks; a pool's
     roles are priced by the curves (or the speed model), which classes need."""
     if setup.calibration is None:
@@ -76,6 +83,9 @@ def policy(setup: Setup, topo: TopologyName) -> tuple[PolicyName, str]:
             "the gateway's default, on its default watermarks, a guess; run `specgate calibrate --save "
             "calibration.json` to measure where speculation stops paying on your servers"
         )
+    if topo == "adaptive":
+        default_policy: PolicyName = Settings.model_fields["policy"].default
+        return default_policy, "no pair or pool to choose between: the policy does not act"
     if topo == "paired":
         return "threshold", "a pair sharing a GPU has one mode: the calibration file's watermarks decide it"
     if setup.calibration_has_model:
@@ -89,9 +99,12 @@ def recommend(setup: Setup) -> Recommendation:
     lines = [
         f"SPECGATE_SPECULATIVE_URL={_listed(setup.speculative)}",
         f"SPECGATE_BASELINE_URL={_listed(setup.baseline)}",
-        f"SPECGATE_TOPOLOGY={topo}",
         f"SPECGATE_POLICY={chosen}",
     ]
+    if topo != "adaptive":
+        lines.insert(2, f"SPECGATE_TOPOLOGY={topo}")
+    if setup.adaptive:
+        lines.insert(2, f"SPECGATE_ADAPTIVE_URL={_listed(setup.adaptive)}")
     if setup.calibration is not None:
         lines.append(f"SPECGATE_CALIBRATION={setup.calibration}")
     if setup.api_key_set:

@@ -57,6 +57,13 @@ stream does not count steps): llama-server's `timings` (`draft_n`, `draft_n_acce
 or usage chunk and on a whole body, for chat and completions alike) and SGLang's native
 `meta_info.spec_verify_ct`; SGLang's OpenAI endpoints and vLLM write none.
 
+Per-request speculation: none of the three takes a switch that turns speculation off for one request
+on a server launched with a draft model, in the OpenAI API: SGLang's RFC #30263 and its draft PR
+#30264 and vLLM's `disable_spec_decode` (PR #55412) closed unmerged. llama-server reads
+`speculative.n_max` (and `.n_min`, `.p_min`) from a request's body, 0 drafting nothing for it, but a
+llama.cpp-only field. A client's switch (routing/switch.py) is therefore where a request goes, on
+every engine, and its field is removed before forwarding.
+
 Connections: SGLang's uvicorn closes a kept-alive connection after `keepalive_s` idle; a request
 written into a connection it is closing is lost, so the pool closes its own sooner
 (`POOL_KEEPALIVE_S`).
@@ -283,6 +290,8 @@ class ServerFacts:
     # None where the engine does not say.
     speculative_algorithm: str | None = None
     avg_accept_length: float | None = None  # since start, where the engine reports it
+    # SGLang's /server_info: whether it drafts adaptively (--speculative-adaptive); None: not said.
+    speculative_adaptive: bool | None = None
 
 
 def server_facts(models: Any, info: Any, props: Any) -> ServerFacts:
@@ -294,13 +303,15 @@ def server_facts(models: Any, info: Any, props: Any) -> ServerFacts:
     owners = {c.get("owned_by") for c in cards}
     engine: EngineName | None = next((e for e in ENGINES if e in owners), None)
     context = next((n for c in cards if (n := _size(c.get("max_model_len"))) is not None), None)
-    pool, algorithm, accept = None, None, None
+    pool, algorithm, accept, adaptive = None, None, None, None
     if isinstance(info, dict) and "internal_states" in info:  # SGLang's (vLLM's dev mode has a /server_info)
         engine = engine or "sglang"
         context = context or _size(info.get("context_length"))
         pool = _size(info.get("max_total_num_tokens"))
         found = info.get("speculative_algorithm")
         algorithm = found if isinstance(found, str) else ""
+        said = info.get("speculative_adaptive")
+        adaptive = said if isinstance(said, bool) else None
         states = info.get("internal_states")
         if isinstance(states, list):
             kept = [m for s in states if isinstance(s, dict) and (m := _mean(s.get("avg_spec_accept_length")))]
@@ -312,7 +323,7 @@ def server_facts(models: Any, info: Any, props: Any) -> ServerFacts:
         slots = _size(props.get("total_slots")) or 1
         context = context or per_slot
         pool = pool or (per_slot * slots if per_slot else None)
-    return ServerFacts(names, engine, context, pool, algorithm, accept)
+    return ServerFacts(names, engine, context, pool, algorithm, accept, adaptive)
 
 
 def _size(value: Any) -> int | None:

@@ -156,3 +156,18 @@ def _listening(port: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def test_adaptive_servers_alone_and_one_listed_as_speculative(
+    simulator: StartSim, capsys: pytest.CaptureFixture[str]
+) -> None:
+    steps = ("--profile", "h200-llama8b", "--time-scale", "20")
+    first, second = simulator("adaptive", *steps), simulator("adaptive", *steps)
+    code, out = doctor(capsys, "", "", "--adaptive", f"{first.url},{second.url}")
+    assert code == 0, out
+    assert "topology: adaptive" in out and f"SPECGATE_ADAPTIVE_URL={first.url},{second.url}" in out
+    assert "SPECGATE_TOPOLOGY" not in out
+    base = simulator("baseline", *steps)
+    code, out = doctor(capsys, first.url, base.url)
+    assert code == 0, out  # it still drafts: a warning, not a block
+    assert f"WARN  speculative {first.url}: drafts adaptively in the engine" in "\n".join(problems(out))
