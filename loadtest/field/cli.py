@@ -33,14 +33,16 @@ stream's first session staggered over 2 s), every request with x-specgate-class 
 two classes (AB: half class A, prose accepting ~1.3 a step, half class B, quoted code ~3.0), or
 class A alone (A).
 
-Cells (N GPUs, traffic, mean context, sessions a GPU), 5 seeds each (0-4), 30 runs:
-  N=2 and N=4, each:  AB 1k 64/GPU, AB 8k 64/GPU, A 1k 64/GPU.
+Cells (N GPUs, traffic, mean context, sessions a GPU), 5 seeds each (0-4), 40 runs:
+  N=2 and N=4, each:  AB 1k 64/GPU, AB 8k 64/GPU, A 1k 64/GPU, AB 1k 16/GPU.
 Sized on two cores, where relayed tokens set a run's wall time (1k at 64 sessions a GPU relays 22
 times what 8k does): with the three configurations runnable before SPECGATE_ADAPTIVE_URL, a run
 of N=4 1k took 75 s, N=4 8k 38 s, N=2 1k 41 s, N=2 8k 25 s, a context's calibration 27-50 s; with all six about twice as
-long at 1k. So only the heavy load (64 a GPU, past the batch where the adaptive engines stop
-drafting) is measured, one class only at 1k (where half of specgate-pool's servers draft for a
-class that gains little), and 8k two-class keeps its cell because there the classes diverge most.
+long at 1k. So the heavy load (64 a GPU, past the batch where the adaptive engines stop drafting) is measured
+in three cells a N, one class only at 1k (where half of specgate-pool's servers draft for a class
+that gains little), 8k two-class because there the classes diverge most; and one light cell a N
+(16 a GPU, two classes at 1k), where the adaptive engines still draft and batches' mix of
+acceptance matters (SPECGATE_ADAPTIVE_PLACEMENT), added before the full run.
 Estimated: ~25 minutes with three configurations, ~48 with six. Windows: 2 simulated seconds (on
 to 20 until every configuration has --min-requests good requests), one for all configurations of
 a run; first sessions staggered over 2 s. Each cell's time scale holds the configurations'

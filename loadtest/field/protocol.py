@@ -80,12 +80,17 @@ class Cell:
 
 def default_cells() -> tuple[Cell, ...]:
     """The protocol's cells (cli.py: why these): at both N, two classes at both contexts and one
-    class at 1k, each under the heavy load."""
-    heavy = LOADS["heavy"]
+    class at 1k, each under the heavy load, and two classes at 1k under the light one."""
+    heavy, light = LOADS["heavy"], LOADS["light"]
     return tuple(
-        Cell(n, traffic, context, heavy)
+        Cell(n, traffic, context, load)
         for n in (2, 4)
-        for traffic, context in (("AB", 1000), ("AB", 8000), ("A", 1000))
+        for traffic, context, load in (
+            ("AB", 1000, heavy),
+            ("AB", 8000, heavy),
+            ("A", 1000, heavy),
+            ("AB", 1000, light),
+        )
     )
 
 
