@@ -219,7 +219,9 @@ def panels() -> list[dict[str, Any]]:
             "Routing decisions per second by backend and reason",
             "Every routing decision: light_load/heavy_load/hysteresis_hold by the policy, return_hold while the "
             "load waits out SPECGATE_LOW_WATERMARK_HOLD_S, dwell_hold, switch_cost and probe (adaptive), "
-            "kv_spill when the baseline's KV pools are full, class, affinity and batch, spillover, "
+            "kv_spill when the baseline's KV pools are full, class, affinity and batch, spillover, client_on/"
+            "client_off (a client's switch), slo (a class kept within SPECGATE_SLO_TPOT_MS), in_engine (adaptive "
+            "servers), "
             "only_healthy when a server is down, failover for retries.",
             [
                 (
@@ -449,6 +451,21 @@ def panels() -> list[dict[str, Any]]:
             ],
             (12, 79, 12, 8),
             unit="short",
+        ),
+        timeseries(
+            "Clients' speculation switch",
+            "Requests that asked for speculation on or off (x-specgate-speculation, the body's speculation "
+            "field, or their class's SPECGATE_CLASS_SPECULATION), by whether they went where they asked; "
+            "one not honoured went where its x-specgate-reason says (no room, a server down).",
+            [
+                (
+                    f"sum by (switch, honoured) (rate(specgate_speculation_switch_total[{RATE}]))",
+                    "{{switch}} honoured={{honoured}}",
+                )
+            ],
+            (0, 87, 12, 8),
+            unit="reqps",
+            stack=True,
         ),
     ]
 
