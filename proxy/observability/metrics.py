@@ -18,11 +18,12 @@ from prometheus_client.registry import Collector
 
 from ..fleet.servers import Server
 from ..kinds import ENDPOINTS, ERROR_KINDS, REJECTIONS
-from ..policy.base import ALL_ROLES, REASONS, ROLES, other
+from ..policy.base import REASONS, ROLES, other
 from ..routing.switch import SOURCES, SWITCHES
 
 # Requests the proxy answered itself (auth, size, no backend) carry backend="none".
-REQUEST_BACKENDS = (*ALL_ROLES, "none")
+# Primed at 0 (the pair's or pool's roles: an adaptive server's series start with its first request).
+REQUEST_BACKENDS = (*ROLES, "none")
 CODE_CLASSES = ("2xx", "4xx", "5xx")
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
@@ -317,7 +318,7 @@ class Metrics:
         return found
 
     def _prime(self) -> None:
-        for b in ALL_ROLES:
+        for b in ROLES:
             self.inflight.labels(b).set(0)
             self.backend_up.labels(b).set(0)
             self.engine_load.labels(b).set(-1)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from ..fleet.servers import Server
 from ..fleet.topology import Topology
 from ..observability.metrics import Metrics
-from ..policy.base import ADAPTIVE, ALL_ROLES, SPECULATIVE, ClassView, Decision, PolicyConfig, least_loaded
+from ..policy.base import ADAPTIVE, ALL_ROLES, ROLES, SPECULATIVE, ClassView, Decision, PolicyConfig, least_loaded
 from ..policy.beliefs import AdaptiveConfig
 from ..policy.calibration import Calibration
 from .affinity import Held, Outcome, keep
@@ -195,7 +195,9 @@ class Fleet:
             m.child(m.server_tokens, name).set_function(lambda load=server.load: load.tokens)
         for r in routers:
             m.child(m.group_load, r.group.name).set_function(lambda r=r: r.last_load)
-        for role in ALL_ROLES:
+        # The pair's or pool's two roles always (a gauge at 0 rather than none), adaptive where there are such servers.
+        present = [role for role in ALL_ROLES if role in ROLES or any(r.group.of(role) for r in routers)]
+        for role in present:
             m.child(m.inflight, role).set_function(lambda role=role: sum(r.loads.role_count(role) for r in routers))
         m.load.set_function(lambda: sum(r.last_load for r in routers))
         # The share of groups in speculative mode: 1 or 0 as with one group, between with several.
