@@ -27,7 +27,7 @@ from .gate import Gate
 from .observability import admin
 from .observability.metrics import Metrics, code_class
 from .observability.tracing import Tracing
-from .policy.base import LEARNING, Role
+from .policy.base import ALL_ROLES, LEARNING, Role
 from .relay.shadow import Prober
 from .relay.stored import StoredResponses
 from .routing.affinity import AffinityTable
@@ -49,7 +49,8 @@ async def running(settings: Settings, tracer_provider: TracerProvider | None = N
     one is handed in (tests), else where the `OTEL_*` variables say (proxy/observability/tracing.py), if anywhere."""
     topology = settings.routing_topology()
     servers = servers_of(topology)
-    metrics = Metrics(topology.names(), [g.name for g in topology.groups])
+    roles = [role for role in ALL_ROLES if any(s.role == role for s in topology.servers)]
+    metrics = Metrics(topology.names(), [g.name for g in topology.groups], roles)
     calibration = settings.load_calibration()
     classes = ClassBook(settings.max_classes, priors=calibration.classes if calibration is not None else None)
     fleet = Fleet(

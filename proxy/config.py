@@ -209,6 +209,8 @@ class Settings(BaseSettings):
     @field_validator("speculative_url", "baseline_url", "adaptive_url")
     @classmethod
     def _check_urls(cls, value: str) -> str:
+        if value.strip().lower() == "none":
+            return ""  # no server of the role, said where an empty value cannot be (compose's `:-`)
         found = entries(value)
         if not found:
             return ""  # none of the role: the topology says whether that is allowed
@@ -271,9 +273,17 @@ class Settings(BaseSettings):
         return value
 
     def routing_topology(self) -> Topology:
-        """The servers and groups SPECGATE_SPECULATIVE_URL, _BASELINE_URL and _TOPOLOGY describe."""
+        """The servers and groups SPECGATE_SPECULATIVE_URL, _BASELINE_URL, _ADAPTIVE_URL and
+        _TOPOLOGY describe. Beside adaptive servers, a pair's URL not set is none (its default
+        names a server on this host that is not there): SPECGATE_ADAPTIVE_URL alone is a fleet of
+        adaptive servers alone."""
         if self._topology is None:
-            self._topology = build_topology(self.speculative_url, self.baseline_url, self.topology, self.adaptive_url)
+            given = self.model_fields_set
+            spec, base = self.speculative_url, self.baseline_url
+            if self.adaptive_url:
+                spec = spec if "speculative_url" in given else ""
+                base = base if "baseline_url" in given else ""
+            self._topology = build_topology(spec, base, self.topology, self.adaptive_url)
         return self._topology
 
     def load_calibration(self) -> Calibration | None:

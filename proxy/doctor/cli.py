@@ -51,7 +51,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--adaptive",
         metavar="URL[,URL]",
         help="servers that draft adaptively in the engine (SPECGATE_ADAPTIVE_URL); with them alone, pass "
-        "--speculative '' --baseline ''",
+        "--speculative none --baseline none",
     )
     p.add_argument("--api-key", help="the servers' --api-key (SPECGATE_UPSTREAM_API_KEY); never printed")
     p.add_argument("--engine", choices=("auto", "sglang", "vllm", "llamacpp"), help="SPECGATE_ENGINE")

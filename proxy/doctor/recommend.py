@@ -97,8 +97,8 @@ def recommend(setup: Setup) -> Recommendation:
     topo, topo_why = topology(setup)
     chosen, policy_why = policy(setup, topo)
     lines = [
-        f"SPECGATE_SPECULATIVE_URL={_listed(setup.speculative)}",
-        f"SPECGATE_BASELINE_URL={_listed(setup.baseline)}",
+        f"SPECGATE_SPECULATIVE_URL={_listed(setup.speculative) or 'none'}",
+        f"SPECGATE_BASELINE_URL={_listed(setup.baseline) or 'none'}",
         f"SPECGATE_POLICY={chosen}",
     ]
     if topo != "adaptive":

@@ -94,6 +94,8 @@ def build(speculative: str, baseline: str, kind: TopologyName | None, adaptive: 
     paired_roles = lists[Role.SPECULATIVE] or lists[Role.BASELINE]
     if not paired_roles and not lists[Role.ADAPTIVE]:
         raise ValueError("no server given")
+    if not paired_roles and kind is not None:
+        raise ValueError(f"SPECGATE_TOPOLOGY={kind} groups a pair or pool: with adaptive servers alone, leave it unset")
     if paired_roles:
         for role in ROLES:
             if not lists[role]:

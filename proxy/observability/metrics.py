@@ -18,12 +18,10 @@ from prometheus_client.registry import Collector
 
 from ..fleet.servers import Server
 from ..kinds import ENDPOINTS, ERROR_KINDS, REJECTIONS
-from ..policy.base import REASONS, ROLES, other
+from ..policy.base import ALL_ROLES, REASONS, ROLES, Role, other
 from ..routing.switch import SOURCES, SWITCHES
 
 # Requests the proxy answered itself (auth, size, no backend) carry backend="none".
-# Primed at 0 (the pair's or pool's roles: an adaptive server's series start with its first request).
-REQUEST_BACKENDS = (*ROLES, "none")
 CODE_CLASSES = ("2xx", "4xx", "5xx")
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
@@ -81,8 +79,10 @@ class Metrics:
     """Every metric, in one registry per app. `servers` and `groups` are the configured names
     (proxy/fleet/topology.py): a bounded set, so labels by them are safe."""
 
-    def __init__(self, servers: Sequence[str], groups: Sequence[str]) -> None:
+    def __init__(self, servers: Sequence[str], groups: Sequence[str], roles: Sequence[Role] = ROLES) -> None:
         self.servers, self.groups = tuple(servers), tuple(groups)
+        # The roles configured, whose series are primed (an adaptive fleet alone has no pair's).
+        self.roles = tuple(roles)
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "specgate_requests",
@@ -318,7 +318,7 @@ class Metrics:
         return found
 
     def _prime(self) -> None:
-        for b in ROLES:
+        for b in self.roles:
             self.inflight.labels(b).set(0)
             self.backend_up.labels(b).set(0)
             self.engine_load.labels(b).set(-1)
@@ -345,7 +345,7 @@ class Metrics:
                     self.speculation_switch.prime(asked, source, honoured)
         for why in REJECTIONS:
             self.client_rejections.labels(why)
-        for label in REQUEST_BACKENDS:
+        for label in (*self.roles, "none"):
             for ep in ENDPOINTS:
                 for code in CODE_CLASSES:
                     self.requests.labels(label, ep, code)
@@ -380,7 +380,7 @@ class Metrics:
 
     def forget_class(self, name: str) -> None:
         """A traffic class no longer tracked: its series go (the label set stays bounded)."""
-        for role in REQUEST_BACKENDS:
+        for role in (*ALL_ROLES, "none"):
             key = (id(self.class_requests), (name, role))
             if self._children.pop(key, None) is not None:
                 self.class_requests.remove(name, role)

@@ -41,11 +41,6 @@ from .sseframe import ends_with_done
 log = logging.getLogger("specgate.relay")
 
 
-# The roles whose streams show a class's acceptance: speculative servers, and adaptive ones, whose
-# steps say what their engine drafted for the class (what ranks it for homogeneous.py's halves).
-_DRAFTING = (Role.SPECULATIVE, Role.ADAPTIVE)
-
-
 class RelayResponse:
     """The ASGI response of one proxied request (a plain class: a Starlette Response would build
     headers of its own on every request, to be thrown away)."""
@@ -219,7 +214,7 @@ class _Relay:
                 self._drop_upstream()
                 alt = other(backend)
                 up = self.router.loads.healthy_map()
-                if attempt == 0 and err.retryable and up[alt]:
+                if attempt == 0 and err.retryable and self.router.can_fail_over(self.lease):
                     log.warning("request %s: %s; retrying on %s", call.request_id, err, alt)
                     self.lease = self.router.failover(self.lease, alt)
                     gate.metrics.child(gate.metrics.server_requests, self.lease.server).inc()
@@ -321,7 +316,11 @@ class _Relay:
         out.append(TokenCounts(gate.metrics, backend))
         cls = self.traffic_class
         if up.status == 200:
-            drafts = backend in _DRAFTING
+            # An adaptive engine drafts less as its batch grows: its streams show a class's
+            # acceptance only where no speculative server does (adaptive servers alone).
+            drafts = backend is Role.SPECULATIVE or (
+                backend is Role.ADAPTIVE and gate.fleet.topology.kind == "adaptive"
+            )
             per_event = (self.router.engine_accept_of(lease.server) if drafts else None) or 1.0
             mark = generated_mark(call.endpoint)
             if cls is not None and drafts:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from ..fleet.servers import Server
 from ..fleet.topology import Topology
 from ..observability.metrics import Metrics
-from ..policy.base import ADAPTIVE, ALL_ROLES, ROLES, SPECULATIVE, ClassView, Decision, PolicyConfig, least_loaded
+from ..policy.base import ADAPTIVE, ALL_ROLES, SPECULATIVE, ClassView, Decision, PolicyConfig, least_loaded
 from ..policy.beliefs import AdaptiveConfig
 from ..policy.calibration import Calibration
 from .affinity import Held, Outcome, keep
@@ -98,6 +98,9 @@ class Fleet:
         name = least_loaded(up, self._rng.random())
         return next((r for r in self.routers if r.group.name == name), self.routers[0])
 
+    def _switchable_up(self) -> bool:
+        return any(any(r.loads.healthy_map().values()) for r in self._switchable)
+
     def _group_load(self, router: Router) -> float:
         """A group's load as groups are compared: its servers' summed, or, where groups differ in
         size (a pool or pair beside the adaptive servers), per server."""
@@ -116,8 +119,11 @@ class Fleet:
         """A request with no server to return to: its group (a client's switch picks among the
         groups with a pair or pool, which have the server it asks for), its decision there, and,
         among adaptive servers, which (Router.pick)."""
-        if speculation is not None and among is None and self._switchable:
-            among = self._switchable
+        if speculation is not None and self._switchable:
+            # Only a pair or pool has the server it asks for; where none is up, the others serve it.
+            pool = self._switchable if among is None else [r for r in among if r in self._switchable]
+            up = [r for r in pool if any(r.loads.healthy_map().values())]
+            among = up or among
         router = self.choose(among)
         decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens, 0, speculation)
         server = None
@@ -157,6 +163,10 @@ class Fleet:
         if mine is None or not mine.server_healthy(held.server):
             router, decision, picked = self._fresh(None, can_probe, batch, klass, prompt_tokens, speculation)
             return Placement(decision, router, picked, "break_down")
+        if speculation is not None and mine.group.adaptive and self._switchable_up():
+            # Its cache is on an adaptive server, which cannot do what the client asked.
+            router, decision, picked = self._fresh(None, can_probe, batch, klass, prompt_tokens, speculation)
+            return Placement(decision, router, picked, "break_mode")
         if len(self.routers) > 1:
             others = [r for r in self.routers if r is not mine and any(r.loads.healthy_map().values())]
             least = min((self._group_load(r) for r in others), default=math.inf)
@@ -189,21 +199,23 @@ class Fleet:
         averaged (mode, watermarks: every group's with the threshold policy, while the adaptive one
         moves each group's on its own)."""
         m, routers = self._metrics, self.routers
-        n = len(routers)
         for name, server in servers.items():
             m.child(m.server_inflight, name).set_function(lambda load=server.load: load.count)
             m.child(m.server_tokens, name).set_function(lambda load=server.load: load.tokens)
         for r in routers:
             m.child(m.group_load, r.group.name).set_function(lambda r=r: r.last_load)
-        # The pair's or pool's two roles always (a gauge at 0 rather than none), adaptive where there are such servers.
-        present = [role for role in ALL_ROLES if role in ROLES or any(r.group.of(role) for r in routers)]
+        # The roles configured (a gauge at 0 rather than none; an adaptive fleet alone has no pair's).
+        present = [role for role in ALL_ROLES if any(r.group.of(role) for r in routers)]
         for role in present:
             m.child(m.inflight, role).set_function(lambda role=role: sum(r.loads.role_count(role) for r in routers))
         m.load.set_function(lambda: sum(r.last_load for r in routers))
-        # The share of groups in speculative mode: 1 or 0 as with one group, between with several.
-        m.mode.set_function(lambda: sum(r.state.mode == SPECULATIVE for r in routers) / n)
-        m.watermark.labels("high").set_function(lambda: sum(r.policy_cfg().high_watermark for r in routers) / n)
-        m.watermark.labels("low").set_function(lambda: sum(r.policy_cfg().low_watermark for r in routers) / n)
+        # The share of groups in speculative mode: 1 or 0 as with one group, between with several
+        # (of the pairs and pools: the adaptive servers' group has no mode).
+        moded = [r for r in routers if not r.group.adaptive] or list(routers)
+        n = len(moded)
+        m.mode.set_function(lambda: sum(r.state.mode == SPECULATIVE for r in moded) / n)
+        m.watermark.labels("high").set_function(lambda: sum(r.policy_cfg().high_watermark for r in moded) / n)
+        m.watermark.labels("low").set_function(lambda: sum(r.policy_cfg().low_watermark for r in moded) / n)
         for r in routers:
             m.child(m.group_kv_streams, r.group.name).set_function(lambda r=r: _nan(r.kv.kv_streams))
         m.watermark.labels("spillover").set(routers[0].cfg.spillover_limit)

@@ -36,6 +36,7 @@ from ..policy.base import (
     accept_fresh,
     backend_load,
     least_loaded,
+    other,
     total_load,
 )
 from ..policy.beliefs import UPDATE_EVERY_S, AdaptiveConfig
@@ -101,7 +102,8 @@ class Router:
         self.loads = GroupLoads(group, servers, tracker, cfg.load_signal)
         self._spec_idle_since: float | None = clock()
         self.learning = Learning(cfg, self.policy, group, servers, adaptive, calibration, classes, clock, pooled)
-        self.adaptive, self.speed = self.learning.adaptive, self.learning.speed
+        # The adaptive servers' group has no two roles to learn speeds of: their engines choose.
+        self.adaptive, self.speed = (None, None) if group.adaptive else (self.learning.adaptive, self.learning.speed)
         self.cfg = self.learning.configured(cfg)
         self.kv = Capacity(group, servers, tracker, self.loads.interactive, clock, self.learning.forecast_s)
         self.class_pricing = ClassPricing(self, pooled)
@@ -147,6 +149,9 @@ class Router:
 
     def pool_gains(self, accept: float, loads: tuple[int, int] | None = None) -> PoolGains | None:
         return self.class_pricing.pool_gains(accept, loads)
+
+    def kv_streams(self) -> int | None:
+        return self.kv.kv_streams
 
     def snapshot(self) -> LoadSnapshot:
         margin = self.switch_margin()
@@ -223,11 +228,23 @@ class Router:
         """A lease on `server`, or on the group's pick for `backend`, holding `tokens` (the prompt's)."""
         return self.tracker.acquire(server if server is not None else self.pick(backend), tokens, batch)
 
+    def can_fail_over(self, lease: Lease) -> bool:
+        """Whether a request that failed on its server has somewhere else to go: the group's other
+        role up, or, among adaptive servers, another one up."""
+        if lease.role is ADAPTIVE:
+            return any(s != lease.server and self._servers[s].healthy for s in self.group.of(ADAPTIVE))
+        return self.loads.healthy_map()[other(lease.role)]
+
     def failover(self, lease: Lease, to: Role) -> Lease:
-        """Move a request that failed before its first byte to the group's other role (steps/health.py)."""
+        """Move a request that failed before its first byte to the group's other role (steps/health.py),
+        or to another of the adaptive servers."""
         self._metrics.failovers.labels(lease.role, to).inc()
         self._metrics.decisions.inc(to, "failover")
-        new = self.admit(to, tokens=lease.tokens, batch=lease.batch)
+        server = None
+        if to is ADAPTIVE:
+            up = [(s, self.loads.placement_load(s)) for s in self.group.of(ADAPTIVE) if s != lease.server]
+            server = least_loaded([(s, load) for s, load in up if self._servers[s].healthy] or up, self._rng.random())
+        new = self.admit(to, server, tokens=lease.tokens, batch=lease.batch)
         lease.release()
         return new
 
@@ -291,6 +308,9 @@ class Router:
         """Re-apply the policy's rule after load or (`health`) health changed, so the mode gauge
         tells the truth."""
         signal = self.cfg.load_signal
+        if self.group.adaptive:
+            self.last_load = self.loads.interactive_count(ADAPTIVE)
+            return  # no mode to settle: the engines choose
         if signal == "local":
             # The common case, on every admit and release: no snapshot to build.
             spec_load = self.loads.interactive_count(SPECULATIVE)

@@ -24,6 +24,7 @@ from typing import Final, Literal
 
 from ..errors import ApiError
 from ..policy.base import Switch
+from .classes import NAME_CHARS
 
 __all__ = [
     "FIELD",
@@ -115,6 +116,10 @@ def class_defaults(raw: str) -> dict[str, Switch]:
             raise ValueError(f"{part!r}: a class's speculation is on, off or auto")
         if name in found:
             raise ValueError(f"class {name!r} is named twice")
+        if len(name) > NAME_CHARS or not name.isprintable() or '"' in name or "\\" in name:
+            raise ValueError(
+                f"class {name[:NAME_CHARS]!r}: at most {NAME_CHARS} printable characters, no quote or backslash"
+            )
         switch = _WORDS[word]
         if switch is not None:
             found[name] = switch

@@ -14,6 +14,7 @@ from proxy.fleet.topology import build
 from proxy.policy.base import Role
 from proxy.routing.homogeneous import SLACK_REQUESTS, half_of, homogeneous_choice
 
+from ..helpers import wait_until
 from ..inprocess import StartGateway
 from ..recorder import Recorder, serving
 
@@ -116,3 +117,73 @@ async def test_a_switch_beside_adaptive_servers_goes_to_the_pool(gateway: StartG
         # Without a switch the groups share the load, per server.
         backends = {(await _chat(gw))[0] for _ in range(12)}
         assert "adaptive" in backends
+
+
+def test_adaptive_servers_alone_need_no_pair_urls_and_take_no_topology() -> None:
+    # The pair's URLs have defaults (a server on this host): beside adaptive servers, unset is none.
+    assert Settings(_env_file=None, adaptive_url="http://a:1").routing_topology().kind == "adaptive"
+    explicit = Settings(_env_file=None, adaptive_url="http://a:1", speculative_url="none", baseline_url="NONE")
+    assert explicit.routing_topology().kind == "adaptive"
+    with pytest.raises(ValueError, match="needs both roles"):
+        Settings(_env_file=None, adaptive_url="http://a:1", speculative_url="http://s:1")
+    with pytest.raises(ValueError, match="leave it unset"):
+        Settings(_env_file=None, adaptive_url="http://a:1", topology="pooled")
+
+
+@pytest.mark.anyio
+async def test_a_failed_request_moves_to_another_adaptive_server_not_the_same(gateway: StartGateway) -> None:
+    alive = Recorder()
+    async with serving(alive) as url:
+        # `gone` refuses connections; with health polls far apart it still counts as up.
+        gw = await gateway(
+            speculative_url="none",
+            baseline_url="none",
+            adaptive_url=f"gone=http://127.0.0.1:9,alive={url}",
+            health_interval_s=60,
+        )
+        results = [await _chat(gw) for _ in range(4)]
+        assert set(results) <= {("adaptive", "in_engine"), ("adaptive", "failover")}
+        assert len(alive.raw) == 4
+        # Alone, a server that fails has nowhere else to go: the error is the client's at once.
+    async with serving(Recorder()) as url:
+        gw = await gateway(speculative_url="none", baseline_url="none", adaptive_url=f"one={url}")
+        page = await gw.routing()
+        assert set(page["backends"]) == {"adaptive"}
+        m = await gw.metrics_text()
+        assert 'specgate_backend_up{backend="speculative"}' not in m and 'backend="baseline"' not in m
+
+
+@pytest.mark.anyio
+async def test_a_switched_turn_held_on_an_adaptive_server_goes_to_the_pool(gateway: StartGateway) -> None:
+    a = Recorder()
+    async with serving(a) as ua:
+        gw = await gateway(topology="pooled", adaptive_url=f"a={ua}")
+        await gw.base.stop()
+        await gw.spec.stop()
+
+        async def pool_down() -> bool:
+            servers = (await gw.routing())["servers"]
+            return not servers["speculative"]["healthy"] and not servers["baseline"]["healthy"]
+
+        await wait_until(pool_down)
+        # The pool down: a switch has no server to honour it, and the adaptive server serves.
+        assert await _chat(gw, {"x-specgate-speculation": "off"}) == ("adaptive", "in_engine")
+        await gw.base.restart()
+        await gw.spec.restart()
+
+        async def pool_up() -> bool:
+            servers = (await gw.routing())["servers"]
+            return bool(servers["speculative"]["healthy"] and servers["baseline"]["healthy"])
+
+        await wait_until(pool_up)
+        body = {**CHAT, "messages": [{"role": "user", "content": "one conversation"}]}
+        session = {"x-session-id": "s1"}
+        first = await gw.client.post("/v1/chat/completions", json=body, headers=session)
+        for _ in range(20):
+            if first.headers["x-specgate-backend"] == "adaptive":
+                break
+            session = {"x-session-id": f"s{next(_CONVERSATIONS)}"}
+            first = await gw.client.post("/v1/chat/completions", json=body, headers=session)
+        assert first.headers["x-specgate-backend"] == "adaptive"
+        r = await gw.client.post("/v1/chat/completions", json=body, headers={**session, "x-specgate-speculation": "on"})
+        assert (r.headers["x-specgate-backend"], r.headers["x-specgate-reason"]) == ("speculative", "client_on")

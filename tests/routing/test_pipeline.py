@@ -32,6 +32,9 @@ class Pools:
     def pool_gains(self, accept: float, loads: tuple[int, int] | None = None) -> None:
         return None
 
+    def kv_streams(self) -> int | None:
+        return None
+
 
 def test_every_policy_comes_from_the_factory_and_names_itself() -> None:
     assert set(POLICIES) == {"threshold", "spillover", "adaptive", "model"}

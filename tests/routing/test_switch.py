@@ -12,9 +12,10 @@ import pytest
 from proxy.config import Settings
 from proxy.errors import ApiError
 from proxy.policy.base import LoadSnapshot, PolicyState, Role
+from proxy.policy.factory import policy_for
 from proxy.routing import switch
-from proxy.routing.steps.base import Ask
-from proxy.routing.steps.pipeline import decide
+from proxy.routing.steps.base import Ask, Here
+from proxy.routing.steps.pipeline import decide, run, steps_for
 
 from ..helpers import policy_cfg
 from ..inprocess import StartGateway
@@ -24,6 +25,22 @@ pytestmark = pytest.mark.inprocess
 
 UP = {Role.SPECULATIVE: True, Role.BASELINE: True}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+class _Pools:
+    """A group whose speculative KV pools hold `streams` streams."""
+
+    def __init__(self, streams: int) -> None:
+        self.streams = streams
+
+    def kv_used(self, role: Role) -> tuple[float, float] | None:
+        return None
+
+    def pool_gains(self, accept: float, loads: tuple[int, int] | None = None) -> None:
+        return None
+
+    def kv_streams(self) -> int | None:
+        return self.streams
 
 
 def snap(spec: int = 0, base: int = 0, healthy: dict[Role, bool] | None = None) -> LoadSnapshot:
@@ -117,6 +134,17 @@ def test_a_switch_that_cannot_be_honoured_leaves_the_usual_decision_and_its_reas
     full = policy_cfg(high=4, low=2, capacity=3)
     assert decide(snap(3, 5), PolicyState(), full, Ask(speculation="on"))[:2] == (Role.BASELINE, "heavy_load")
     assert decide(snap(2, 5), PolicyState(), full, Ask(speculation="on"))[:2] == (Role.SPECULATIVE, "client_on")
+    # Under every policy: the group's reading of the pool when the policy is not told it.
+    room = Here(snap(3, 5), cfg, PolicyState(), False, _Pools(3))
+    assert run(steps_for(policy_for("threshold"), False), Ask(speculation="on"), room)[:2] == (
+        Role.BASELINE,
+        "heavy_load",
+    )
+    room = Here(snap(2, 5), cfg, PolicyState(), False, _Pools(3))
+    assert run(steps_for(policy_for("threshold"), False), Ask(speculation="on"), room)[:2] == (
+        Role.SPECULATIVE,
+        "client_on",
+    )
     # A batch request never takes speculation's room.
     assert decide(snap(0, 0), PolicyState(), cfg, Ask(batch=True, speculation="on"))[:2] == (Role.BASELINE, "batch")
 

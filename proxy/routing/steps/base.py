@@ -47,6 +47,11 @@ class GroupReads(Protocol):
         """What each role of a pool gains with one more stream of acceptance `accept`."""
         ...
 
+    def kv_streams(self) -> int | None:
+        """The streams the speculative role's KV pools hold (capacity.py; None: unknown), under
+        every policy (cfg.capacity is told only to the learning ones)."""
+        ...
+
 
 class Here(NamedTuple):
     """The group as the decision found it: its load and health, the rule's parameters for this

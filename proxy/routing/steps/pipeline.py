@@ -74,6 +74,9 @@ class _Unread:
     def pool_gains(self, accept: float, loads: tuple[int, int] | None = None) -> PoolGains | None:
         return None
 
+    def kv_streams(self) -> int | None:
+        return None
+
 
 def decide(
     snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig, ask: Ask | None = None, pooled: bool = False

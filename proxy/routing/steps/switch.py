@@ -35,7 +35,7 @@ class ClientSwitch:
             return Decision(BASELINE, "client_off", decision.state, decision.load)
         if not healthy.get(SPECULATIVE, False):
             return None
-        capacity = here.cfg.capacity
+        capacity = here.cfg.capacity if here.cfg.capacity is not None else here.group.kv_streams()
         if capacity is not None and backend_load(here.snapshot, SPECULATIVE, here.cfg.load_signal) >= capacity:
             return None
         return Decision(SPECULATIVE, "client_on", decision.state, decision.load)
