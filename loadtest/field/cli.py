@@ -78,7 +78,8 @@ from ..kit.multiturn import parse_context
 from ..overhead import default_peers_venv
 from .protocol import REFERENCE, SMG, Cell, FieldPlan, default_cells, runnable
 from .report import markdown, summary_lines, table
-from .run import run_all
+from .run import run_all, runs_from
+from .score import FieldRun
 
 
 def cell_list(text: str) -> tuple[Cell, ...]:
@@ -117,9 +118,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--window-s", type=positive, default=FieldPlan.window_s, help="simulated")
     p.add_argument("--max-window-s", type=positive, default=FieldPlan.max_window_s, help="simulated")
     p.add_argument("--min-requests", type=int, default=FieldPlan.min_requests)
+    p.add_argument(
+        "--machine-tok-s",
+        type=positive,
+        default=FieldPlan.machine_tok_s,
+        help="output tokens a wall second every stack of a cell relays together, which sets each cell's time "
+        "scale (lower: a slower simulated clock, less of the machine per simulated second); not the protocol's "
+        "where changed",
+    )
     p.add_argument("--smg", default=None, metavar="BINARY", help="smg's binary (default: the peers venv's)")
     p.add_argument("--peers-venv", default=None, metavar="DIR", help="where scripts/install-peers put smg")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write the report's markdown body here too")
+    p.add_argument(
+        "--report-from",
+        default=None,
+        metavar="FIELD_JSON",
+        help="run nothing: report again the runs a field.json holds (written after each run) into --out-dir",
+    )
     add_protocol_run_options(p, "field-results")
 
 
@@ -129,6 +144,7 @@ def plan_of(args: argparse.Namespace) -> FieldPlan:
         cells=args.cells, configs=tuple(args.configs), seeds=args.seeds, seed=args.seed, turns=args.turns,
         max_tokens=args.max_tokens, think_time_s=args.think_time_s, stagger_s=args.stagger_s,
         window_s=args.window_s, max_window_s=max(args.max_window_s, args.window_s), min_requests=args.min_requests,
+        machine_tok_s=args.machine_tok_s,
     )  # fmt: skip
 
 
@@ -141,6 +157,8 @@ def dry_run(plan: FieldPlan, configs: tuple[str, ...], skipped: dict[str, str]) 
 
 
 def cmd_field(args: argparse.Namespace) -> int:
+    if args.report_from:
+        return _report_again(args)
     plan = plan_of(args)
     configs, skipped = runnable(plan.configs, Settings.model_fields)
     if args.dry_run:
@@ -156,6 +174,29 @@ def cmd_field(args: argparse.Namespace) -> int:
     reuse = Path(args.calibrations) if args.calibrations else None
     runs = run_all(plan, configs, smg or "", Settings.model_fields, out_dir, reuse, args.quiet)
     wall = round(time.monotonic() - started, 1)
+    _write(args, plan, runs, configs, skipped, wall, started)
+    return 0
+
+
+def _report_again(args: argparse.Namespace) -> int:
+    """--report-from: the report of runs already made, from their field.json."""
+    plan, runs = runs_from(Path(args.report_from))
+    configs = tuple(c for c in plan.configs if any(c in r.targets for r in runs))
+    _write(args, plan, runs, configs, {}, None, time.monotonic())
+    return 0
+
+
+def _write(
+    args: argparse.Namespace,
+    plan: FieldPlan,
+    runs: list[FieldRun],
+    configs: tuple[str, ...],
+    skipped: dict[str, str],
+    wall: float | None,
+    started: float,
+) -> None:
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "settings": plan, "configs": configs, "skipped": skipped, "runs": runs, "tables": table(runs, configs),
         "summary": summary_lines(runs, configs, skipped), "wall_s": wall,
@@ -166,4 +207,3 @@ def cmd_field(args: argparse.Namespace) -> int:
     if args.markdown:
         Path(args.markdown).write_text(body)
     conclude(out_dir, "field", report, [*report["tables"], *report["summary"]], started, wall_s=wall)
-    return 0

@@ -20,6 +20,11 @@ from .score import (
 )
 
 
+def present(runs: Sequence[FieldRun], configs: Sequence[str]) -> list[str]:
+    """Of `configs`, those every run of a cell measured."""
+    return [c for c in configs if all(c in r.targets for r in runs)]
+
+
 def _ratio(p: Pooled) -> str:
     if p.ratio is None:
         return "served, ref 0" if p.reference == 0 and p.mine > 0 else "unknown"
@@ -42,7 +47,7 @@ def table(runs: Sequence[FieldRun], configs: Sequence[str]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for cell, cell_runs in by_cell(runs).items():
-        for config in configs:
+        for config in present(cell_runs, configs):
             mine = config not in SMG
             classes = [
                 _ratio(pooled_class(cell_runs, config, c)) if c in cell.traffic else "-" for c in "AB"
@@ -66,9 +71,10 @@ def table(runs: Sequence[FieldRun], configs: Sequence[str]) -> list[str]:
 
 def verdicts(runs: Sequence[FieldRun], configs: Sequence[str]) -> dict[str, dict[str, str]]:
     """Each specgate configuration's verdict over every cell, per target."""
-    cells = by_cell(runs)
     out: dict[str, dict[str, str]] = {}
     for config in (c for c in configs if c not in SMG):
+        # The cells it ran in (specgate-mixed has no fleet on two GPUs: protocol.fits).
+        cells = {cell: r for cell, r in by_cell(runs).items() if config in present(r, configs)}
         two = [goodput_verdict(r, config) for cell, r in cells.items() if len(cell.traffic) > 1]
         one = [goodput_verdict(r, config) for cell, r in cells.items() if len(cell.traffic) == 1]
         out[config] = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from ..experiments.twoclass.plan import ClassPlan, smg_argv
 from ..experiments.twoclass.run import calibration_scale_of, context_calibration, target_figures
 from ..kit.cells import Servers, run_stacks, say_goodput
 from ..kit.command import say
+from ..kit.figures import TargetCell
 from ..kit.multiturn import context_label
 from ..kit.processes import Fleet, at_time_scale, fresh_start
 from ..kit.settings import settings_env, specgate_env
@@ -149,3 +151,26 @@ def run_all(
             runs.append(fresh_start(one, quiet))
             write_json(out_dir / "field.json", {"settings": plan, "runs": runs})
     return runs
+
+
+def runs_from(path: Path) -> tuple[FieldPlan, list[FieldRun]]:
+    """A run's plan and runs as its field.json holds them (written after each run), to report
+    again without running (--report-from)."""
+    data = json.loads(path.read_text())
+    settings = dict(data["settings"])
+    settings["cells"] = tuple(Cell(**c) for c in settings["cells"])
+    settings["configs"] = tuple(settings["configs"])
+    plan = FieldPlan(**settings)
+    runs = [
+        FieldRun(
+            cell=Cell(**r["cell"]),
+            seed=r["seed"],
+            time_scale=r["time_scale"],
+            targets={name: TargetCell(**t) for name, t in r["targets"].items()},
+            class_goodput=r.get("class_goodput", {}),
+            cpu_busy=r.get("cpu_busy"),
+            cpu_warning=r.get("cpu_warning"),
+        )
+        for r in data["runs"]
+    ]
+    return plan, runs

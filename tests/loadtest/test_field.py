@@ -5,6 +5,7 @@ verdicts on scripted numbers."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +28,7 @@ from loadtest.field.protocol import (
     runnable,
 )
 from loadtest.field.report import markdown, summary_lines, table, verdicts
-from loadtest.field.run import gate_env
+from loadtest.field.run import gate_env, runs_from
 from loadtest.field.score import (
     MET,
     MISSED,
@@ -40,6 +41,7 @@ from loadtest.field.score import (
     pooled,
 )
 from loadtest.kit.figures import TargetCell
+from loadtest.report import write_json
 
 
 def test_the_protocol_keeps_both_n_both_traffics_and_the_heavy_load_at_both_contexts() -> None:
@@ -207,3 +209,19 @@ def test_the_report_has_its_protocol_its_table_and_the_pools_verdicts() -> None:
     body = markdown(FieldPlan(configs=configs), runs, configs, {}, "python -m loadtest field", 12.0)
     assert "\n## Protocol\n" in body and "## Results" in body and len(body.splitlines()) <= 200
     assert ">= 1.1x in every two-class cell" in body
+
+
+def test_a_configuration_absent_from_a_cell_is_left_out_of_its_rows_and_verdicts(tmp_path: Path) -> None:
+    four = Cell(4, "AB", 1000, 64)
+    runs = [run(TWO, s, {REFERENCE: (5.0, 5.0), POOL: (5.0, 7.0)}) for s in range(5)]
+    runs += [run(four, s, {REFERENCE: (5.0, 5.0), POOL: (5.0, 7.0), MIXED: (5.0, 6.0)}) for s in range(5)]
+    lines = table(runs, (REFERENCE, POOL, MIXED))
+    assert not [x for x in lines if "| N=2 " in x and MIXED in x]
+    assert [x for x in lines if "| N=4 " in x and MIXED in x]
+    assert summary_lines(runs, (REFERENCE, POOL, MIXED), {})[1].startswith("- **specgate-pool**")
+    # The runs as field.json holds them report the same again (--report-from).
+    path = tmp_path / "field.json"
+    write_json(path, {"settings": FieldPlan(cells=(TWO, four)), "runs": runs})
+    plan, again = runs_from(path)
+    assert plan.cells == (TWO, four) and [(r.cell, r.seed) for r in again] == [(r.cell, r.seed) for r in runs]
+    assert table(again, (REFERENCE, POOL, MIXED)) == lines
