@@ -94,12 +94,9 @@ class Fleet:
         if among is None and len(self.routers) == 1:
             return self.routers[0]
         candidates = self.routers if among is None else among
-        up = [(r.group.name, self._group_load(r)) for r in candidates if any(r.loads.healthy_map().values())]
+        up = [(r.group.name, self._group_load(r)) for r in candidates if _up(r)]
         name = least_loaded(up, self._rng.random())
         return next((r for r in self.routers if r.group.name == name), self.routers[0])
-
-    def _switchable_up(self) -> bool:
-        return any(any(r.loads.healthy_map().values()) for r in self._switchable)
 
     def _group_load(self, router: Router) -> float:
         """A group's load as groups are compared: its servers' summed, or, where groups differ in
@@ -122,7 +119,7 @@ class Fleet:
         if speculation is not None and self._switchable:
             # Only a pair or pool has the server it asks for; where none is up, the others serve it.
             pool = self._switchable if among is None else [r for r in among if r in self._switchable]
-            up = [r for r in pool if any(r.loads.healthy_map().values())]
+            up = [r for r in pool if _up(r)]
             among = up or among
         router = self.choose(among)
         decision = router.decide(can_probe, batch, None, _view(router, klass), prompt_tokens, 0, speculation)
@@ -163,12 +160,12 @@ class Fleet:
         if mine is None or not mine.server_healthy(held.server):
             router, decision, picked = self._fresh(None, can_probe, batch, klass, prompt_tokens, speculation)
             return Placement(decision, router, picked, "break_down")
-        if speculation is not None and mine.group.adaptive and self._switchable_up():
+        if speculation is not None and mine.group.adaptive and any(_up(r) for r in self._switchable):
             # Its cache is on an adaptive server, which cannot do what the client asked.
             router, decision, picked = self._fresh(None, can_probe, batch, klass, prompt_tokens, speculation)
             return Placement(decision, router, picked, "break_mode")
         if len(self.routers) > 1:
-            others = [r for r in self.routers if r is not mine and any(r.loads.healthy_map().values())]
+            others = [r for r in self.routers if r is not mine and _up(r)]
             least = min((self._group_load(r) for r in others), default=math.inf)
             if not keep(self._group_load(mine), least, cached, self.affinity_slack):
                 router, decision, picked = self._fresh(others, can_probe, batch, klass, prompt_tokens, speculation)
@@ -221,6 +218,11 @@ class Fleet:
         m.watermark.labels("spillover").set(routers[0].cfg.spillover_limit)
         if any(r.adaptive is not None for r in routers):
             m.crossover_estimate.set_function(lambda: _mean_crossover(routers))
+
+
+def _up(router: Router) -> bool:
+    """Whether any of the group's servers is up."""
+    return any(router.loads.healthy_map().values())
 
 
 def _mean_crossover(routers: Sequence[Router]) -> float:

@@ -208,14 +208,15 @@ class Router:
         self._metrics.decisions.inc(decision.backend or "none", decision.reason)
         return decision
 
-    def pick(self, backend: Role, gains: bool | None = None) -> str:
+    def pick(self, backend: Role, gains: bool | None = None, exclude: str | None = None) -> str:
         """The group's server for a role: the least loaded healthy one, at random among near-ties
         (a paired group has one); an adaptive server as SPECGATE_ADAPTIVE_PLACEMENT says, for a
-        request of a class ranked `gains` (homogeneous.py)."""
+        request of a class ranked `gains` (homogeneous.py); never `exclude` where another is."""
         servers = self.group.of(backend)
         if len(servers) == 1:
             return servers[0]
-        up = [s for s in servers if self._servers[s].healthy] or list(servers)
+        others = [s for s in servers if s != exclude] or list(servers)
+        up = [s for s in others if self._servers[s].healthy] or others
         loads = [(s, self.loads.placement_load(s)) for s in up]
         if backend is ADAPTIVE and self.cfg.adaptive_placement == "homogeneous":
             chosen = homogeneous_choice(servers, loads, gains, self._rng.random())
@@ -240,10 +241,7 @@ class Router:
         or to another of the adaptive servers."""
         self._metrics.failovers.labels(lease.role, to).inc()
         self._metrics.decisions.inc(to, "failover")
-        server = None
-        if to is ADAPTIVE:
-            up = [(s, self.loads.placement_load(s)) for s in self.group.of(ADAPTIVE) if s != lease.server]
-            server = least_loaded([(s, load) for s, load in up if self._servers[s].healthy] or up, self._rng.random())
+        server = self.pick(to, exclude=lease.server) if to is ADAPTIVE else None
         new = self.admit(to, server, tokens=lease.tokens, batch=lease.batch)
         lease.release()
         return new
