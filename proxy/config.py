@@ -171,6 +171,10 @@ class Settings(BaseSettings):
     # requests of load a turn's server may have beyond the best, per thousand tokens it has cached.
     affinity_entries: int = Field(100_000, ge=0, le=10_000_000)
     affinity_slack: float = Field(1.0, ge=0, le=1_000_000)
+    # ... or while it holds at most this many times the best's load: at a full batch a few requests
+    # more cost a stream little, and the re-prefill of every turn moved for them costs all its
+    # server's streams (the field benchmark); 1: the rule by slack alone.
+    affinity_balance: float = Field(1.5, ge=1.0, le=1_000)
     # Among a role's servers under the model policy (affinity.py): by requests in flight, by default;
     # the priced rules (priced, both) are opt-in, their gain inside the noise in the mechanism
     # benchmark (0.94x, 0.88x-0.99x) and before it (2026-12-07-affinity: both 1.04x, 1.00x-1.09x).
@@ -325,6 +329,7 @@ class Settings(BaseSettings):
             # A few polls: the engine's reading of a server that just had traffic lags by one.
             accept_fresh_s=max(10.0, 3 * self.health_interval_s),
             affinity_slack=self.affinity_slack,
+            affinity_balance=self.affinity_balance,
             affinity_rule=self.affinity_rule,
             kv_spill_at=self.kv_spill_at,
             adaptive_placement=self.adaptive_placement,

@@ -86,11 +86,12 @@ def describe(gate: Gate) -> dict[str, Any]:
         # the fleet's, which scales clients without a ratio of their own, and how many have one.
         "prompt_token_ratio": round(gate.token_ratio.value, 3),
         "prompt_token_ratio_clients": len(gate.token_ratio),
-        # Conversations whose server is remembered (cache affinity), the slack of its rule, and
+        # Conversations whose server is remembered (cache affinity), the slack and balance of its rule, and
         # how the first group weighs a stay among a role's servers (every group's under "groups").
         "affinity": {
             "entries": len(gate.affinity),
             "slack": s.affinity_slack,
+            "balance": s.affinity_balance,
             "rule": first.turns.rule(),
         },
         # Traffic classes: what names them, and what is known of each tracked one.

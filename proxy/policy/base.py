@@ -148,6 +148,8 @@ class PolicyConfig:
     # Pooled classes: a turn stays on the role holding its cache unless the other gains more than
     # this many streams' speed per thousand tokens cached (SPECGATE_AFFINITY_SLACK, as affinity.py).
     affinity_slack: float = 1.0
+    # ... or while it holds at most this many times the best's load (SPECGATE_AFFINITY_BALANCE).
+    affinity_balance: float = 1.5
     # Among a role's servers (SPECGATE_AFFINITY_RULE; priced and both need the model policy's fit).
     affinity_rule: AffinityRule = "both"
     # The learning policies' spill to speculation once the baseline's KV pools are full (the

@@ -38,9 +38,16 @@ fewer tokens, or the other way). On 1+3 pools at 8k, with the margin, turns move
 20 to 12 at 72 sessions and from 30 to 21 at 144, beside the rule by requests in flight 0.95x and
 1.70x against 0.86x and 1.44x without it, on the same seeds, the intervals overlapping
 (docs/benchmarks/2026-12-06-affinity.md). Elsewhere (no fit, P 0) and between groups, requests in flight stand
-for the cost, a thousand cached tokens for one request:
+for the cost, a thousand cached tokens for one request, or the held server's load within a share of
+the best's:
 
     stay  iff  load(held) - load(best) <= slack * cached_tokens / 1000
+           or  load(held) <= balance * load(best)                       (SPECGATE_AFFINITY_BALANCE)
+
+as SGLang's gateway balances only past an absolute and a relative gap: at a full batch a few
+requests more slow a stream by little, while every turn moved for them prefills its conversation
+again. At 64 sessions a GPU of 1k-token chats, slack alone moved turns on every fluctuation (prefix
+hit rate 0.50-0.65 against smg's 0.78); balance 1.5 kept it at 0.76-0.78 (docs/routing.md).
 
 By default (SPECGATE_AFFINITY_RULE=both) a priced group moves a turn only where both rules would:
 to the server the priced rule picks among those the rule by requests in flight would leave the held
@@ -160,9 +167,11 @@ def _lead_of_messages(messages: object) -> tuple[str, ...]:
     return tuple(parts)
 
 
-def keep(held_load: float, best_load: float, cached_tokens: int, slack: float) -> bool:
-    """Whether a turn stays on the server holding its cache, by requests in flight (the module's rule)."""
-    return held_load - best_load <= slack * cached_tokens / 1000
+def keep(held_load: float, best_load: float, cached_tokens: int, slack: float, balance: float = 1.0) -> bool:
+    """Whether a turn stays on the server holding its cache, by requests in flight (the module's
+    rule): within `slack` requests per thousand cached tokens of the best, or within `balance`
+    times its load (SPECGATE_AFFINITY_BALANCE; 1: the first alone)."""
+    return held_load - best_load <= slack * cached_tokens / 1000 or held_load <= balance * best_load
 
 
 def turn_cost(
@@ -284,7 +293,13 @@ class ServerChoice:
         return ours + others * speed.context
 
     def move(
-        self, held: str, peers: Sequence[str], cached_tokens: int, prompt_tokens: int, slack: float
+        self,
+        held: str,
+        peers: Sequence[str],
+        cached_tokens: int,
+        prompt_tokens: int,
+        slack: float,
+        balance: float = 1.0,
     ) -> tuple[bool, str | None]:
         """Whether a turn whose cache `held` holds moves off it to one of its role's other healthy
         servers `peers` (priced where the group is, else by requests in flight), and where to (None
@@ -303,7 +318,7 @@ class ServerChoice:
             if g.cfg.affinity_rule == "both":
                 # Only servers the rule by requests in flight would leave the held one for: fewer
                 # requests than it by more than its cache is worth.
-                loads = [(s, load) for s, load in loads if not keep(held_load, load, cached_tokens, slack)]
+                loads = [(s, load) for s, load in loads if not keep(held_load, load, cached_tokens, slack, balance)]
                 if not loads:
                     return False, None
             new = max(prompt_tokens - cached_tokens, 0)
@@ -318,7 +333,7 @@ class ServerChoice:
                 return False, None
             return True, best
         least = min(load for _, load in loads)
-        if keep(held_load, least, cached_tokens, slack):
+        if keep(held_load, least, cached_tokens, slack, balance):
             return False, None
         # The least loaded of the others: a turn that breaks off its server never draws it again.
         return True, least_loaded(loads, g.random())

@@ -60,6 +60,7 @@ class Fleet:
         self.topology = topology
         # Requests of load a turn's server may have beyond the best, per thousand tokens it has cached.
         self.affinity_slack = cfg.affinity_slack
+        self.affinity_balance = cfg.affinity_balance
         self._metrics = metrics
         self._rng = rng or random.Random()
         self.tracker = InflightTracker(servers, self._changed, clock)
@@ -167,7 +168,7 @@ class Fleet:
         if len(self.routers) > 1:
             others = [r for r in self.routers if r is not mine and _up(r)]
             least = min((self._group_load(r) for r in others), default=math.inf)
-            if not keep(self._group_load(mine), least, cached, self.affinity_slack):
+            if not keep(self._group_load(mine), least, cached, self.affinity_slack, self.affinity_balance):
                 router, decision, picked = self._fresh(others, can_probe, batch, klass, prompt_tokens, speculation)
                 return Placement(decision, router, picked, "break_load")
         role = mine.role_of(held.server)
@@ -177,7 +178,9 @@ class Fleet:
         peers = [s for s in mine.group.of(role) if s != held.server and mine.server_healthy(s)]
         if not peers:  # a pair, or the role's only server up: none to compare with
             return Placement(decision, mine, held.server, "hit")
-        moves, to = mine.turns.move(held.server, peers, cached, prompt_tokens, self.affinity_slack)
+        moves, to = mine.turns.move(
+            held.server, peers, cached, prompt_tokens, self.affinity_slack, self.affinity_balance
+        )
         if moves:
             return Placement(decision, mine, to, "break_load")
         return Placement(decision, mine, held.server, "hit")

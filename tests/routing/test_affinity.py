@@ -99,6 +99,7 @@ def _priced_pool(
     load_signal: str = "local",
     fit_error: float = 0.0,
     rule: str = "priced",
+    affinity_balance: float = 1.0,
 ) -> Fleet:
     """A pool of one speculative server and `baselines` baseline ones, b0, b1..., whose mode is the
     baseline at every load (speculation never pays on this fit, whose baseline step times are off
@@ -112,7 +113,14 @@ def _priced_pool(
     fit = ModelFit(StepFit(0.05, 1e-4, 1e-7), base, (1000, 4000), 128, 1.0)
     cal = dataclasses.replace(calibration(), model=fit)
     cfg = policy_cfg(
-        policy, high, min(high, 8), probe_s=0.0, affinity_slack=slack, load_signal=load_signal, affinity_rule=rule
+        policy,
+        high,
+        min(high, 8),
+        probe_s=0.0,
+        affinity_slack=slack,
+        load_signal=load_signal,
+        affinity_rule=rule,
+        affinity_balance=affinity_balance,
     )
     adaptive = adaptive_cfg(min_watermark=0, max_watermark=0, prefill_tok_s=20_000.0)
     return Fleet(r.topology, r.servers, cfg, r.metrics, adaptive, cal, clock=Clock())
@@ -262,6 +270,26 @@ def test_the_slack_rule() -> None:
     assert keep(10, 6, 2000, 2.0)
     assert not keep(1, 0, 100_000, 0.0)  # slack 0: the least loaded, always
     assert keep(3, 3, 0, 0.0)
+    # With a balance the held server may hold that many times the best's load as well: at a full
+    # batch a few requests more, at a light one few.
+    assert keep(64, 52, 1000, 1.0, 1.25) and not keep(64, 52, 1000, 1.0, 1.2)
+    assert not keep(3, 1, 1000, 1.0, 1.5) and keep(3, 2, 1000, 1.0, 1.5)
+    assert not keep(0.3, 0, 100, 0.0, 1000.0)  # an idle peer takes a turn off a busy server whatever the balance
+
+
+def test_the_balance_keeps_a_turn_on_a_full_server_that_the_slack_alone_would_move() -> None:
+    # Two baseline servers at a full batch, the held one 8 streams busier: past slack 1's line for
+    # 1,000 cached tokens, within balance 1.25's.
+    moved = {}
+    for balance in (1.0, 1.25):
+        fleet = _priced_pool(1.0, "threshold", high=0, load_signal="max", affinity_balance=balance)
+        (router,) = fleet.routers
+        for s, streams in (("b0", 40), ("b1", 32), ("s0", 0)):
+            router.tracker.scraping(s)
+            router.tracker.scraped(s, streams)
+        placed = fleet.decide(held=Held("b0", 1000), prompt_tokens=1100)
+        moved[balance] = (placed.affinity, placed.server)
+    assert moved == {1.0: ("break_load", "b1"), 1.25: ("hit", "b0")}
 
 
 def test_the_table_is_bounded_and_forgets_the_longest_unused() -> None:
@@ -443,7 +471,7 @@ async def test_affinity_off_and_a_server_that_went_down(gateway: StartGateway) -
     await off.client.post("/v1/chat/completions", json={**_chat("hi"), "max_tokens": 2})
     m = await off.metrics()
     assert (m["specgate_affinity_entries"], m["specgate_affinity_misses_total"]) == (0, 0)
-    assert (await off.routing())["affinity"] == {"entries": 0, "slack": 1.0, "rule": "in_flight"}
+    assert (await off.routing())["affinity"] == {"entries": 0, "slack": 1.0, "balance": 1.5, "rule": "in_flight"}
     on = await gateway(health_interval_s=0.2)
     first = await on.client.post("/v1/chat/completions", json={**_chat("hi"), "max_tokens": 2})
     assert first.headers["x-specgate-backend"] == "speculative"
