@@ -334,6 +334,8 @@ class Settings(BaseSettings):
             kv_spill_at=self.kv_spill_at,
             adaptive_placement=self.adaptive_placement,
             slo_tpot_ms=self.slo_tpot_ms,
+            slo_ttft_ms=self.slo_ttft_ms,
+            prefill_tok_s=self.prefill_tok_s,
             kv_spill_room=min(KV_SPILL_ROOM, self.kv_spill_at) if self.kv_spill_room is None else self.kv_spill_room,
         )
 

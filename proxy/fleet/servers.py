@@ -73,6 +73,9 @@ class Load:
     tokens: int = 0
     # Of those, the batch requests' (left out of what the mode reckons with, as their count is).
     batch_tokens: int = 0
+    # Of the prompts' tokens, those not cached there whose request has no output yet: the prefill
+    # ahead of a request sent now (the TTFT SLO's prediction, routing/steps/classes.py).
+    prefill: int = 0
     at_scrape: int = 0
     others: int = 0
     others_smooth: float = 0.0

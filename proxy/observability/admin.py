@@ -148,6 +148,8 @@ def _servers(gate: Gate) -> dict[str, dict[str, Any]]:
             # The tokens those requests hold (prompts as estimated, plus generated so far), and the
             # engine's own count of its KV cache in use (tokens, and the pool's fraction).
             "tokens": tracker.tokens(name),
+            # Of those, prompt tokens still to prefill (not cached there, no byte back yet).
+            "prefill_tokens": tracker.prefill(name),
             "engine_tokens": h.engine_tokens,
             "engine_kv_usage": h.engine_kv_usage,
             "engine_kv_capacity": h.engine_kv_capacity,

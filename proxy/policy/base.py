@@ -159,6 +159,10 @@ class PolicyConfig:
     # A stream's time per output token the pooled class rule keeps each request within where it can
     # (SPECGATE_SLO_TPOT_MS; None: no SLO): routing/steps/classes.py.
     slo_tpot_ms: float | None = None
+    # ... and the time to first token, predicted from the prefill ahead at `prefill_tok_s`
+    # (SPECGATE_SLO_TTFT_MS, SPECGATE_PREFILL_TOK_S; either None or 0: not predicted).
+    slo_ttft_ms: float | None = None
+    prefill_tok_s: float = 0.0
     # Which adaptive server a request goes to (SPECGATE_ADAPTIVE_PLACEMENT: proxy/routing/homogeneous.py).
     adaptive_placement: Literal["homogeneous", "least_loaded"] = "least_loaded"
 

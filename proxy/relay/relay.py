@@ -177,12 +177,14 @@ class _Relay:
             )
             await self._error(raise_error, decision.reason)
             return
-        self.lease = placed.router.admit(decision.backend, placed.server, call.prompt_tokens, call.batch)
+        self.lease = placed.router.admit(decision.backend, placed.server, call.prompt_tokens, call.batch, held)
         gate.metrics.child(gate.metrics.server_requests, self.lease.server).inc()
         reason: Reason = decision.reason
         first = await self._connect(reason)
         if first is None:
             return
+        # Its first body byte: streamed, its first output, its prompt prefilled; not streamed, all of it.
+        self.lease.prefilled()
         reason = first[1]
         await self._relay(first[0], reason)
 

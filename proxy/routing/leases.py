@@ -1,6 +1,8 @@
 """In-flight accounting: each admitted request holds a lease, released exactly once on every path.
 A lease holds the request's tokens too (its prompt as estimated, then what was generated so far:
-tokens.py, observe.py), so each server's tokens in flight are as exact as its count.
+tokens.py, observe.py), so each server's tokens in flight are as exact as its count; and its
+prompt's tokens the server has not cached until its first byte comes back: each server's prefill
+ahead of the next request.
 
 Counts are per server. With the engine load signal, a server's load is what its engine last
 reported minus this gateway's own requests then (the others': other replicas', other clients'),
@@ -25,15 +27,19 @@ from ..policy.base import Role
 class Lease:
     """One request's slot on one server. `release()` is idempotent, so every exit path may call it."""
 
-    __slots__ = ("_released", "_tracker", "batch", "role", "server", "tokens")
+    __slots__ = ("_released", "_tracker", "batch", "prefill", "role", "server", "tokens")
 
-    def __init__(self, tracker: InflightTracker, server: str, role: Role, tokens: int = 0, batch: bool = False) -> None:
+    def __init__(
+        self, tracker: InflightTracker, server: str, role: Role, tokens: int = 0, batch: bool = False, prefill: int = 0
+    ) -> None:
         self._tracker = tracker
         self.server = server
         self.role = role  # the server's
         self.tokens = tokens
         # A batch request (x-specgate-priority: batch): left out of the load the mode compares.
         self.batch = batch
+        # Its prompt's tokens the server has to prefill, until its first output.
+        self.prefill = prefill
         self._released = False
 
     @property
@@ -46,8 +52,15 @@ class Lease:
             self.tokens += tokens
             self._tracker._add_tokens(self.server, tokens, self.batch)
 
+    def prefilled(self) -> None:
+        """Its prompt's prefill is behind it (its first body byte came: relay.py)."""
+        if self.prefill:
+            self._tracker._prefilled(self.server, self.prefill)
+            self.prefill = 0
+
     def release(self) -> None:
         if not self._released:
+            self.prefilled()
             self._released = True
             self._tracker._release(self.server, self.tokens, self.batch)
 
@@ -87,16 +100,22 @@ class InflightTracker:
     def role(self, server: str) -> Role:
         return self._servers[server].role
 
-    def acquire(self, server: str, tokens: int = 0, batch: bool = False) -> Lease:
+    def acquire(self, server: str, tokens: int = 0, batch: bool = False, prefill: int = 0) -> Lease:
+        """A lease of `tokens` (the prompt's, as estimated), `prefill` of them not cached there."""
         s = self._servers[server]
         s.load.count += 1
         s.load.batch += batch
         s.load.tokens += max(0, tokens)
+        prefill = min(max(0, prefill), max(0, tokens))
+        s.load.prefill += prefill
         if batch:
             s.load.batch_tokens += max(0, tokens)
         if self.on_change is not None:
             self.on_change(server, s.load.count)
-        return Lease(self, server, s.role, max(0, tokens), batch)
+        return Lease(self, server, s.role, max(0, tokens), batch, prefill)
+
+    def _prefilled(self, server: str, tokens: int) -> None:
+        self._servers[server].load.prefill -= tokens
 
     def _add_tokens(self, server: str, tokens: int, batch: bool) -> None:
         load = self._servers[server].load
@@ -145,6 +164,11 @@ class InflightTracker:
         """Tokens this gateway's requests hold on the server: prompts as estimated, plus what they
         generated so far."""
         return self._servers[server].load.tokens
+
+    def prefill(self, server: str) -> int:
+        """Prompt tokens of this gateway's requests on the server still to prefill (not cached
+        there, no output yet)."""
+        return self._servers[server].load.prefill
 
     def was_read(self, server: str) -> bool:
         """Whether the server's engine load was ever read."""

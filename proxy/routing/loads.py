@@ -45,6 +45,13 @@ class GroupLoads:
         """Tokens this gateway's requests hold on the group's servers of `role`."""
         return sum(self.tracker.tokens(s) for s in self.group.of(role))
 
+    def prefill_ahead(self, role: Role) -> int:
+        """The least prefill (tokens) ahead of a request on one of the role's servers that are up
+        (all of them while none is): this gateway's requests there that have no output yet."""
+        members = self.group.of(role)
+        up = [s for s in members if self._servers[s].healthy] or members
+        return min((self.tracker.prefill(s) for s in up), default=0)
+
     def up(self, role: Role) -> int:
         """The role's servers that are up, or all of them while none is (a role's load is spread
         over its servers that are up)."""

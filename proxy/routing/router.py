@@ -42,7 +42,7 @@ from ..policy.base import (
 from ..policy.beliefs import UPDATE_EVERY_S, AdaptiveConfig
 from ..policy.calibration import Calibration
 from ..policy.factory import policy_for
-from .affinity import ServerChoice
+from .affinity import Held, ServerChoice
 from .capacity import Capacity
 from .classes import ClassBook
 from .homogeneous import homogeneous_choice
@@ -153,6 +153,9 @@ class Router:
     def kv_streams(self) -> int | None:
         return self.kv.kv_streams
 
+    def prefill_ahead(self, role: Role) -> int:
+        return self.loads.prefill_ahead(role)
+
     def snapshot(self) -> LoadSnapshot:
         margin = self.switch_margin()
         return self.loads.snapshot(self._clock(), self._spec_idle_since, margin)
@@ -225,9 +228,14 @@ class Router:
         assert chosen is not None
         return chosen
 
-    def admit(self, backend: Role, server: str | None = None, tokens: int = 0, batch: bool = False) -> Lease:
-        """A lease on `server`, or on the group's pick for `backend`, holding `tokens` (the prompt's)."""
-        return self.tracker.acquire(server if server is not None else self.pick(backend), tokens, batch)
+    def admit(
+        self, backend: Role, server: str | None = None, tokens: int = 0, batch: bool = False, held: Held | None = None
+    ) -> Lease:
+        """A lease on `server`, or on the group's pick for `backend`, holding `tokens` (the prompt's),
+        all of them to prefill but what `held`, the conversation's last turn, left cached there."""
+        chosen = server if server is not None else self.pick(backend)
+        cached = min(held.tokens, tokens) if held is not None and held.server == chosen else 0
+        return self.tracker.acquire(chosen, tokens, batch, tokens - cached)
 
     def can_fail_over(self, lease: Lease) -> bool:
         """Whether a request that failed on its server has somewhere else to go: the group's other

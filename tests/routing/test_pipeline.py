@@ -35,6 +35,9 @@ class Pools:
     def kv_streams(self) -> int | None:
         return None
 
+    def prefill_ahead(self, role: Role) -> int:
+        return 0
+
 
 def test_every_policy_comes_from_the_factory_and_names_itself() -> None:
     assert set(POLICIES) == {"threshold", "spillover", "adaptive", "model"}

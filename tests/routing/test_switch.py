@@ -42,6 +42,9 @@ class _Pools:
     def kv_streams(self) -> int | None:
         return self.streams
 
+    def prefill_ahead(self, role: Role) -> int:
+        return 0
+
 
 def snap(spec: int = 0, base: int = 0, healthy: dict[Role, bool] | None = None) -> LoadSnapshot:
     return LoadSnapshot({Role.SPECULATIVE: spec, Role.BASELINE: base}, {}, healthy or UP)

@@ -52,6 +52,11 @@ class GroupReads(Protocol):
         every policy (cfg.capacity is told only to the learning ones)."""
         ...
 
+    def prefill_ahead(self, role: Role) -> int:
+        """Prompt tokens still to prefill ahead of a request on the role's least backed-up server
+        (this gateway's requests there with no output yet)."""
+        ...
+
 
 class Here(NamedTuple):
     """The group as the decision found it: its load and health, the rule's parameters for this

@@ -16,9 +16,16 @@ engine's reading, else the traffic's):
             = the held role                 if G_other - G_held <= slack * c / 1000 * A_h * v_h(n+1)
                                                                                       (reason affinity)
             = speculative if G_spec >= G_base, else baseline                          (reason class)
-            = the other role, where SPECGATE_SLO_TPOT_MS is set, the role above would decode the
-              request slower than it (1000 / (A_r * v_r(n+1)) ms a token) and the other would not,
+            = the other role, where the role above would miss an SLO and the other would not,
               is up and (the speculative role) has room                              (reason slo)
+
+where a role misses SPECGATE_SLO_TPOT_MS if it would decode the request slower (1000 / (A_r *
+v_r(n+1)) ms a token), and SPECGATE_SLO_TTFT_MS if, with SPECGATE_PREFILL_TOK_S (P) set, its first
+token would come later: 1000 * (Q_r + t - c_r) / P ms, Q_r the prompt tokens of this gateway's
+requests still waiting for their first byte on the role's least backed-up server (leases.py), t the
+prompt's tokens, c_r those cached there (the conversation's, on the role holding it; else none). So
+a turn is not moved off a long cached conversation for its decode speed where prefilling it again
+would cost its first token the SLO.
 
 where a conversation's cache is held (c its tokens cached there, A_h * v_h(n+1) the turn's own
 speed on the held role, slack SPECGATE_AFFINITY_SLACK): the other role must gain more than `slack`
@@ -99,8 +106,26 @@ class TrafficClass:
         spec = backend_load(snapshot, SPECULATIVE, cfg.load_signal)
         base = backend_load(snapshot, BASELINE, cfg.load_signal)
         gains = None if klass.accept is None else here.group.pool_gains(klass.accept, (spec, base))
-        found = class_choice(decision, klass, cfg, snapshot.healthy, True, spec, ask.held, gains, ask.cached_tokens)
+        ttft = _ttft_ms(ask, here) if gains is not None else None
+        found = class_choice(
+            decision, klass, cfg, snapshot.healthy, True, spec, ask.held, gains, ask.cached_tokens, ttft
+        )
         return None if found is decision else found
+
+
+def _ttft_ms(ask: Ask, here: Here) -> Mapping[Role, float] | None:
+    """Each role's predicted time to first token for the request, in ms (the module's rule; None
+    where there is no TTFT SLO or no prefill rate to predict it at)."""
+    cfg = here.cfg
+    if cfg.slo_ttft_ms is None or cfg.prefill_tok_s <= 0:
+        return None
+    cached = min(ask.cached_tokens, ask.prompt_tokens)
+    return {
+        role: 1000.0
+        * (here.group.prefill_ahead(role) + ask.prompt_tokens - (cached if role == ask.held else 0))
+        / cfg.prefill_tok_s
+        for role in ROLES
+    }
 
 
 def class_choice(
@@ -113,14 +138,16 @@ def class_choice(
     held: Role | None = None,
     gains: PoolGains | None = None,
     cached_tokens: int = 0,
+    ttft_ms: Mapping[Role, float] | None = None,
 ) -> Decision:
     """The decision for a request of a traffic class (the module's rule); `held`: the role of the
     server holding its conversation's cache, if any, which holds `cached_tokens` of it; `gains`:
-    what each role gains with it, where both roles' speeds are known."""
+    what each role gains with it, where both roles' speeds are known; `ttft_ms`: its predicted
+    time to first token on each role, where predicted."""
     if not pooled or decision.backend is None or decision.reason not in MODE_REASONS or cfg.policy == "spillover":
         return decision
     if gains is not None:
-        return _gained_choice(decision, gains, cfg, healthy, spec_load, held, cached_tokens)
+        return _gained_choice(decision, gains, cfg, healthy, spec_load, held, cached_tokens, ttft_ms)
     if view.high is None or view.low is None:
         return _ranked_choice(decision, view.gains, cfg, healthy)
     reason: Reason
@@ -146,6 +173,7 @@ def _gained_choice(
     spec_load: int,
     held: Role | None,
     cached_tokens: int,
+    ttft_ms: Mapping[Role, float] | None = None,
 ) -> Decision:
     """The class rule where each role's gain is known (the module's rule)."""
     reason: Reason = "class"
@@ -157,21 +185,23 @@ def _gained_choice(
             gain_held, speed_held = gains.of(held)
             if gains.of(choice)[0] - gain_held <= cfg.affinity_slack * cached_tokens / 1000 * speed_held:
                 choice, reason = held, "affinity"
-        if cfg.slo_tpot_ms is not None and _misses(gains, choice, cfg.slo_tpot_ms):
+        if _misses(gains, choice, cfg, ttft_ms):
             alt = other(choice)
             full = alt is SPECULATIVE and cfg.capacity is not None and spec_load >= cfg.capacity
-            if not full and healthy.get(alt, False) and not _misses(gains, alt, cfg.slo_tpot_ms):
+            if not full and healthy.get(alt, False) and not _misses(gains, alt, cfg, ttft_ms):
                 choice, reason = alt, "slo"
     if not healthy.get(choice, False):
         return decision
     return Decision(choice, reason, decision.state, decision.load)
 
 
-def _misses(gains: PoolGains, role: Role, slo_tpot_ms: float) -> bool:
-    """Whether a stream of the class on `role` would decode slower than the SLO: its speed there
-    (tokens/s, the curves' or the fit's at the role's load with it) under 1000 / SLO."""
-    speed = gains.of(role)[1]
-    return speed * slo_tpot_ms < 1000.0
+def _misses(gains: PoolGains, role: Role, cfg: PolicyConfig, ttft_ms: Mapping[Role, float] | None) -> bool:
+    """Whether the request on `role` would miss an SLO: decode slower than SPECGATE_SLO_TPOT_MS (its
+    speed there, tokens/s, the curves' or the fit's at the role's load with it, under 1000 / SLO),
+    or wait longer for its first token than SPECGATE_SLO_TTFT_MS, where predicted."""
+    if cfg.slo_tpot_ms is not None and gains.of(role)[1] * cfg.slo_tpot_ms < 1000.0:
+        return True
+    return ttft_ms is not None and cfg.slo_ttft_ms is not None and ttft_ms[role] > cfg.slo_ttft_ms
 
 
 def _ranked_choice(decision: Decision, gains: bool | None, cfg: PolicyConfig, healthy: Mapping[Role, bool]) -> Decision:

@@ -77,6 +77,9 @@ class _Unread:
     def kv_streams(self) -> int | None:
         return None
 
+    def prefill_ahead(self, role: Role) -> int:
+        return 0
+
 
 def decide(
     snapshot: LoadSnapshot, state: PolicyState, cfg: PolicyConfig, ask: Ask | None = None, pooled: bool = False
