@@ -106,7 +106,12 @@ def describe(gate: Gate) -> dict[str, Any]:
         # asked for each, honoured or not (those not honoured went where the decision's reason says).
         "speculation": _speculation(gate),
         # The SLOs the pooled class rule keeps each request within where it can (steps/classes.py).
-        "slo": {"ttft_ms": s.slo_ttft_ms, "tpot_ms": s.slo_tpot_ms},
+        # The SLOs a pooled class is kept within, and whether its first token is predicted (a prefill rate).
+        "slo": {
+            "ttft_ms": s.slo_ttft_ms,
+            "tpot_ms": s.slo_tpot_ms,
+            "ttft_predicted": s.slo_ttft_ms is not None and s.prefill_tok_s > 0,
+        },
         "watermarks": {"high": first.cfg.high_watermark, "low": first.cfg.low_watermark},
         "calibration": s.calibration,
         "spillover_limit": s.spillover_limit,

@@ -77,7 +77,7 @@ Reason = Literal[
     "client_on",  # speculative: the client asked for speculation (x-specgate-speculation, its class's default)
     "client_off",  # baseline: the client asked for none
     "in_engine",  # adaptive: servers whose engines choose how far to draft, batch by batch
-    "slo",  # a pooled class's request on the other role: its own would miss SPECGATE_SLO_TPOT_MS, the other not
+    "slo",  # a pooled class's request on the other role: its own would miss an SLO (TPOT, TTFT), the other not
     "no_healthy_backend",
 ]
 REASONS: tuple[Reason, ...] = (

@@ -135,8 +135,10 @@ async def test_a_streamed_requests_prompt_leaves_the_prefill_ahead_at_its_first_
             await anext(r.aiter_lines())
             b0 = (await gw.routing())["servers"]["b0"]
             assert (b0["inflight"], b0["prefill_tokens"]) == (1, 0) and b0["tokens"] > 400
-        b0 = (await gw.routing())["servers"]["b0"]
+        routing = await gw.routing()
+        b0 = routing["servers"]["b0"]
         assert (b0["inflight"], b0["prefill_tokens"], b0["tokens"]) == (0, 0, 0)
+        assert routing["slo"] == {"ttft_ms": None, "tpot_ms": None, "ttft_predicted": False}
     finally:
         for sim in sims:
             await sim.stop()
