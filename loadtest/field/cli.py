@@ -103,6 +103,14 @@ def smg_binary(smg: str | None, peers_venv: str | None) -> str | None:
     return str(found) if found is not None and found.exists() else None
 
 
+def setting(text: str) -> tuple[str, str]:
+    """--set's NAME=VALUE, NAME one of Settings' fields."""
+    name, eq, value = text.partition("=")
+    if not eq or name not in Settings.model_fields:
+        raise argparse.ArgumentTypeError(f"{text!r}: NAME=VALUE, NAME one of specgate's settings (as prefill_tok_s)")
+    return name, value
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = add_command(sub, "field", "the field's setup (smg + adaptive engines) beside specgate on N GPUs", __doc__)
     p.add_argument("--cells", type=cell_list, default=default_cells(), metavar="LIST",
@@ -126,6 +134,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "scale (lower: a slower simulated clock, less of the machine per simulated second); not the protocol's "
         "where changed",
     )
+    p.add_argument(
+        "--set",
+        type=setting,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting for every specgate configuration (Settings' field name, as prefill_tok_s=20000; "
+        "time settings on the simulated clock), for a one-off: not the protocol's; repeatable",
+    )
     p.add_argument("--smg", default=None, metavar="BINARY", help="smg's binary (default: the peers venv's)")
     p.add_argument("--peers-venv", default=None, metavar="DIR", help="where scripts/install-peers put smg")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write the report's markdown body here too")
@@ -144,7 +161,7 @@ def plan_of(args: argparse.Namespace) -> FieldPlan:
         cells=args.cells, configs=tuple(args.configs), seeds=args.seeds, seed=args.seed, turns=args.turns,
         max_tokens=args.max_tokens, think_time_s=args.think_time_s, stagger_s=args.stagger_s,
         window_s=args.window_s, max_window_s=max(args.max_window_s, args.window_s), min_requests=args.min_requests,
-        machine_tok_s=args.machine_tok_s,
+        machine_tok_s=args.machine_tok_s, extra=tuple(args.set),
     )  # fmt: skip
 
 

@@ -21,6 +21,7 @@ from ..kit.multiturn import (
     multiturn_spec,
     sizes_for,
 )
+from ..kit.settings import DURATIONS, RATES, on_clock
 from ..stats import DEFAULT_MIN_REQUESTS
 from ..workload import TrafficClass, WorkloadSpec
 
@@ -172,6 +173,9 @@ class FieldPlan:
     min_requests: int = DEFAULT_MIN_REQUESTS
     profile: str = PROFILE
     machine_tok_s: float = MACHINE_TOK_S
+    # Settings for every specgate configuration beyond the protocol's (--set NAME=VALUE, Settings'
+    # field names), time settings on the simulated clock: a one-off's, never the protocol's.
+    extra: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.cells:
@@ -219,6 +223,13 @@ class FieldPlan:
             return {}
         slo = self.wall_slo(time_scale)
         return {"slo_ttft_ms": f"{slo.ttft_ms:g}", "slo_tpot_ms": f"{slo.tpot_ms:g}"}
+
+    def extra_settings(self, time_scale: float) -> dict[str, object]:
+        """--set's settings, durations and rates moved from the simulated clock to the wall's."""
+        return {
+            name: f"{on_clock(name, float(value), time_scale):g}" if name in (*DURATIONS, *RATES) else value
+            for name, value in self.extra
+        }
 
     def simulator_flags(self, time_scale: float) -> list[str]:
         """Every simulator's: one alone on its GPU (no --shared-gpu), acceptance from the prompt."""

@@ -102,6 +102,10 @@ def summary_lines(runs: Sequence[FieldRun], configs: Sequence[str], skipped: Map
     return lines
 
 
+def _extra(plan: FieldPlan) -> str:
+    return ", ".join(f"{name}={value}" for name, value in plan.extra)
+
+
 def protocol_lines(plan: FieldPlan, command: str, wall_s: float | None) -> list[str]:
     """The report's `## Protocol` section."""
     cells = ", ".join(c.label for c in plan.cells)
@@ -117,6 +121,7 @@ def protocol_lines(plan: FieldPlan, command: str, wall_s: float | None) -> list[
         f"sessions staggered over {plan.stagger_s:g} s; window {plan.window_s:g} s (up to {plan.max_window_s:g} s "
         f"until {plan.min_requests} good requests), simulated.",
         f"- SLOs: TTFT <= {plan.slo_ttft_ms:g} ms, TPOT <= {plan.slo_tpot_ms:g} ms (simulated).",
+        *([f"- Not the protocol's: every specgate with {_extra(plan)} (simulated clock)."] if plan.extra else []),
         f"- Pooling, fixed before the run: the ratio of goodput summed over a cell's seeds, its "
         f"{CONFIDENCE:.0%} bootstrap interval over the seeds; unknown with a seed inconclusive or fewer than "
         f"{MIN_SEEDS}.",

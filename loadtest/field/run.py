@@ -76,7 +76,7 @@ def start_fleets(
                 argv = smg_argv(smg, port, free_port(), list(servers[config].values()))
                 fleet.start(config, argv, [urls[config] + "/readiness"])
                 continue
-            settings = gate_settings(config) | plan.slo_settings(scale, fields)
+            settings = gate_settings(config) | plan.slo_settings(scale, fields) | plan.extra_settings(scale)
             if calibrated(config):
                 settings["calibration"] = calibration
             env = functools.partial(gate_env, backends=servers[config], time_scale=scale, settings=settings)

@@ -27,7 +27,7 @@ from loadtest.field.protocol import (
     roles,
     runnable,
 )
-from loadtest.field.report import markdown, summary_lines, table, verdicts
+from loadtest.field.report import markdown, protocol_lines, summary_lines, table, verdicts
 from loadtest.field.run import gate_env, runs_from
 from loadtest.field.score import (
     MET,
@@ -117,6 +117,21 @@ def test_slos_go_to_specgate_in_wall_ms_only_where_it_has_them() -> None:
     plan = FieldPlan()
     assert plan.slo_settings(0.5, {"policy"}) == {}
     assert plan.slo_settings(0.5, {"slo_ttft_ms", "slo_tpot_ms"}) == {"slo_ttft_ms": "2000", "slo_tpot_ms": "100"}
+
+
+def test_a_one_offs_settings_reach_every_specgate_on_the_wall_clock_and_the_report_says_so() -> None:
+    args = build_parser().parse_args(["field", "--set", "prefill_tok_s=20000", "--set", "affinity_balance=2"])
+    plan = plan_of(args)
+    # A rate on the simulated clock: at time scale 4 the simulators run 4 times the wall's speed.
+    assert plan.extra_settings(4.0) == {"prefill_tok_s": "80000", "affinity_balance": "2"}
+    assert FieldPlan().extra_settings(4.0) == {}
+    assert any(
+        "Not the protocol's: every specgate with prefill_tok_s=20000" in line
+        for line in protocol_lines(plan, "c", None)
+    )
+    assert not any("Not the protocol's" in line for line in protocol_lines(FieldPlan(), "c", None))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["field", "--set", "no_such_setting=1"])
 
 
 def test_time_scales_hold_the_cells_output_and_the_run_view_draws_from_its_seed() -> None:
