@@ -46,8 +46,8 @@ the best's:
 
 as SGLang's gateway balances only past an absolute and a relative gap: at a full batch a few
 requests more slow a stream by little, while every turn moved for them prefills its conversation
-again. At 64 sessions a GPU of 1k-token chats, slack alone moved turns on every fluctuation (prefix
-hit rate 0.50-0.65 against smg's 0.78); balance 1.5 kept it at 0.76-0.78 (docs/routing.md).
+again. At 64 sessions a GPU of 1k-token chats slack alone moved turns on every fluctuation; with
+balance 1.5 the prefix hit rate is smg's (docs/benchmarks/2026-12-08-field.md).
 
 By default (SPECGATE_AFFINITY_RULE=both) a priced group moves a turn only where both rules would:
 to the server the priced rule picks among those the rule by requests in flight would leave the held
